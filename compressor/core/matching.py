@@ -1,0 +1,135 @@
+"""Backend-neutral layer matching: which config entry applies to which layer.
+
+Backends describe their layers as :class:`LayerInfo` (name = module path / Keras layer path, type =
+class name) and call :func:`match_layers`. Rules (design doc, pinned by tests):
+
+* an entry matches a layer when the layer's type is in ``op_types`` (``'default'`` = the backend's
+  weighted layer types; the other backend's names are accepted, ``Conv2d`` ~ ``Conv2D``) AND, if given,
+  its name is in ``op_names``;
+* for each layer the LAST matching entry wins; if that entry has ``exclude: True`` the layer is skipped;
+* op_names / op_types that match no layer at all give a :class:`ConfigWarning` naming them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError, ConfigWarning
+
+# Groups of names that denote the same kind of layer on PyTorch and Keras. A name matches every
+# name of its group. Generic Keras names (BatchNormalization) cover all PyTorch ranks; a rank-specific
+# PyTorch name matches the generic Keras one but not another rank.
+_ALIAS_GROUPS: list[tuple[str, ...]] = [
+    ("Conv1d", "Conv1D"),
+    ("Conv2d", "Conv2D"),
+    ("Conv3d", "Conv3D"),
+    ("ConvTranspose1d", "Conv1DTranspose"),
+    ("ConvTranspose2d", "Conv2DTranspose"),
+    ("ConvTranspose3d", "Conv3DTranspose"),
+    ("Linear", "Dense"),
+    ("Embedding",),
+    ("LayerNorm", "LayerNormalization"),
+    ("GroupNorm", "GroupNormalization"),
+    ("LSTM",),
+    ("GRU",),
+    ("MultiheadAttention", "MultiHeadAttention"),
+    ("PReLU",),
+]
+_GENERIC = {"BatchNormalization": ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")}
+
+
+def _build_aliases() -> dict[str, frozenset[str]]:
+    table: dict[str, set[str]] = {}
+    for group in _ALIAS_GROUPS:
+        for name in group:
+            table.setdefault(name, set()).update(group)
+    for generic, specific in _GENERIC.items():
+        table.setdefault(generic, {generic}).update(specific)
+        for s in specific:
+            table.setdefault(s, {s}).add(generic)
+    return {k: frozenset(v) for k, v in table.items()}
+
+
+TYPE_ALIASES: dict[str, frozenset[str]] = _build_aliases()
+
+
+def type_names(name: str) -> frozenset[str]:
+    """All layer type names that ``name`` in a config stands for."""
+    return TYPE_ALIASES.get(name, frozenset({name}))
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A layer as core sees it: its name (module path) and its type name (class name)."""
+
+    name: str
+    type: str
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+
+def expand_op_types(op_types: Iterable[str], default_types: Iterable[str]) -> frozenset[str]:
+    names: set[str] = set()
+    for t in op_types:
+        if t == "default":
+            for d in default_types:
+                names |= type_names(d)
+        else:
+            names |= type_names(t)
+    return frozenset(names)
+
+
+def entry_matches(entry: dict[str, Any], layer: LayerInfo, default_types: Iterable[str]) -> bool:
+    if "op_types" in entry and layer.type not in expand_op_types(entry["op_types"], default_types):
+        return False
+    if "op_names" in entry and layer.name not in entry["op_names"]:
+        return False
+    return True
+
+
+def match_layers(
+    layers: Sequence[LayerInfo],
+    config_list: Sequence[dict[str, Any]],
+    default_types: Iterable[str],
+    *,
+    require_match: bool = True,
+    what: str = "compressor",
+) -> list[tuple[LayerInfo, dict[str, Any]]]:
+    """Return ``(layer, config)`` for every layer to compress, in the model's layer order.
+
+    ``config_list`` must be normalised (:func:`~compressor.core.config.normalize_config_list`).
+    With ``require_match`` a config that selects no layer at all is a :class:`ConfigError` listing the
+    model's layer types, so nothing is wrapped silently.
+    """
+    default_types = tuple(default_types)
+    selected: list[tuple[LayerInfo, dict[str, Any]]] = []
+    for layer in layers:
+        chosen = None
+        for entry in config_list:
+            if entry_matches(entry, layer, default_types):
+                chosen = entry
+        if chosen is not None and not chosen.get("exclude", False):
+            selected.append((layer, chosen))
+
+    names = {layer.name for layer in layers}
+    types = {layer.type for layer in layers}
+    for i, entry in enumerate(config_list):
+        missing = [n for n in entry.get("op_names", ()) if n not in names]
+        if missing:
+            warnings.warn(f"config_list[{i}]: op_names {missing} match no layer of the model", ConfigWarning, stacklevel=3)
+        if "op_types" in entry:
+            unused = [t for t in entry["op_types"]
+                      if not (expand_op_types([t], default_types) & types)]
+            if unused:
+                warnings.warn(f"config_list[{i}]: op_types {unused} match no layer of the model", ConfigWarning,
+                              stacklevel=3)
+
+    if require_match and not selected:
+        present = sorted(types)
+        raise ConfigError(
+            f"{what}: config_list selects no layer of the model. Layer types in the model: {present}; "
+            f"'default' means {list(default_types)}"
+        )
+    return selected

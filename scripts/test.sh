@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the whole test matrix (core, torch, tf, parity) from a fresh machine: bootstraps tox + tox-uv in
+# .venv-tox, then runs tox. Extra arguments go to tox (e.g. `scripts/test.sh -e core`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv-tox/bin/tox ]; then
+    "$PY" -m venv .venv-tox
+    .venv-tox/bin/python -m pip install -q --upgrade pip
+    .venv-tox/bin/python -m pip install -q "tox>=4" tox-uv
+fi
+# uv does not read pip's settings: forward the local wheel folder (the CPU torch wheel) to it.
+if [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ]; then
+    export UV_FIND_LINKS="$PIP_FIND_LINKS"
+fi
+export UV_COMPILE_BYTECODE=1
+exec .venv-tox/bin/tox "$@"

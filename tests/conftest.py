@@ -1,0 +1,75 @@
+"""Test-suite wiring.
+
+* Tests under tests/torch and files named ``*_torch.py`` get the ``torch`` marker, tests/tf and ``*_tf.py``
+  get ``tf``, tests/parity get both; tox envs select by marker.
+* ``COMPRESSOR_REQUIRE_BACKENDS=torch,tf`` (set by tox, and implied for both by ``CI=true``) turns a
+  missing framework into an ERROR instead of a skip: in CI a backend test is never silently skipped.
+* ``mnist_dir`` fixture: ``$COMPRESSOR_MNIST_DIR`` or ``../shared/data/mnist``; skips when absent (fails in CI).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def required_backends() -> set[str]:
+    raw = os.environ.get("COMPRESSOR_REQUIRE_BACKENDS")
+    if raw is None:
+        return set(FRAMEWORK) if in_ci() else set()
+    return {b.strip() for b in raw.split(",") if b.strip()}
+
+
+def require(backend: str):
+    """Import the framework of ``backend`` or skip; an error instead when the backend is required."""
+    mod = FRAMEWORK[backend]
+    if backend in required_backends():
+        return importlib.import_module(mod)  # ImportError here = the test fails, as it must in CI
+    return pytest.importorskip(mod, reason=f"{mod} not installed (backend {backend!r})")
+
+
+def _markers_for(path: Path) -> set[str]:
+    rel = path.resolve().relative_to(ROOT / "tests").parts
+    out = set()
+    if rel[0] == "torch" or path.stem.endswith("_torch"):
+        out.add("torch")
+    if rel[0] == "tf" or path.stem.endswith("_tf"):
+        out.add("tf")
+    if rel[0] == "parity":
+        out |= {"torch", "tf"}
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for m in _markers_for(Path(str(item.fspath))):
+            item.add_marker(getattr(pytest.mark, m))
+
+
+def pytest_runtest_setup(item):
+    for backend in FRAMEWORK:
+        if item.get_closest_marker(backend):
+            require(backend)
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    d = Path(os.environ.get("COMPRESSOR_MNIST_DIR", ROOT.parent / "shared" / "data" / "mnist"))
+    if not (d / "train-images-idx3-ubyte.gz").is_file():
+        if in_ci():
+            pytest.fail(f"MNIST IDX files not found in {d} (set COMPRESSOR_MNIST_DIR)")
+        pytest.skip(f"MNIST IDX files not found in {d}")
+    return d
