@@ -1,7 +1,11 @@
-"""Which built-in algorithms each backend implements so far (None = all of core.algorithms).
+"""Which built-in algorithms each backend implements so far (the registry advertises only these).
 
-Kept so the registry never advertises a name that would fail to import; shrinks to nothing once both
-backends implement every algorithm.
+One line per owner so parallel work does not collide; becomes "all of core.algorithms" when complete.
 """
 
-BUILT: dict[str, set[str] | None] = {"torch": set(), "tf": set()}
+TORCH_PRUNERS: set[str] = set()
+TORCH_QUANTIZERS: set[str] = set()
+TF_PRUNERS: set[str] = set()
+TF_QUANTIZERS: set[str] = set()
+
+BUILT: dict[str, set[str] | None] = {"torch": TORCH_PRUNERS | TORCH_QUANTIZERS, "tf": TF_PRUNERS | TF_QUANTIZERS}

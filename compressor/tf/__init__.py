@@ -1,5 +1,9 @@
 """TensorFlow / Keras 3 backend of compressor. Importing it imports tensorflow, never torch."""
 
 from .ops import TfOps, ops
+from .pruning import *  # noqa: F401,F403
+from .pruning import __all__ as _pruning_all
+from .quantization import *  # noqa: F401,F403
+from .quantization import __all__ as _quant_all
 
-__all__ = ["TfOps", "ops"]
+__all__ = ["TfOps", "ops", *_pruning_all, *_quant_all]

@@ -1,0 +1,3 @@
+"""(being built)"""
+
+__all__: list[str] = []
