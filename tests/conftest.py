@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -51,6 +52,20 @@ def _markers_for(path: Path) -> set[str]:
     if rel[0] == "parity":
         out |= {"torch", "tf"}
     return out
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Do not even import backend test modules whose framework is absent, unless it is required
+    (then the import error fails the run). Test modules can therefore ``import torch`` at the top."""
+    p = Path(str(collection_path))
+    try:
+        marks = _markers_for(p)
+    except (ValueError, IndexError):
+        return None
+    for backend in marks:
+        if backend not in required_backends() and importlib.util.find_spec(FRAMEWORK[backend]) is None:
+            return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
