@@ -213,3 +213,15 @@ def slim_masks(ops: ArrayOps, gammas: Sequence[Array], sparsity: float, masks: S
 def sparsity_of(ops: ArrayOps, mask: Array) -> Any:
     """Fraction of pruned entries of a keep-mask, as a 0-d array (no host sync)."""
     return 1.0 - ops.sum(ops.cast(mask, "float32")) / float(max(ops.numel(mask), 1))
+
+
+def slim_l1_penalty(ops: ArrayOps, gammas: Sequence[Array], scale: float) -> Array:
+    """Network-slimming sparsity term ``scale * sum_l sum |gamma_l|`` to add to the training loss
+    (differentiable: built from ops on the live tensors)."""
+    total = None
+    for g in gammas:
+        s = ops.sum(ops.abs(g))
+        total = s if total is None else total + s
+    if total is None:
+        raise ValueError("slim_l1_penalty needs at least one gamma")
+    return scale * total

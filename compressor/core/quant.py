@@ -64,13 +64,18 @@ def qparams(ops: ArrayOps, rmin: Array, rmax: Array, qmin: int, qmax: int, symme
     """
     rmin = ops.minimum(rmin, 0.0)
     rmax = ops.maximum(rmax, 0.0)
+    # Bit-identical on every backend: multiply by a reciprocal rounded once in Python (torch turns
+    # division by a scalar into such a multiply anyway, numpy and tf do not), and compute the zero
+    # point in float64 so no backend's division rounding can flip round(); rounding is half to even.
     if symmetric:
         bound = ops.maximum(ops.abs(rmin), ops.abs(rmax))
-        scale = ops.maximum(bound / ((qmax - qmin) / 2.0), EPS)
+        scale = ops.maximum(bound * (2.0 / (qmax - qmin)), EPS)
         zp = ops.zeros_like(scale) + float((qmin + qmax) // 2)
         return scale, zp
-    scale = ops.maximum((rmax - rmin) / float(qmax - qmin), EPS)
-    zp = ops.clip(ops.round(qmin - rmin / scale), qmin, qmax)
+    scale = ops.maximum((rmax - rmin) * (1.0 / (qmax - qmin)), EPS)
+    dt = ops.dtype_name(scale)
+    zp64 = qmin - ops.cast(rmin, "float64") / ops.cast(scale, "float64")
+    zp = ops.cast(ops.clip(ops.round(zp64), qmin, qmax), dt)
     return scale, zp
 
 
@@ -184,3 +189,31 @@ def describe(scale: Any, zero_point: Any, qmin: int, qmax: int) -> dict[str, Any
         "qmin": int(qmin),
         "qmax": int(qmax),
     }
+
+
+def grid_bounds(ops: ArrayOps, scale: Array, zero_point: Array, qmin: int, qmax: int) -> tuple[Array, Array]:
+    """Real values of the grid's ends, ``((qmin - zp) * scale, (qmax - zp) * scale)``.
+
+    Fused fake-quant kernels (TF's ``fake_quant_with_min_max_vars``) take these bounds instead of
+    scale and zero point; given them, they rebuild this grid (scale up to float rounding).
+    """
+    return (float(qmin) - zero_point) * scale, (float(qmax) - zero_point) * scale
+
+
+def fake_quantize_ste(ops: ArrayOps, x: Array, scale: Array, zero_point: Array, qmin: int, qmax: int) -> Array:
+    """:func:`fake_quantize` forward with the clipped straight-through gradient (:func:`ste_pass`).
+
+    The generic autograd form, for backends or ranges without a fused fake-quant kernel.
+    """
+    fq = fake_quantize(ops, x, scale, zero_point, qmin, qmax)
+    keep = ops.cast(ste_pass(ops, x, scale, zero_point, qmin, qmax), ops.dtype_name(x))
+    return ops.stop_gradient(fq) + (x - ops.stop_gradient(x)) * keep
+
+
+def dorefa_weight_ste(ops: ArrayOps, w: Array, bits: int) -> Array:
+    """:func:`dorefa_weight` whose gradient follows the paper: STE on the rounding only, exact through
+    the tanh normalisation (same forward values)."""
+    n = float(2**bits - 1)
+    t = ops.tanh(w)
+    t = t / (2.0 * ops.maximum(ops.max(ops.abs(t)), EPS)) + 0.5
+    return 2.0 * (round_ste(ops, t * n) / n) - 1.0
