@@ -9,6 +9,8 @@ Backends: ``compressor.torch``, ``compressor.tf``; seed-004 prototype API: ``com
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 from .core.config import load_config, load_configs, normalize_config_list
@@ -33,7 +35,33 @@ def backends() -> dict[str, bool]:
     return {name: info.installed for name, info in sorted(registry().backends.items())}
 
 
-_SUBMODULES = {"torchCompressor", "tfCompressor", "core", "torch", "tf", "cli"}
+_SUBMODULES = {"torchCompressor", "tfCompressor", "core", "torch", "tf", "cli", "report"}
+_DISPATCHERS: dict[str, Any] = {}
+
+
+def _dispatcher(name: str) -> Any:
+    """``compressor.<name>(model, config_list, ...)``: the backend is chosen by the plugins' claim hook
+    (a torch model never imports tensorflow and vice versa)."""
+    fn = _DISPATCHERS.get(name)
+    if fn is not None:
+        return fn
+    from .core.registry import create
+
+    def build(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(model, (list, tuple)) and model and all(isinstance(e, Mapping) for e in model):
+            raise ModelError(
+                f"compressor.{name}(model, config_list, optimizer=None) takes the model first, got a config_list; "
+                f"the seed-004 style is compressor.torchCompressor.{name}(config_list)(model) "
+                f"(or compressor.tfCompressor)"
+            )
+        return create(name, model, *args, **kwargs)
+
+    build.__name__ = build.__qualname__ = name
+    build.__module__ = __name__
+    build.__doc__ = (f"Build {name}(model, config_list, optimizer=None, ...) on the backend that claims ``model`` "
+                     f"(torch.nn.Module -> compressor.torch, Keras model -> compressor.tf, or a plugin's).")
+    _DISPATCHERS[name] = build
+    return build
 
 
 def __getattr__(name: str) -> Any:
@@ -41,11 +69,10 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f".{name}", __name__)
     if name.startswith("_"):
         raise AttributeError(f"module 'compressor' has no attribute {name!r}")
-    reg = registry()
-    if name in reg.names():
-        from .core.registry import dispatcher
-
-        return dispatcher(name)
+    if name in registry().names():
+        return _dispatcher(name)
+    if name.isidentifier() and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # e.g. compressor.demo
     raise AttributeError(f"module 'compressor' has no attribute {name!r}")
 
 

@@ -3,9 +3,9 @@
 One line per owner so parallel work does not collide; becomes "all of core.algorithms" when complete.
 """
 
-TORCH_PRUNERS: set[str] = set()
-TORCH_QUANTIZERS: set[str] = set()
-TF_PRUNERS: set[str] = set()
-TF_QUANTIZERS: set[str] = set()
+TORCH_PRUNERS: set[str] = {"LevelPruner", "AGPPruner", "SensitivityPruner", "SlimPruner", "L1FilterPruner", "L2FilterPruner", "FPGMPruner", "ActivationAPoZRankFilterPruner", "ActivationMeanRankFilterPruner", "TaylorFOWeightFilterPruner", "LotteryTicketPruner"}
+TORCH_QUANTIZERS: set[str] = {"NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer"}
+TF_PRUNERS: set[str] = {"LevelPruner", "AGPPruner", "SensitivityPruner", "SlimPruner", "L1FilterPruner", "L2FilterPruner", "FPGMPruner", "ActivationAPoZRankFilterPruner", "ActivationMeanRankFilterPruner", "TaylorFOWeightFilterPruner", "LotteryTicketPruner"}
+TF_QUANTIZERS: set[str] = {"NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer"}
 
 BUILT: dict[str, set[str] | None] = {"torch": TORCH_PRUNERS | TORCH_QUANTIZERS, "tf": TF_PRUNERS | TF_QUANTIZERS}

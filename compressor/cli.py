@@ -1,56 +1,242 @@
-"""The ``compressor`` command line. Exit codes: 0 ok, 2 bad input (one readable line on stderr)."""
+"""The ``compressor`` command line.
+
+``compressor list`` (backends and algorithms, incl. plugins), ``compressor check CONFIG.yaml`` (validate a
+config file, print it normalised), ``compressor report MODEL_FILE`` (per-layer sparsity / bits of an
+exported model), ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is
+one readable line on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
+nor tensorflow.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from .core.errors import BackendNotAvailable, ConfigError, ModelError
 
+BAD_INPUT = 2
 
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``compressor: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(BAD_INPUT)
+
+
+def _one_line(message: Any) -> str:
+    return " ".join(str(message).split())
+
+
+# ---------------------------------------------------------------------------------------------- list
 def _cmd_list(args: argparse.Namespace) -> int:
     from .core.registry import registry
 
     reg = registry()
-    if args.json:
-        print(json.dumps({"backends": {b: i.installed for b, i in reg.backends.items()},
-                          "algorithms": reg.available()}, indent=2))
+    if getattr(args, "json", False):
+        plugins = {f"{e.backend}:{e.name}": e.plugin for e in reg.entries()}
+        print(json.dumps({"backends": {b: i.installed for b, i in sorted(reg.backends.items())},
+                          "algorithms": reg.available(), "plugins": plugins}, indent=2))
         return 0
+    from .core.registry import BUILTIN_PLUGINS
+
+    avail = reg.available()
+    origin = {(e.backend, e.name): e.plugin for e in reg.entries()}
     for name, info in sorted(reg.backends.items()):
         state = "installed" if info.installed else f"not installed (pip install 'compressor[{name}]')"
         print(f"backend {name}: {info.description} [{state}]")
-    for backend, kinds in reg.available().items():
-        for kind, names in kinds.items():
-            print(f"  {backend} {kind}: {', '.join(names) if names else '(none yet)'}")
+        for kind, names in avail.get(name, {}).items():
+            shown = [n if origin.get((name, n)) in BUILTIN_PLUGINS else f"{n} (plugin {origin.get((name, n))})"
+                     for n in names]
+            print(f"  {kind}: {', '.join(shown) if shown else '(none)'}")
     return 0
 
 
+# --------------------------------------------------------------------------------------------- check
+def _algorithm_class(name: str, backend: str | None) -> type | None:
+    """The class of algorithm ``name`` (a seed-004 name is translated) on ``backend``; without one, on the
+    backend its seed-004 prefix names or else the first installed backend that has it. None (with a
+    warning) when no installed backend provides it: the generic checks still run."""
+    from .core.algorithms import resolve_algorithm_name
+    from .core.registry import registry
+
+    prefix_backend, modern = resolve_algorithm_name(name)
+    reg = registry()
+    if backend is not None:
+        return reg.get(backend, modern)  # an explicit backend must be usable
+    having = [b for b in sorted(reg.backends) if reg.has(b, modern)]
+    if not having:
+        import difflib
+
+        names = reg.names()
+        close = difflib.get_close_matches(modern, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"no algorithm {name!r}{hint}; available: {names}")
+    installed = [b for b in having if reg.backends[b].installed]
+    if not installed:
+        warnings.warn(f"no installed backend provides {modern!r} (it needs one of {having}); "
+                      f"only the keys common to all algorithms were checked", stacklevel=2)
+        return None
+    return reg.get(prefix_backend if prefix_backend in installed else installed[0], modern)
+
+
+def _normalise_for(entries: Any, cls: type | None, what: str) -> list[dict[str, Any]]:
+    from .core.config import OPTIONAL_KEYS, normalize_config_list
+
+    if cls is None:  # no algorithm known: every key some algorithm may use is accepted
+        return normalize_config_list(entries, extra_keys=tuple(OPTIONAL_KEYS), what=what)
+    out = normalize_config_list(entries, extra_keys=getattr(cls, "config_keys", ()),
+                                required=getattr(cls, "required_keys", ()), what=what)
+    validate = getattr(cls, "validate_config", None)
+    if validate is not None:
+        # cross-entry checks that need no model; an algorithm whose check needs its __init__ state is
+        # checked fully when it is built on a model
+        try:
+            validate(object.__new__(cls), out)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - not checkable without a model
+            pass
+    return out
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .core.algorithms import resolve_algorithm_name
+    from .core.config import load_configs
+
+    sections = load_configs(args.config)
+    if args.algorithm is not None and None not in sections:
+        _, wanted = resolve_algorithm_name(args.algorithm)
+        named = {s for s in sections if s is not None and resolve_algorithm_name(s)[1] == wanted}
+        if named:
+            sections = {s: sections[s] for s in sections if s in named}
+        elif len(sections) > 1:
+            raise ConfigError(f"config file {args.config!r} has no section for {args.algorithm!r}; "
+                              f"sections: {sorted(sections)}")
+    errors: list[str] = []
+    result: dict[str | None, list[dict[str, Any]]] = {}
+    for section, entries in sections.items():
+        where = f"section {section!r}: " if section is not None else ""
+        name = args.algorithm or section
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                cls = None
+                if name is not None and (args.algorithm is not None or _is_algorithm(section)):
+                    cls = _algorithm_class(name, args.backend)
+                result[section] = _normalise_for(entries, cls, cls.__name__ if cls is not None else "config")
+            except (ConfigError, BackendNotAvailable) as e:
+                errors.append(f"{where}{e}")
+        for w in caught:
+            print(f"compressor: warning: {where}{_one_line(w.message)}", file=sys.stderr)
+    for e in errors:
+        print(f"compressor: error: {args.config}: {_one_line(e)}", file=sys.stderr)
+    if errors:
+        return BAD_INPUT
+    data: Any = result[None] if None in result else {s: {"config": c} for s, c in result.items()}
+    sys.stdout.write(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    return 0
+
+
+def _is_algorithm(section: str | None) -> bool:
+    """True when a YAML section is named after a registered algorithm (``tfAGPruner``, ``LevelPruner``)."""
+    if section is None:
+        return False
+    from .core.algorithms import resolve_algorithm_name
+    from .core.registry import registry
+
+    return resolve_algorithm_name(section)[1] in registry().names()
+
+
+# -------------------------------------------------------------------------------------------- report
+def _cmd_report(args: argparse.Namespace) -> int:
+    from . import report
+
+    weights, masks = report.read_weights(args.model)
+    if args.masks is not None:
+        masks = report.read_masks(args.masks)
+    calibration = report.read_calibration(args.calibration) if args.calibration is not None else None
+    rows = report.layer_stats(weights, masks, calibration)
+    if args.plot is not None:
+        report.plot(rows, args.plot)
+    if args.json:
+        print(json.dumps(report.as_dicts(rows), indent=2))
+    else:
+        print(report.format_table(rows))
+        if args.plot is not None:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- demo
 def _cmd_demo(args: argparse.Namespace) -> int:
+    argv = list(getattr(args, "args", []) or [])
+    try:
+        demo = importlib.import_module(f"{__package__}.demo")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.demo":  # the demo exists but needs a package that is missing
+            raise BackendNotAvailable(f"compressor demo needs {e.name!r}, which is not installed "
+                                      f"(pip install 'compressor[all,demo]')") from None
+    else:
+        return int(demo.main(argv) or 0)
     print("compressor demo: the training demo arrives with the examples; installed backends and algorithms:")
     return _cmd_list(argparse.Namespace(json=False))
 
 
+# ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="compressor", description="Pruning and quantization for PyTorch and Keras 3")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="compressor", description="Pruning and quantization for PyTorch and Keras 3")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     ls = sub.add_parser("list", help="backends and algorithms installed (incl. plugins)")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=_cmd_list)
-    demo = sub.add_parser("demo", help="run the demo")
+
+    ck = sub.add_parser("check", help="validate a YAML config file and print it normalised",
+                        description="Validate CONFIG (a bare list of dicts, or seed 004's 'AlgorithmName: "
+                                    "{config: [...]}' sections) and print the normalised config as YAML.")
+    ck.add_argument("config", metavar="CONFIG.yaml")
+    ck.add_argument("--algorithm", metavar="NAME",
+                    help="validate with this algorithm's keys (default: the section names, when they are "
+                         "algorithm names such as tfAGPruner)")
+    ck.add_argument("--backend", choices=("torch", "tf"), help="backend whose algorithm class is used")
+    ck.set_defaults(func=_cmd_check)
+
+    rp = sub.add_parser("report", help="per-layer sparsity / bits table of an exported model",
+                        description="Per-layer sparsity and bit widths of an exported model: a torch state_dict "
+                                    "(.pt/.pth), a Keras model (.keras) or a .npz of weights.")
+    rp.add_argument("model", metavar="MODEL_FILE")
+    rp.add_argument("--masks", metavar="MASKS", help="mask file from export_model (.pt or .npz)")
+    rp.add_argument("--calibration", metavar="FILE", help="calibration file from a quantizer's export_model")
+    rp.add_argument("--plot", metavar="OUT.png", help="draw per-layer sparsity with matplotlib")
+    rp.add_argument("--json", action="store_true", help="machine-readable output")
+    rp.set_defaults(func=_cmd_report)
+
+    demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)
+    demo.add_argument("args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_cmd_demo)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # everything after 'demo' belongs to the demo, options included
+        args = argparse.Namespace(func=_cmd_demo, args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ModelError, BackendNotAvailable, FileNotFoundError) as e:
-        print(f"compressor: error: {e}", file=sys.stderr)
-        return 2
+        print(f"compressor: error: {_one_line(e)}", file=sys.stderr)
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ def lsq_grad_scale(numel: int, qmax: int) -> float:
 
 
 def scale_gradient(ops: ArrayOps, x: Array, g: float) -> Array:
-    """Identity forward, gradient multiplied by ``g``."""
-    return ops.stop_gradient(x - x * g) + x * g
+    """Identity forward (bit-exact), gradient multiplied by ``g``."""
+    return ops.stop_gradient(x) + (x - ops.stop_gradient(x)) * g
 
 
 def round_ste(ops: ArrayOps, x: Array) -> Array:

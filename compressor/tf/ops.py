@@ -19,11 +19,14 @@ class TfOps:
     name = "tf"
 
     def shape(self, x):
-        return tuple(int(d) for d in x.shape)
+        """Static shape; an unknown dimension (a batch inside ``fit``) is -1, as ``reshape`` takes it."""
+        return tuple(-1 if d is None else int(d) for d in x.shape)
 
     def numel(self, x):
         n = 1
         for d in x.shape:
+            if d is None:
+                raise ValueError(f"numel of a tensor with an unknown dimension: {x.shape}")
             n *= int(d)
         return n
 

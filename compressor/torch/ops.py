@@ -26,6 +26,10 @@ class TorchOps:
         return _NAMES[x.dtype]
 
     def asarray(self, x, like=None, dtype=None):
+        if like is not None and isinstance(x, (int, float, bool)):
+            # a fill kernel on the device: no host-to-device copy (which would sync a CUDA stream)
+            dt = _DTYPES[dtype] if dtype is not None else like.dtype
+            return torch.full((), x, dtype=dt, device=like.device)
         kw = {}
         if like is not None:
             kw["device"] = like.device
@@ -92,18 +96,16 @@ class TorchOps:
     def clip(self, x, lo, hi):
         return torch.clamp(x, lo, hi)
 
-    def _t(self, a, like):
-        return a if torch.is_tensor(a) else torch.as_tensor(a, dtype=like.dtype, device=like.device)
-
+    # Python scalars go to clamp / scalar overloads, never through a tensor built on the host.
     def maximum(self, a, b):
         if not torch.is_tensor(a):
             a, b = b, a
-        return torch.maximum(a, self._t(b, a))
+        return torch.maximum(a, b) if torch.is_tensor(b) else torch.clamp(a, min=b)
 
     def minimum(self, a, b):
         if not torch.is_tensor(a):
             a, b = b, a
-        return torch.minimum(a, self._t(b, a))
+        return torch.minimum(a, b) if torch.is_tensor(b) else torch.clamp(a, max=b)
 
     def where(self, cond, a, b):
         return torch.where(cond, a, b)

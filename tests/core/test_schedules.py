@@ -1,6 +1,12 @@
 import pytest
 
-from compressor.core.schedules import agp_should_update, agp_sparsity, agp_span, lottery_keep_ratio, lottery_sparsity
+from compressor.core.schedules import (
+    agp_should_update,
+    agp_span,
+    agp_sparsity,
+    lottery_keep_ratio,
+    lottery_sparsity,
+)
 
 
 def test_agp_reference_values():

@@ -78,7 +78,6 @@ def test_qparams_and_fake_quant():
             def fq(ops, a, qmin=qmin, qmax=qmax, symmetric=symmetric):
                 lo, hi = Q.minmax(ops, a, 0)
                 s, z = Q.qparams(ops, lo, hi, qmin, qmax, symmetric)
-                s4, z4 = Q.channel_view(ops, s, 4, 0), Q.channel_view(ops, z, 4, 0)
                 return ops.concat([ops.reshape(s, (-1,)), ops.reshape(z, (-1,))], 0)
 
             same(on_all(fq, w))  # scales and zero points: bit-identical

@@ -1,3 +1,19 @@
-"""(being built)"""
+"""PyTorch quantization: the ``TorchQuantizer`` framework (seeds 002/003) and the built-in quantizers.
 
-__all__: list[str] = []
+Math lives in :mod:`compressor.core.quant`; this package adapts it to modules (wrappers), autograd
+(:class:`QuantGrad`, fused fake-quant kernels) and export (state_dict, calibration config, QDQ ONNX).
+"""
+
+from .bnn import BNNGrad, BNNQuantizer
+from .dorefa import DoReFaQuantizer
+from .grad import QuantGrad, QuantType
+from .lsq import LsqQuantizer
+from .naive import NaiveQuantizer
+from .qat import QAT_Quantizer
+from .quantizer import Quantizer, TorchQuantizer
+from .wrapper import QuantizerModuleWrapper
+
+__all__ = [
+    "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "QAT_Quantizer", "QuantGrad",
+    "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer",
+]

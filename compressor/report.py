@@ -1,0 +1,283 @@
+"""Per-layer sparsity / bit-width report of an EXPORTED model file (what ``compressor report`` prints).
+
+Reads, without needing the model's Python class:
+
+* PyTorch ``state_dict`` files (``.pt`` / ``.pth``, loaded with ``weights_only=True``): one row per
+  ``<layer>.weight`` tensor; a wrapped model's ``<layer>.module.weight`` and ``<layer>.weight_mask``
+  entries are understood too;
+* Keras 3 ``.keras`` files: one row per layer with a main weight (kernel, depthwise kernel, embeddings,
+  BatchNormalization gamma), layer paths as the TF backend names them (``block1/conv``);
+* ``.npz`` archives of weights (``{layer: array}``).
+
+Masks (``--masks``): the torch export format ``{layer: {'weight': mask, 'bias': mask}}`` (``.pt``) or
+the TF one, ``.npz`` with ``{layer: weight mask, 'layer:bias': bias mask}``. Calibration
+(``--calibration``): the torch quantizer's export (``{layer: {'weight_bits': b, ...}}``, ``.pt`` or
+``.json``). Without calibration, the bit width is estimated from the number of distinct non-zero
+values (``b`` bits hold at most ``2**b`` levels); with too few weights to tell, the dtype's width is
+shown. Everything here runs on the host: it is a reporting tool, not part of training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .core.errors import BackendNotAvailable, ConfigError, ModelError
+
+__all__ = ["LayerStats", "read_weights", "read_masks", "read_calibration", "layer_stats", "format_table", "plot"]
+
+TORCH_SUFFIXES = (".pt", ".pth")
+
+
+@dataclass
+class LayerStats:
+    """One row of the report."""
+
+    layer: str
+    shape: tuple[int, ...]
+    params: int
+    zeros: int
+    sparsity: float  # fraction of weights equal to zero
+    masked: float | None  # fraction pruned by the mask file, if one was given
+    distinct: int  # distinct non-zero values
+    bits: int
+    bits_source: str  # 'calibration', 'distinct values' or 'dtype'
+
+
+def _suffix(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
+
+
+def _check_file(path: str, what: str) -> str:
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise ConfigError(f"{what} {p!r} does not exist")
+    return p
+
+
+def _torch_load(path: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise BackendNotAvailable(f"reading {path!r} needs torch (pip install 'compressor[torch]')") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle errors, zip errors, a pickled nn.Module refused by weights_only
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot read {path!r} as a torch state_dict ({first}); save one with "
+                         f"torch.save(model.state_dict(), path) or pruner.export_model(path)") from None
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    if hasattr(t, "detach"):
+        t = t.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()
+    return np.asarray(t)
+
+
+def _from_state_dict(sd: dict[str, Any], path: str) -> tuple[list[tuple[str, np.ndarray]], dict[str, np.ndarray]]:
+    """Rows ``(layer, weight)`` and masks found inside a state_dict (wrapped models keep them there)."""
+    if not all(isinstance(k, str) for k in sd):
+        raise ModelError(f"{path!r} is not a state_dict (keys must be parameter names)")
+    weights: list[tuple[str, np.ndarray]] = []
+    masks: dict[str, np.ndarray] = {}
+    for key, value in sd.items():
+        if not hasattr(value, "shape"):
+            continue
+        parts = [p for p in key.split(".") if p != "module"]  # conv1.module.weight -> conv1.weight
+        leaf, layer = parts[-1], ".".join(parts[:-1])
+        if leaf == "weight" and np.issubdtype(_to_numpy(value).dtype, np.floating):
+            weights.append((layer, _to_numpy(value)))
+        elif leaf == "weight_mask":
+            masks[layer] = _to_numpy(value).astype(bool)
+    return weights, masks
+
+
+def _read_keras(path: str) -> list[tuple[str, np.ndarray]]:
+    try:
+        import keras
+    except ImportError:
+        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
+    from .tf.compressor import iter_layers
+    from .tf.layout import weight_of
+
+    try:
+        model = keras.saving.load_model(path, compile=False)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load {path!r} as a Keras model ({first})") from None
+    rows = []
+    for name, layer in iter_layers(model):
+        w = weight_of(layer)
+        if w is not None:
+            rows.append((name, np.asarray(keras.ops.convert_to_numpy(w))))
+    return rows
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except Exception as e:
+        raise ModelError(f"cannot read {path!r} as a .npz archive ({e})") from None
+
+
+def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]], dict[str, np.ndarray]]:
+    """``([(layer, weight array)], masks stored in the file)`` of an exported model file."""
+    p = _check_file(path, "model file")
+    suffix = _suffix(p)
+    if suffix in TORCH_SUFFIXES:
+        sd = _torch_load(p)
+        if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+            sd = sd["state_dict"]  # common checkpoint layout {'state_dict': ..., 'epoch': ...}
+        if not isinstance(sd, dict):
+            raise ModelError(f"{p!r} holds a {type(sd).__name__}, not a state_dict")
+        weights, masks = _from_state_dict(sd, p)
+    elif suffix == ".keras":
+        weights, masks = _read_keras(p), {}
+    elif suffix == ".npz":
+        weights = [(k, v) for k, v in _read_npz(p).items() if np.issubdtype(v.dtype, np.floating)]
+        masks = {}
+    else:
+        raise ModelError(f"{p!r}: unsupported model file type {suffix or '(none)'!r}; expected a torch state_dict "
+                         f"(.pt/.pth), a Keras model (.keras) or a .npz archive of weights")
+    if not weights:
+        raise ModelError(f"{p!r} holds no layer weights")
+    return weights, masks
+
+
+def read_masks(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Weight masks by layer name from a torch (``.pt``) or TF (``.npz``) mask file."""
+    p = _check_file(path, "mask file")
+    suffix = _suffix(p)
+    if suffix in TORCH_SUFFIXES:
+        raw = _torch_load(p)
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) and "weight" in v for v in raw.values()):
+            raise ConfigError(f"{p!r} is not a mask file (expected {{layer: {{'weight': mask, 'bias': mask}}}})")
+        return {k: _to_numpy(v["weight"]).astype(bool) for k, v in raw.items()}
+    if suffix == ".npz":
+        return {k: v.astype(bool) for k, v in _read_npz(p).items() if not k.endswith(":bias")}
+    raise ConfigError(f"{p!r}: unsupported mask file type {suffix or '(none)'!r}; expected .pt/.pth or .npz")
+
+
+def read_calibration(path: str | os.PathLike) -> dict[str, int]:
+    """Weight bit width by layer name from a quantizer's calibration export (``.pt`` or ``.json``)."""
+    p = _check_file(path, "calibration file")
+    if _suffix(p) == ".json":
+        try:
+            with open(p, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {p!r} as JSON ({e})") from None
+    else:
+        raw = _torch_load(p)
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ConfigError(f"{p!r} is not a calibration file (expected {{layer: {{'weight_bits': ..., ...}}}})")
+    return {k: int(v["weight_bits"]) for k, v in raw.items() if "weight_bits" in v}
+
+
+def _bits(weight: np.ndarray, nonzero: np.ndarray) -> tuple[int, int, str]:
+    """(distinct non-zero values, bits, how the bits were found) without calibration."""
+    distinct = int(np.unique(nonzero).size)
+    levels = distinct + (1 if nonzero.size < weight.size else 0)
+    # many repeats (fewer levels than half the non-zero weights) only happen on a quantization grid
+    if 0 < distinct <= max(1, nonzero.size // 2) and levels <= 2**16:
+        return distinct, max(1, math.ceil(math.log2(levels))), "distinct values"
+    return distinct, int(weight.dtype.itemsize * 8), "dtype"
+
+
+def layer_stats(weights: list[tuple[str, np.ndarray]], masks: dict[str, np.ndarray] | None = None,
+                calibration: dict[str, int] | None = None) -> list[LayerStats]:
+    """Rows of the report. Masks and calibration entries must name layers of the model (ConfigError)."""
+    masks = masks or {}
+    calibration = calibration or {}
+    names = {n for n, _ in weights}
+    for what, table in (("mask", masks), ("calibration", calibration)):
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise ConfigError(f"{what} file names layers the model does not have: {unknown}; "
+                              f"model layers: {sorted(names)}")
+    rows = []
+    for name, w in weights:
+        flat = w.reshape(-1)
+        nonzero = flat[flat != 0]
+        zeros = int(flat.size - nonzero.size)
+        masked = None
+        if name in masks:
+            m = masks[name]
+            if m.shape != w.shape:
+                raise ConfigError(f"mask of layer {name!r} has shape {m.shape}, the weight {w.shape}")
+            masked = float(1.0 - m.mean()) if m.size else 0.0
+        distinct, bits, source = _bits(w, nonzero)
+        if name in calibration:
+            bits, source = calibration[name], "calibration"
+        rows.append(LayerStats(name, tuple(int(s) for s in w.shape), int(flat.size), zeros,
+                               zeros / flat.size if flat.size else 0.0, masked, distinct, bits, source))
+    return rows
+
+
+def format_table(rows: list[LayerStats]) -> str:
+    """A plain-text table with a total row; ``~`` marks bit widths estimated from distinct values."""
+    head = ["layer", "shape", "params", "zeros", "sparsity", "masked", "bits"]
+    body = []
+    for r in rows:
+        bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}", "dtype": f"{r.bits} (float)"}[r.bits_source]
+        body.append([r.layer, "x".join(map(str, r.shape)) or "scalar", str(r.params), str(r.zeros),
+                     f"{r.sparsity:.2%}", "-" if r.masked is None else f"{r.masked:.2%}", bits])
+    params = sum(r.params for r in rows)
+    zeros = sum(r.zeros for r in rows)
+    with_mask = [r for r in rows if r.masked is not None]
+    masked = (sum(r.masked * r.params for r in with_mask) / sum(r.params for r in with_mask)) if with_mask else None
+    body.append(["total", "", str(params), str(zeros), f"{zeros / params:.2%}" if params else "-",
+                 "-" if masked is None else f"{masked:.2%}", ""])
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(head), line(["-" * w for w in widths])]
+    out += [line(r) for r in body[:-1]] + [line(["-" * w for w in widths]), line(body[-1])]
+    if any(r.bits_source == "distinct values" for r in rows):
+        out.append("~ bits estimated from the number of distinct values (pass --calibration for exact widths)")
+    return "\n".join(out)
+
+
+def as_dicts(rows: list[LayerStats]) -> list[dict[str, Any]]:
+    """Rows as JSON-ready dicts."""
+    return [{**asdict(r), "shape": list(r.shape)} for r in rows]
+
+
+def plot(rows: list[LayerStats], path: str | os.PathLike) -> None:
+    """Bar chart of per-layer sparsity (and mask sparsity) saved to ``path`` (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BackendNotAvailable("--plot needs matplotlib (pip install 'compressor[demo]')") from None
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(rows) + 2), 3.5))
+    has_mask = any(r.masked is not None for r in rows)
+    width = 0.4 if has_mask else 0.8
+    ax.bar(x - (width / 2 if has_mask else 0), [r.sparsity for r in rows], width, label="zero weights")
+    if has_mask:
+        ax.bar(x + width / 2, [r.masked or 0.0 for r in rows], width, label="masked")
+    ax.set_xticks(x, [r.layer for r in rows], rotation=45, ha="right")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("sparsity")
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(os.fspath(path))
+    except OSError as e:
+        raise ConfigError(f"cannot write plot {os.fspath(path)!r} ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)

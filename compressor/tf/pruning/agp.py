@@ -1,0 +1,219 @@
+"""AGPPruner: automated gradual pruning (Zhu & Gupta 2017) over any built-in criterion.
+
+The target sparsity of each layer follows core ``agp_sparsity`` on the epoch clock (``update_epoch``,
+which :class:`~compressor.tf.hooks.CompressionCallback` calls at each epoch begin); masks are recomputed
+only on the epochs core ``agp_should_update`` names (start, every ``frequency`` epochs, up to the last ramp
+epoch). Weight criteria (level, l1, l2, fpgm, slim) recompute at ``update_epoch``, eagerly on the device,
+between train steps. Data criteria (apoz, mean_activation, taylorfo) collect ``statistics_batch_num``
+batches after that epoch starts and recompute in the optimizer hook, in-graph, under ``tf.cond`` on a
+per-layer ``agp_pending`` variable; the epoch's target sparsity is a trace-time constant, so
+``update_epoch`` retraces the model's ``fit``/``predict`` functions on such epochs (retrace a custom
+``tf.function`` loop yourself). Masks are monotone.
+
+Config keys per entry: ``final_sparsity`` (or ``sparsity``), ``initial_sparsity`` (0), ``start_epoch``
+(0), ``end_epoch`` (10), ``frequency`` (1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from ... import tf_plugin
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from ...core.schedules import agp_should_update, agp_sparsity
+from .activation import (
+    ActivationAPoZRankFilterPrunerMasker,
+    ActivationMeanRankFilterPrunerMasker,
+    check_activation,
+)
+from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
+from .level import LevelPrunerMasker
+from .masker import WeightMasker, check_statistics_batch_num
+from .pruner import TfPruner
+from .slim import BN_TYPES, SlimPrunerMasker
+from .taylor import TaylorFOWeightFilterPrunerMasker
+
+__all__ = ["AGPPruner", "AGP_CRITERIA", "agp_schedule"]
+
+#: pruning_algorithm -> (masker class, what op_types 'default' means)
+AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
+    "level": (LevelPrunerMasker, tf_plugin.DEFAULT_TYPES),
+    "l1": (L1FilterPrunerMasker, ("Conv2D",)),
+    "l2": (L2FilterPrunerMasker, ("Conv2D",)),
+    "fpgm": (FPGMPrunerMasker, ("Conv2D",)),
+    "slim": (SlimPrunerMasker, BN_TYPES),
+    "apoz": (ActivationAPoZRankFilterPrunerMasker, ("Conv2D",)),
+    "mean_activation": (ActivationMeanRankFilterPrunerMasker, ("Conv2D",)),
+    "taylorfo": (TaylorFOWeightFilterPrunerMasker, ("Conv2D",)),
+}
+_DEFAULTS = {"initial_sparsity": 0.0, "start_epoch": 0, "end_epoch": 10, "frequency": 1}
+
+
+def agp_schedule(config: dict[str, Any]) -> tuple[float, float, int, int, int]:
+    """``(initial, final, start_epoch, end_epoch, frequency)`` of a normalised config entry."""
+    final = config.get("final_sparsity", config.get("sparsity"))
+    return (config.get("initial_sparsity", _DEFAULTS["initial_sparsity"]), final,
+            config.get("start_epoch", _DEFAULTS["start_epoch"]), config.get("end_epoch", _DEFAULTS["end_epoch"]),
+            config.get("frequency", _DEFAULTS["frequency"]))
+
+
+class AGPPruner(TfPruner):
+    """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu") -> None:
+        if pruning_algorithm not in AGP_CRITERIA:
+            raise ConfigError(f"AGPPruner: pruning_algorithm = {pruning_algorithm!r} is invalid; "
+                              f"allowed: {list(AGP_CRITERIA)}")
+        check_statistics_batch_num(statistics_batch_num, "AGPPruner")
+        check_activation(activation, "AGPPruner")
+        self.pruning_algorithm = pruning_algorithm
+        self.masks_bias = pruning_algorithm != "level"
+        self._masker_class, self.default_types = AGP_CRITERIA[pruning_algorithm]
+        super().__init__(model, config_list, optimizer)
+        kwargs: dict[str, Any] = {}
+        if pruning_algorithm in ("apoz", "mean_activation"):
+            kwargs = {"activation": activation, "statistics_batch_num": statistics_batch_num}
+        elif pruning_algorithm == "taylorfo":
+            kwargs = {"statistics_batch_num": statistics_batch_num}
+        self.set_wrappers_attribute("agp_pending", tf.constant(False))
+        self.masker = self._masker_class(model, self, **kwargs)
+        self._scheduled_epoch: int | None = None
+        self._pending: set[int] = set()
+
+    # ------------------------------------------------------------ validation
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        schedules = []
+        for i, c in enumerate(config_list):
+            if c["exclude"]:
+                continue
+            if "final_sparsity" not in c and "sparsity" not in c:
+                raise ConfigError(f"config_list[{i}]: AGPPruner needs 'final_sparsity' (or 'sparsity') in every "
+                                  f"non-excluded entry")
+            if "final_sparsity" in c and "sparsity" in c and c["final_sparsity"] != c["sparsity"]:
+                raise ConfigError(f"config_list[{i}]: 'sparsity' = {c['sparsity']} and 'final_sparsity' = "
+                                  f"{c['final_sparsity']} disagree; give one of them")
+            s = agp_schedule(c)
+            if s[0] > s[1]:
+                raise ConfigError(f"config_list[{i}]: 'initial_sparsity' = {s[0]} is invalid; allowed: a value "
+                                  f"<= final sparsity ({s[1]})")
+            schedules.append(s)
+        if self.pruning_algorithm == "slim" and len(set(schedules)) > 1:
+            raise ConfigError("AGPPruner(pruning_algorithm='slim'): one global threshold needs one schedule, "
+                              f"but config entries give {sorted(set(schedules))}")
+
+    def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, layer, config)
+        self._masker_class.check_layer(layer_info, layer)
+
+    # ------------------------------------------------------------ schedule
+    def _config_of(self, wrapper_idx: int) -> dict[str, Any]:
+        return self.modules_wrapper[0 if self.pruning_algorithm == "slim" else wrapper_idx].config
+
+    def target_sparsity(self, wrapper_idx: int, epoch: int | None = None) -> float:
+        """The AGP target of wrapper ``wrapper_idx`` at ``epoch`` (default: the current epoch)."""
+        si, sf, start, end, freq = agp_schedule(self._config_of(wrapper_idx))
+        return agp_sparsity(self.current_epoch if epoch is None else epoch, si, sf, start, end, freq)
+
+    def _schedule_epoch(self, epoch: int) -> None:
+        if self._scheduled_epoch == epoch:
+            return
+        self._scheduled_epoch = epoch
+        due = set()
+        for idx in range(len(self.modules_wrapper)):
+            _, _, start, end, freq = agp_schedule(self._config_of(idx))
+            if agp_should_update(epoch, start, end, freq):
+                due.add(idx)
+        if due:
+            self._pending |= due
+            for idx in due:
+                self.modules_wrapper[idx].agp_pending = True
+            self.masker.start_statistics()
+            if self.masker.needs_data:
+                self._retrace()  # the epoch's target sparsity is traced into the step
+
+    def compress(self) -> Any:
+        self._schedule_epoch(self.current_epoch)
+        return super().compress()
+
+    def _on_wrapper_ready(self, wrapper: Any, deferred: bool = False) -> None:
+        self.masker.wrapper_ready(wrapper, self._wrapper_index(wrapper))
+        if not deferred:  # deferred: still pending, computed in-graph by the next step
+            super()._on_wrapper_ready(wrapper)
+
+    def update_epoch(self, epoch: int) -> None:
+        """Advance the clock; on a schedule epoch, recompute masks (data criteria: once statistics are in)."""
+        self.sync()
+        super().update_epoch(epoch)
+        self._schedule_epoch(self.current_epoch)
+        if self._pending and not self.masker.needs_data:
+            with tf.init_scope():
+                self.update_mask()
+
+    def _done(self, idx: int) -> None:
+        self._pending.discard(idx)
+        if not self._pending:
+            self.masker.stop_statistics()
+
+    def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        """Eager: the masks at the epoch's target once due (and statistics are in), else None."""
+        idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        if idx not in self._pending or not bool(self.masker.statistics_ready(idx)):
+            return None
+        masks = self.masker.calc_mask(self.target_sparsity(idx), wrapper, idx)
+        wrapper.agp_pending = False
+        self._done(idx)
+        return masks
+
+    def _gradients_hook(self, pairs: list[tuple[Any, Any]]) -> None:
+        if self._pending:
+            self.masker.after_step(pairs)
+
+    def _update_in_step(self) -> None:
+        if not self._pending:
+            return
+        if not tf.inside_function():
+            self.update_mask()
+            return
+        for idx in sorted(self._pending):
+            wrapper = self.modules_wrapper[idx]
+            ready = self.masker.statistics_ready(idx)
+            if not wrapper.ready or ready is False:
+                continue
+            sparsity = self.target_sparsity(idx)
+
+            def compute(w: Any = wrapper, i: int = idx, s: float = sparsity) -> Any:
+                masks = self.masker.calc_mask(s, w, i)
+                if masks is not None:
+                    w.set_masks(masks)
+                w.apply_masks()
+                w.agp_pending = False
+                return tf.constant(True)
+
+            due = tf.logical_and(tf.convert_to_tensor(ready), wrapper.agp_pending)
+            tf.cond(due, compute, lambda: tf.constant(False))
+
+    def sync(self) -> None:
+        """Eager bookkeeping between steps: note layers whose pending masks were computed in-graph."""
+        for idx in sorted(self._pending):
+            w = self.modules_wrapper[idx]
+            if w.ready and not bool(w.agp_pending.numpy()):
+                self._done(idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.sync()
+        return {**super().state_dict(), "scheduled_epoch": self._scheduled_epoch, "pending": sorted(self._pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._scheduled_epoch = state.get("scheduled_epoch")
+        self._pending = set(state.get("pending", ()))
+        for idx, w in enumerate(self.modules_wrapper):
+            w.agp_pending = idx in self._pending
+        if self._pending:
+            self.masker.start_statistics()
+        else:
+            self.masker.stop_statistics()

@@ -1,0 +1,108 @@
+"""Export and reload of pruned Keras models.
+
+* :func:`export_pruned_model` -- with the instrumentation removed for the duration, saves the plain
+  model (masked weights, the user's own layers and config, no compressor objects) as a ``.keras`` file
+  and/or a SavedModel (``model.export``), the masks as ``.npz`` and/or a TFLite flatbuffer; all load
+  without compressor installed. The pruner is reinstalled afterwards and keeps working.
+* :func:`save_masks` / :func:`load_masks` -- ``.npz``: ``'<layer path>'`` -> weight mask and
+  ``'<layer path>:bias'`` -> bias mask (bool, Keras layout).
+* :func:`apply_compression_results` -- zero a (plain or wrapped) model's weights by a saved mask file.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ...core.errors import ConfigError
+from .. import layout
+from ..compressor import iter_layers
+
+__all__ = ["apply_compression_results", "export_pruned_model", "load_masks", "save_masks", "unwrapped"]
+
+BIAS_SUFFIX = ":bias"
+
+
+@contextmanager
+def unwrapped(pruner: Any):
+    """The pruner's model as a plain Keras model (masked weights) inside the block; reinstalled after."""
+    with tf.init_scope():
+        pruner.apply_masks()
+    installed = [w for w in pruner.get_modules_wrapper() if w.installed]
+    pruner._unwrap_model()
+    try:
+        yield pruner.model
+    finally:
+        for w in installed:
+            w._install(pruner.wrapper_attr)
+        pruner._retrace()
+
+
+def save_masks(pruner: Any, mask_path: str) -> None:
+    """Write the masks of ``pruner`` to ``mask_path`` (``.npz``)."""
+    arrays: dict[str, np.ndarray] = {}
+    for w in pruner.get_modules_wrapper():
+        if not w.ready:
+            continue
+        arrays[w.name] = w.weight_mask.numpy()
+        if w.bias_mask is not None:
+            arrays[w.name + BIAS_SUFFIX] = w.bias_mask.numpy()
+    with open(mask_path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_masks(mask_path: str) -> dict[str, dict[str, np.ndarray]]:
+    """``{layer path: {'weight': mask, 'bias': mask}}`` from a mask file (no pickle)."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    with np.load(mask_path, allow_pickle=False) as data:
+        for key in data.files:
+            if key.endswith(BIAS_SUFFIX):
+                out.setdefault(key[: -len(BIAS_SUFFIX)], {})["bias"] = data[key].astype(bool)
+            else:
+                out.setdefault(key, {})["weight"] = data[key].astype(bool)
+    return out
+
+
+def apply_compression_results(model: Any, mask_path: str) -> dict[str, dict[str, np.ndarray]]:
+    """Zero the weights of ``model`` (a plain or wrapped Keras model) where the saved masks are False."""
+    masks = load_masks(mask_path)
+    layers = dict(iter_layers(model))
+    missing = sorted(set(masks) - set(layers))
+    if missing:
+        raise ConfigError(f"mask file {mask_path!r} names layers the model does not have: {missing}")
+    for name, m in masks.items():
+        layer = layers[name]
+        for key, var in (("weight", layout.weight_of(layer)), ("bias", layout.bias_of(layer))):
+            if key not in m:
+                continue
+            if var is None or tuple(var.shape) != m[key].shape:
+                raise ConfigError(f"mask file {mask_path!r}: {key} mask of {name!r} has shape {m[key].shape}, "
+                                  f"the layer's {key} is {None if var is None else tuple(var.shape)}")
+            var.assign(tf.where(tf.constant(m[key]), var, tf.zeros_like(var)))
+        for w in getattr(layer, "__dict__", {}).values():
+            if hasattr(w, "set_masks") and getattr(w, "ready", False):
+                w.set_masks({f"{k}_mask": v for k, v in m.items() if f"{k}_mask" in w.state_variables()})
+    return masks
+
+
+def export_pruned_model(pruner: Any, model_path: str | None = None, mask_path: str | None = None,
+                        saved_model_path: str | None = None, tflite_path: str | None = None) -> Any:
+    """See :meth:`compressor.tf.TfPruner.export_model`."""
+    if model_path is not None and not os.fspath(model_path).endswith(".keras"):
+        raise ConfigError(f"model_path must end with '.keras' (Keras 3 format), got {model_path!r}")
+    if mask_path is not None:
+        save_masks(pruner, mask_path)
+    with unwrapped(pruner) as model:
+        if model_path is not None:
+            model.save(model_path)
+        if saved_model_path is not None:
+            model.export(saved_model_path, format="tf_saved_model", verbose=False)
+        if tflite_path is not None:
+            converter = tf.lite.TFLiteConverter.from_keras_model(model)
+            with open(tflite_path, "wb") as f:
+                f.write(converter.convert())
+    return pruner.model

@@ -1,0 +1,73 @@
+"""Filter pruners on weights: L1FilterPruner, L2FilterPruner, FPGMPruner.
+
+A filter is one output channel: the LAST axis of a Keras kernel, the first axis in core's canonical
+layout. ``floor(F * sparsity)`` filters with the lowest score are pruned, and the bias entry of a pruned
+filter with it. Scores are in core (``filter_prune_masks``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.matching import LayerInfo
+from ...core.pruning import filter_prune_masks
+from ..ops import ops
+from .masker import WeightMasker, check_filter_layer, filter_result
+from .pruner import OneShotPruner
+
+__all__ = [
+    "FPGMPruner", "FPGMPrunerMasker", "FilterMasker", "L1FilterPruner", "L1FilterPrunerMasker", "L2FilterPruner",
+    "L2FilterPrunerMasker",
+]
+
+
+class FilterMasker(WeightMasker):
+    """Weight-based filter criterion ``criterion`` ('l1', 'l2', 'fpgm') of core ``filter_prune_masks``."""
+
+    criterion = "l1"
+
+    @classmethod
+    def check_layer(cls, layer_info: LayerInfo, layer: Any) -> None:
+        check_filter_layer(layer_info, layer, cls.__name__)
+
+    def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any]:
+        weight_mask, keep = filter_prune_masks(ops, wrapper.canonical_weight(), sparsity, self.criterion,
+                                               wrapper.canonical_mask())
+        return filter_result(wrapper, weight_mask, keep)
+
+
+class L1FilterPrunerMasker(FilterMasker):
+    criterion = "l1"
+
+
+class L2FilterPrunerMasker(FilterMasker):
+    criterion = "l2"
+
+
+class FPGMPrunerMasker(FilterMasker):
+    criterion = "fpgm"
+
+
+class _FilterPruner(OneShotPruner):
+    default_types = ("Conv2D",)
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
+        super().__init__(model, config_list, optimizer)
+
+
+class L1FilterPruner(_FilterPruner):
+    """Prune the filters with the smallest L1 norm ``sum |W_f|`` (Li et al. 2017)."""
+
+    masker_class = L1FilterPrunerMasker
+
+
+class L2FilterPruner(_FilterPruner):
+    """Prune the filters with the smallest L2 norm."""
+
+    masker_class = L2FilterPrunerMasker
+
+
+class FPGMPruner(_FilterPruner):
+    """Prune the filters nearest the geometric median of the layer's filters (He et al. 2019)."""
+
+    masker_class = FPGMPrunerMasker

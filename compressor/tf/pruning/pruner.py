@@ -1,0 +1,304 @@
+"""``TfPruner`` (alias ``Pruner``): wraps Keras layers in :class:`PrunerLayerWrapper` and keeps masks current.
+
+Clock (mirror of torch): ``compress()`` computes the first masks (eagerly, on the device). After every
+optimizer update the optimizer hook runs, inside the traced train step: the step counter is incremented,
+the pruned weights are zeroed again (``apply_masks``), gradient statistics are taken (Taylor), then
+masks are updated: ``calc_mask(wrapper, wrapper_idx)`` for every wrapper (the seeds' contract: return
+``{'weight_mask': ..., 'bias_mask': ...}`` in the layer's Keras layout, or None). Python state read by
+``calc_mask`` (e.g. ``wrapper.if_calculated = True`` set by an eager ``compress()``) is a trace-time
+constant; state that changes inside the graph must be a variable (``set_wrappers_attribute`` with a
+tensor) and branch with ``tf.cond``, as the built-in pruners do.
+
+:class:`OneShotPruner` is the base of the built-in one-shot pruners: one masker, masks computed once per
+layer (as soon as the masker's statistics are ready: in-graph ``tf.cond`` on a per-wrapper
+``if_calculated`` variable), never recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from .. import layout
+from ..compressor import Compressor
+from .masker import WeightMasker
+from .wrapper import PrunerLayerWrapper
+
+__all__ = ["TfPruner", "Pruner", "OneShotPruner"]
+
+MASK_MODES = ("inplace", "forward")
+
+
+class TfPruner(Compressor):
+    """Base of all TF pruners; subclasses implement :meth:`calc_mask`.
+
+    ``mask_mode``: ``'inplace'`` (default; zero pruned weights after each update, no forward cost) or
+    ``'forward'`` (mask in every call); see :mod:`compressor.tf.pruning.wrapper`.
+    """
+
+    _kind = "pruner"
+    mask_mode = "inplace"
+    #: False for criteria that never mask the bias (level, sensitivity, lottery): the step skips re-masking it
+    masks_bias = True
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
+        if self.mask_mode not in MASK_MODES:
+            raise ConfigError(f"{type(self).__name__}: mask_mode = {self.mask_mode!r} is invalid; allowed: {list(MASK_MODES)}")
+        self._compressed = False
+        self._deferred: set[int] = set()
+        super().__init__(model, config_list, optimizer)
+        self.current_epoch = 0
+
+    def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
+        if getattr(layer, "built", False) and layout.weight_of(layer) is None:
+            raise ConfigError(f"{type(self).__name__}: layer {layer_info.name!r} ({layer_info.type}) has no weight "
+                              f"to prune (known weights: {list(layout.WEIGHT_ATTRS)})")
+
+    def _create_wrapper(self, layer: Any, layer_info: LayerInfo, config: dict[str, Any]) -> PrunerLayerWrapper:
+        return PrunerLayerWrapper(layer, layer_info, config, self)
+
+    # ---------------------------------------------------------------- masks
+    def calc_mask(self, wrapper: PrunerLayerWrapper, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        """Masks of ``wrapper`` now (Keras layout), or None to keep its current masks."""
+        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask()")
+
+    def update_mask(self) -> None:
+        """Run ``calc_mask`` on every (built) wrapper, store returned masks and re-mask those layers."""
+        for idx, wrapper in enumerate(self.modules_wrapper):
+            if not wrapper.ready:
+                continue
+            masks = self.calc_mask(wrapper, wrapper_idx=idx)
+            if masks is not None:
+                wrapper.set_masks(masks)
+                wrapper.apply_masks()
+
+    def apply_masks(self) -> None:
+        """Zero the pruned weights of every wrapped layer in place (graph-safe)."""
+        for wrapper in self.modules_wrapper:
+            wrapper.apply_masks()
+
+    def compress(self) -> Any:
+        """Compute the initial masks (eagerly, even when called while tracing) and return the model."""
+        self._refresh_ready()
+        self._compressed = True
+        with tf.init_scope():
+            self.update_mask()
+            self.apply_masks()
+        return self.model
+
+    def _refresh_ready(self) -> None:
+        """Eager bookkeeping: masks for layers built since wrapping but not called yet (``model.build``);
+        forget deferred layers whose initial masks the graph has computed."""
+        for wrapper in self.modules_wrapper:
+            if not wrapper.ready:
+                wrapper._ensure_ready()
+        for idx in sorted(self._deferred):
+            if bool(self.modules_wrapper[idx].masks_initialized.numpy()):
+                self._deferred.discard(idx)
+
+    def _on_wrapper_ready(self, wrapper: PrunerLayerWrapper, deferred: bool = False) -> None:
+        """A layer built after wrapping just got masks (called eagerly): compute them if compress() ran.
+
+        ``deferred``: the layer was built inside a trace and its weights cannot be read yet; the initial
+        masks are computed in-graph by the next optimizer step (:meth:`_deferred_in_graph`).
+        """
+        if not self._compressed:
+            return
+        if deferred:
+            wrapper.add_state("masks_initialized", tf.constant(False))
+            self._deferred.add(self._wrapper_index(wrapper))
+            return
+        self._initial_masks(wrapper)
+
+    def _initial_masks(self, wrapper: PrunerLayerWrapper) -> Any:
+        masks = self.calc_mask(wrapper, wrapper_idx=self._wrapper_index(wrapper))
+        if masks is not None:
+            wrapper.set_masks(masks)
+        wrapper.apply_masks()
+        return tf.constant(True)
+
+    def _deferred_in_graph(self) -> None:
+        """Initial masks of layers built inside a trace, once, under ``tf.cond`` (graph-safe)."""
+        for idx in sorted(self._deferred):
+            w = self.modules_wrapper[idx]
+
+            def init(w: PrunerLayerWrapper = w) -> Any:
+                self._initial_masks(w)
+                w.masks_initialized = True
+                return tf.constant(True)
+
+            tf.cond(w.masks_initialized, lambda: tf.constant(False), init)
+
+    def _after_optimizer_apply(self, grads: Any, variables: Any) -> None:
+        self._step.assign_add(1)
+        self.apply_masks()  # momentum / weight decay moved pruned weights: zero them before any statistics
+        self._deferred_in_graph()
+        self._gradients_hook([(g, v) for g, v in zip(grads, variables) if g is not None])
+        self._update_in_step()
+
+    def step(self) -> None:
+        """After an optimizer update you made yourself (unhooked optimizer): count it, re-mask, update masks."""
+        self._step.assign_add(1)
+        self.apply_masks()
+        self._deferred_in_graph()
+        self._update_in_step()
+
+    def _update_in_step(self) -> None:
+        self.update_mask()
+
+    def update_epoch(self, epoch: int) -> None:
+        self._refresh_ready()
+        super().update_epoch(epoch)
+        self.current_epoch = int(epoch)
+
+    def _wrapper_index(self, wrapper: Any) -> int:
+        for i, w in enumerate(self.modules_wrapper):
+            if w is wrapper:
+                return i
+        raise ValueError(f"{getattr(wrapper, 'name', wrapper)!r} is not a wrapper of this pruner")
+
+    # ---------------------------------------------------------------- state, export, report
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.current_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.current_epoch = int(state.get("epoch", 0))
+
+    def export_model(self, model_path: str | None = None, mask_path: str | None = None,
+                     saved_model_path: str | None = None, tflite_path: str | None = None) -> Any:
+        """Save the plain (unwrapped) model with masked weights: ``.keras`` file, SavedModel, masks
+        (``.npz``: layer name -> mask) and/or TFLite flatbuffer; loadable without compressor installed.
+        The pruner stays installed; returns the model."""
+        from .export import export_pruned_model
+
+        self._refresh_ready()
+        return export_pruned_model(self, model_path, mask_path, saved_model_path, tflite_path)
+
+    def export_masks(self, mask_path: str) -> None:
+        """Save ``{layer name: weight mask, 'layer name:bias': bias mask}`` (bool, Keras layout) as ``.npz``."""
+        from .export import save_masks
+
+        self._refresh_ready()
+        save_masks(self, mask_path)
+
+    def report(self) -> Any:
+        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table."""
+        from .report import sparsity_report
+
+        self._refresh_ready()
+        return sparsity_report(self)
+
+
+Pruner = TfPruner
+
+
+class OneShotPruner(TfPruner):
+    """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
+
+    masker_class: type[WeightMasker] = WeightMasker
+    required_keys = ("sparsity",)
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None, **masker_kwargs: Any) -> None:
+        super().__init__(model, config_list, optimizer)
+        self._calculated: set[int] = set()
+        self.set_wrappers_attribute("if_calculated", tf.constant(False))
+        self.masker = self.masker_class(model, self, **masker_kwargs)
+
+    def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, layer, config)
+        self.masker_class.check_layer(layer_info, layer)
+
+    def sparsity_for(self, wrapper: PrunerLayerWrapper, wrapper_idx: int) -> float:
+        return wrapper.config["sparsity"]
+
+    def _all_calculated(self) -> bool:
+        return len(self._calculated) == len(self.modules_wrapper)
+
+    def compress(self) -> Any:
+        if not self._all_calculated():
+            self.masker.start_statistics()
+        return super().compress()
+
+    def _on_wrapper_ready(self, wrapper: PrunerLayerWrapper, deferred: bool = False) -> None:
+        self.masker.wrapper_ready(wrapper, self._wrapper_index(wrapper))
+        if not deferred:  # deferred: the in-graph one-shot update below computes it at the first step
+            super()._on_wrapper_ready(wrapper)
+
+    def _compute(self, idx: int, wrapper: PrunerLayerWrapper) -> Any:
+        masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
+        if masks is None:
+            return tf.constant(False)
+        wrapper.set_masks(masks)
+        wrapper.apply_masks()
+        wrapper.if_calculated = True
+        return tf.constant(True)
+
+    def calc_mask(self, wrapper: PrunerLayerWrapper, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        """Eager: the masks once the statistics are ready, then None forever."""
+        idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        if idx in self._calculated or not bool(self.masker.statistics_ready(idx)):
+            return None
+        masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
+        if masks is None:
+            return None
+        wrapper.if_calculated = True
+        self._calculated.add(idx)
+        if self._all_calculated():
+            self.masker.stop_statistics()
+        return masks
+
+    def update_mask(self) -> None:
+        if tf.inside_function():
+            self._update_in_step()
+        else:
+            super().update_mask()
+
+    def _gradients_hook(self, pairs: list[tuple[Any, Any]]) -> None:
+        if not self._all_calculated():
+            self.masker.after_step(pairs)
+
+    def _update_in_step(self) -> None:
+        """In-graph: each layer not yet masked gets its masks once its statistics are ready (tf.cond)."""
+        if self._all_calculated():
+            return
+        if not tf.inside_function():
+            super().update_mask()
+            return
+        for idx, wrapper in enumerate(self.modules_wrapper):
+            if idx in self._calculated or not wrapper.ready:
+                continue
+            ready = self.masker.statistics_ready(idx)
+            if ready is False:
+                continue
+            due = tf.logical_and(tf.convert_to_tensor(ready), tf.logical_not(wrapper.if_calculated))
+            tf.cond(due, lambda i=idx, w=wrapper: self._compute(i, w), lambda: tf.constant(False))
+
+    def sync(self) -> None:
+        """Eager bookkeeping between steps: note layers masked in-graph; stop statistics when all are."""
+        if self._all_calculated():
+            return
+        for idx, wrapper in enumerate(self.modules_wrapper):
+            if wrapper.ready and bool(wrapper.if_calculated.numpy()):
+                self._calculated.add(idx)
+        if self._all_calculated():
+            self.masker.stop_statistics()
+
+    def update_epoch(self, epoch: int) -> None:
+        super().update_epoch(epoch)
+        self.sync()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.sync()
+        return {**super().state_dict(), "calculated": sorted(self._calculated)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._calculated = set(state.get("calculated", ()))
+        for idx, wrapper in enumerate(self.modules_wrapper):
+            wrapper.if_calculated = idx in self._calculated
+        if self._all_calculated():
+            self.masker.stop_statistics()

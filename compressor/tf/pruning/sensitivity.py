@@ -1,0 +1,95 @@
+"""SensitivityPruner: Han et al. 2015, "Learning both weights and connections".
+
+Each layer prunes ``|w| < sensitivity * std(w)`` (core ``sensitivity_mask``; ``sensitivity`` is the
+paper's quality parameter, per config entry). The paper iterates prune -> retrain (at about 1/10 of
+the original learning rate) -> prune: with ``iterations=N`` and ``epochs_per_iteration=E`` the rule is
+re-applied at ``update_epoch(E)``, ``update_epoch(2E)``, ... until N rounds are done (or call
+:meth:`SensitivityPruner.prune_iteration` yourself). Each round uses the std of the weights still kept,
+so it prunes further; masks are monotone. Rounds run eagerly (between steps), never in the train step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from ...core.errors import ConfigError
+from ...core.pruning import sensitivity_mask
+from ..ops import ops
+from .pruner import TfPruner
+
+__all__ = ["SensitivityPruner"]
+
+
+class SensitivityPruner(TfPruner):
+    """Threshold pruning at ``sensitivity * std`` per layer, optionally iterated with retraining."""
+
+    config_keys = ("sensitivity",)
+    required_keys = ("sensitivity",)
+    masks_bias = False
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 iterations: int = 1, epochs_per_iteration: int | None = None) -> None:
+        for name, v in (("iterations", iterations), ("epochs_per_iteration", epochs_per_iteration)):
+            if v is None and name == "epochs_per_iteration":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"SensitivityPruner: {name} = {v!r} is invalid; allowed: an int >= 1")
+        super().__init__(model, config_list, optimizer)
+        self.iterations = iterations
+        self.epochs_per_iteration = epochs_per_iteration
+        self.iteration = 0  # rounds done
+        self._due = False
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        for i, c in enumerate(config_list):
+            if "sparsity" in c:
+                raise ConfigError(f"config_list[{i}]: SensitivityPruner takes 'sensitivity' (threshold = "
+                                  f"sensitivity * std of the layer's weights), not 'sparsity'")
+
+    def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        if not self._due:
+            return None
+        mask = sensitivity_mask(ops, wrapper.canonical_weight(), wrapper.config["sensitivity"],
+                                wrapper.canonical_mask())
+        return {"weight_mask": wrapper.from_canonical(mask)}
+
+    def prune_iteration(self) -> None:
+        """Apply the threshold rule once more (one prune round), eagerly."""
+        self._due = True
+        try:
+            with tf.init_scope():
+                self.update_mask()
+        finally:
+            self._due = False
+        self.iteration += 1
+
+    def compress(self) -> Any:
+        self._compressed = True
+        if self.iteration == 0:
+            self.prune_iteration()
+        return self.model
+
+    def _initial_masks(self, wrapper: Any) -> Any:
+        self._due = True
+        try:
+            return super()._initial_masks(wrapper)
+        finally:
+            self._due = False
+
+    def _update_in_step(self) -> None:
+        """Masks change only in prune rounds; the step only re-masks (done by the hook)."""
+
+    def update_epoch(self, epoch: int) -> None:
+        super().update_epoch(epoch)
+        e, per = self.current_epoch, self.epochs_per_iteration
+        if per and e > 0 and e % per == 0 and self.iteration < self.iterations and self.iteration < e // per + 1:
+            self.prune_iteration()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "iteration": self.iteration}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.iteration = int(state.get("iteration", 0))

@@ -1,0 +1,86 @@
+"""SlimPruner: network slimming (Liu et al. 2017) on BatchNormalization scale factors.
+
+One global threshold over ``|gamma|`` of all selected BatchNormalization layers (core ``slim_masks``); a
+pruned channel has gamma AND beta masked, so it outputs exactly 0. Train with an L1 penalty on gamma
+first (:meth:`SlimPruner.l1_penalty`, e.g. ``model.add_loss``) so the scale factors become sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from ...core.pruning import slim_l1_penalty, slim_masks
+from ..ops import ops
+from .masker import WeightMasker
+from .pruner import OneShotPruner
+
+__all__ = ["SlimPruner", "SlimPrunerMasker", "BN_TYPES", "check_bn_layer"]
+
+BN_TYPES = ("BatchNormalization",)
+
+
+def check_bn_layer(layer_info: LayerInfo, layer: Any, what: str) -> None:
+    if layer_info.type not in BN_TYPES or not getattr(layer, "scale", True):
+        raise ConfigError(
+            f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; slimming needs "
+            f"BatchNormalization layers with scale=True"
+        )
+
+
+class SlimPrunerMasker(WeightMasker):
+    """Global |gamma| threshold across all wrappers, computed once per mask update (trace) and shared."""
+
+    def __init__(self, model: Any, pruner: Any, **kwargs: Any) -> None:
+        super().__init__(model, pruner, **kwargs)
+        self._cache_key: tuple | None = None
+        self._cache: list[Any] = []
+
+    @classmethod
+    def check_layer(cls, layer_info: LayerInfo, layer: Any) -> None:
+        check_bn_layer(layer_info, layer, "SlimPruner")
+
+    def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any]:
+        import tensorflow as tf
+
+        wrappers = self.pruner.get_modules_wrapper()
+        if not all(w.ready for w in wrappers):
+            return None  # a global threshold needs every layer built: computed at the first step after that
+        idx = self.pruner._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
+        key = (id(graph), getattr(self.pruner, "_mask_round", 0), sparsity)
+        if key != self._cache_key or idx == 0:
+            gammas = [w.canonical_weight() for w in wrappers]
+            self._cache = slim_masks(ops, gammas, sparsity, [w.canonical_mask() for w in wrappers])
+            self._cache_key = key
+        mask = self._cache[idx]
+        return {"weight_mask": mask, "bias_mask": mask}
+
+
+class SlimPruner(OneShotPruner):
+    """Prune the BN channels with the smallest ``|gamma|`` over all selected layers at once.
+
+    The global sparsity is that of the first non-excluded config entry; entries may not disagree.
+    """
+
+    default_types = BN_TYPES
+    masker_class = SlimPrunerMasker
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
+        super().__init__(model, config_list, optimizer)
+        self.sparsity = next(c["sparsity"] for c in self.config_list if not c["exclude"])
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        values = {c["sparsity"] for c in config_list if not c["exclude"]}
+        if len(values) > 1:
+            raise ConfigError(
+                f"SlimPruner: one global threshold needs one sparsity, but config entries give {sorted(values)}"
+            )
+
+    def sparsity_for(self, wrapper: Any, wrapper_idx: int) -> float:
+        return self.sparsity
+
+    def l1_penalty(self, scale: float = 1e-4) -> Any:
+        """``scale * sum |gamma|`` over the selected BN layers, to add to the training loss."""
+        return slim_l1_penalty(ops, [w.weight for w in self.modules_wrapper], scale)

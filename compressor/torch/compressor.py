@@ -1,0 +1,251 @@
+"""``Compressor``: the shared base of ``TorchPruner`` and ``TorchQuantizer``.
+
+Construction validates everything first and mutates the model last, so on any error the user's model
+is exactly as before:
+
+1. the model must be an ``nn.Module`` (else :class:`ModelError`), the optimizer ``None`` or a torch
+   optimizer, and ``config_list`` is normalised by :func:`normalize_config_list`;
+2. layers are selected with :func:`match_layers` (last matching entry wins);
+3. :meth:`Compressor.validate_config` / :meth:`Compressor.validate_layer` let an algorithm refuse a selected layer (``ConfigError``);
+4. one wrapper per layer is built by :meth:`Compressor._create_wrapper`, then the wrappers replace the
+   modules in their parents (the only mutation), then the optimizer is hooked (see ``hooks.py``).
+
+Layers already wrapped by a compressor are seen under their own name and the type of the module they
+wrap; a second compressor of the same kind may not wrap them again (``ConfigError``), one of the other
+kind (a quantizer over a pruner) wraps the existing wrapper.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import torch_plugin
+from ..core.config import KeySpec, normalize_config_list
+from ..core.errors import ConfigError, ModelError
+from ..core.matching import LayerInfo, match_layers
+from . import hooks
+
+__all__ = ["Compressor", "is_wrapper", "innermost_module"]
+
+_WRAPPER_FLAG = "_compressor_wrapper_kind"
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """True for a module created by a compressor's ``_create_wrapper``."""
+    return getattr(module, _WRAPPER_FLAG, None) is not None
+
+
+def innermost_module(module: nn.Module) -> nn.Module:
+    """The original layer inside (possibly nested) compressor wrappers."""
+    while is_wrapper(module):
+        module = module.module
+    return module
+
+
+def _wrapper_owner(module: nn.Module) -> str:
+    return getattr(module, "_compressor_owner_name", "a")
+
+
+class Compressor:
+    """Base of TorchPruner and TorchQuantizer.
+
+    Subclasses declare ``config_keys`` (names from ``core.config.OPTIONAL_KEYS`` or ``KeySpec`` objects),
+    ``required_keys`` (keys every non-excluded entry must have), optionally ``default_types`` (what
+    ``op_types: ['default']`` means), and implement :meth:`_create_wrapper`.
+    """
+
+    config_keys: tuple[str | KeySpec, ...] = ()
+    required_keys: tuple[str, ...] = ()
+    default_types: tuple[str, ...] = torch_plugin.DEFAULT_TYPES
+    #: wrappers of one kind are never nested in each other ('pruner', 'quantizer')
+    _kind: str = "compressor"
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
+        what = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"{what}: model must be a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}")
+        hooks.check_optimizer(optimizer, what)
+        self.config_list: list[dict[str, Any]] = normalize_config_list(
+            config_list, extra_keys=self.config_keys, required=self.required_keys, what=what
+        )
+        self.validate_config(self.config_list)
+        self.bound_model: nn.Module = model
+        self.optimizer: torch.optim.Optimizer | None = optimizer
+
+        layers, modules = self._enumerate_layers(model)
+        selected = match_layers(layers, self.config_list, self.default_types, what=what)
+        for layer, config in selected:
+            module = modules[layer.name]
+            if layer.name == "":
+                raise ConfigError(
+                    f"{what}: the model itself ({type(model).__name__}) is selected; a compressor wraps layers "
+                    f"inside a model, so put it in a container such as nn.Sequential"
+                )
+            if is_wrapper(module) and getattr(module, _WRAPPER_FLAG) == self._kind:
+                raise ConfigError(
+                    f"{what}: layer {layer.name!r} is already wrapped by {_wrapper_owner(module)} "
+                    f"{self._kind}; call unhook() and _unwrap_model() on that {self._kind} (or export and reload "
+                    f"the model) before compressing it again"
+                )
+            self.validate_layer(layer, innermost_module(module), config)
+
+        wrappers = []
+        for layer, config in selected:
+            wrapper = self._create_wrapper(modules[layer.name], layer, config)
+            if not isinstance(wrapper, nn.Module):
+                raise TypeError(f"{what}._create_wrapper must return an nn.Module, got {type(wrapper).__name__}")
+            wrappers.append(wrapper)
+        slots = [self._parent_slots(model, modules[layer.name]) for layer, _ in selected]
+
+        # ---- mutation starts here: nothing below may fail on user input ----
+        self._modules_to_compress: list[tuple[LayerInfo, dict[str, Any]]] = selected
+        self._wrappers: list[nn.Module] = wrappers
+        self._wrapper_names: list[str] = [layer.name for layer, _ in selected]
+        self._collectors: dict[int, list[Any]] = {}
+        self._collector_ids = itertools.count()
+        for wrapper, places in zip(wrappers, slots):
+            object.__setattr__(wrapper, _WRAPPER_FLAG, self._kind)
+            object.__setattr__(wrapper, "_compressor_owner_name", what)
+            for parent, attr in places:
+                setattr(parent, attr, wrapper)
+        if optimizer is not None:
+            hooks.install(optimizer, self)
+
+    # ------------------------------------------------------------------ selection
+    @staticmethod
+    def _enumerate_layers(model: nn.Module) -> tuple[list[LayerInfo], dict[str, nn.Module]]:
+        """Layers as core sees them; the inside of existing wrappers is hidden behind the wrapper."""
+        layers: list[LayerInfo] = []
+        modules: dict[str, nn.Module] = {}
+        hidden: list[str] = []
+        for name, module in model.named_modules():
+            if any(name.startswith(p) for p in hidden):
+                continue
+            if is_wrapper(module):
+                hidden.append(name + "." if name else "")
+                layers.append(LayerInfo(name, type(innermost_module(module)).__name__))
+            else:
+                layers.append(LayerInfo(name, type(module).__name__))
+            modules[name] = module
+        return layers, modules
+
+    @staticmethod
+    def _parent_slots(model: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:
+        """Every ``(parent, attribute)`` holding ``target`` (a shared module is replaced everywhere)."""
+        return [(parent, attr) for parent in model.modules()
+                for attr, child in parent._modules.items() if child is target]
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        """Hook for subclasses: cross-entry checks on the normalised config (raise ConfigError)."""
+
+    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
+        """Hook for subclasses: raise ConfigError if ``module`` cannot be compressed with ``config``."""
+
+    def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
+        """Build (without touching the model) the wrapper that will replace ``module``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _create_wrapper()")
+
+    # ------------------------------------------------------------------ accessors
+    def get_modules_to_compress(self) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """``(LayerInfo, config)`` of every wrapped layer, in model order."""
+        return list(self._modules_to_compress)
+
+    def get_modules_wrapper(self) -> list[nn.Module]:
+        """The wrappers, in model order."""
+        return list(self._wrappers)
+
+    def set_wrappers_attribute(self, name: str, value: Any) -> None:
+        """Give every wrapper an attribute ``name``: tensors become (cloned, persistent) buffers on the
+        wrapper's device, so they are saved and moved with the model; other values are deep-copied per
+        wrapper."""
+        for wrapper in self._wrappers:
+            if torch.is_tensor(value):
+                device = _module_device(wrapper)
+                v = value.detach().clone()
+                if device is not None:
+                    v = v.to(device)
+                if name in wrapper._buffers:
+                    wrapper._buffers[name] = v
+                else:
+                    wrapper.register_buffer(name, v)
+            else:
+                setattr(wrapper, name, copy.deepcopy(value))
+
+    def add_activation_collector(self, fn: Callable[[nn.Module, tuple, Any], Any]) -> int:
+        """Call ``fn(wrapper, input, output)`` after every forward of every wrapper; returns an id."""
+        cid = next(self._collector_ids)
+        self._collectors[cid] = [w.register_forward_hook(fn) for w in self._wrappers]
+        return cid
+
+    def remove_activation_collector(self, collector_id: int) -> None:
+        """Remove a collector added by :meth:`add_activation_collector` (unknown id: ValueError)."""
+        handles = self._collectors.pop(collector_id, None)
+        if handles is None:
+            raise ValueError(f"no activation collector with id {collector_id!r}; known: {sorted(self._collectors)}")
+        for h in handles:
+            h.remove()
+
+    # ------------------------------------------------------------------ clocks
+    def update_epoch(self, epoch: int) -> None:
+        """Called by the user at the start of each epoch; the default does nothing."""
+
+    def step(self) -> None:
+        """Called by the optimizer hook after every ``optimizer.step()``; the default does nothing."""
+
+    def compress(self) -> nn.Module:
+        """Prepare the compression (subclasses compute initial masks etc.) and return the model."""
+        return self.bound_model
+
+    # ------------------------------------------------------------------ optimizer hook
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run :meth:`step` after ``optimizer.step()`` (e.g. a fine-tuning optimizer made after compress());
+        the previously hooked optimizer, if different, is released. Idempotent."""
+        hooks.check_optimizer(optimizer, type(self).__name__)
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            hooks.uninstall(self.optimizer, self)
+        self.optimizer = optimizer
+        hooks.install(optimizer, self)
+
+    def unhook(self) -> None:
+        """Remove this compressor's hook from its optimizer (the optimizer behaves as before)."""
+        hooks.uninstall(self.optimizer, self)
+
+    def _unwrap_model(self) -> nn.Module:
+        """Put the original modules back into the model (the wrappers' state stays with the wrappers)."""
+        for wrapper in self._wrappers:
+            for parent, attr in self._parent_slots(self.bound_model, wrapper):
+                setattr(parent, attr, wrapper.module)
+        return self.bound_model
+
+    def _wrap_model(self) -> nn.Module:
+        """Undo :meth:`_unwrap_model`."""
+        for wrapper in self._wrappers:
+            for parent, attr in self._parent_slots(self.bound_model, wrapper.module):
+                if parent is not wrapper:
+                    setattr(parent, attr, wrapper)
+        return self.bound_model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's own position (schedule clocks); tensors live in the model's state_dict."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+def _module_device(module: nn.Module) -> torch.device | None:
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return None
+
+
+def named_wrappers(model: nn.Module, kinds: Iterable[type] = (nn.Module,)) -> list[tuple[str, nn.Module]]:
+    """``(path, wrapper)`` of the compressor wrappers in ``model`` that are instances of ``kinds``."""
+    kinds = tuple(kinds)
+    return [(n, m) for n, m in model.named_modules() if is_wrapper(m) and isinstance(m, kinds)]

@@ -1,0 +1,74 @@
+"""``WeightMasker``: the pruning criterion of a pruner (seed 003), separate from scheduling.
+
+A masker computes the masks of one wrapped layer at a given sparsity; the pruner decides when. The math
+is in :mod:`compressor.core.pruning`; maskers only fetch tensors from wrappers. Data-driven maskers
+(activation statistics, Taylor) also implement the statistics protocol below, which the built-in
+pruners drive: ``start_statistics`` -> batches flow -> ``statistics_ready`` -> ``calc_mask`` ->
+``stop_statistics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+
+
+class WeightMasker:
+    """Base class of maskers: ``calc_mask(sparsity, wrapper, wrapper_idx=None) -> dict | None``."""
+
+    #: True when masks need statistics collected from training batches
+    needs_data: bool = False
+
+    def __init__(self, model: nn.Module, pruner: Any, **kwargs: Any):
+        self.model = model
+        self.pruner = pruner
+
+    def calc_mask(self, sparsity: float, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        """Masks ``{'weight_mask': ..., 'bias_mask': ...}`` of ``wrapper`` at ``sparsity``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask()")
+
+    @classmethod
+    def check_layer(cls, layer_info: LayerInfo, module: nn.Module) -> None:
+        """Raise ConfigError if this criterion cannot handle ``module`` (checked before wrapping)."""
+
+    # ---- statistics protocol (no-ops for weight-only criteria)
+    def start_statistics(self) -> None:
+        """Forget collected statistics and start collecting."""
+
+    def stop_statistics(self) -> None:
+        """Stop collecting (removes forward hooks so they cost nothing)."""
+
+    def statistics_ready(self, wrapper_idx: int) -> bool:
+        return True
+
+    def after_step(self) -> None:
+        """Called by the pruner after every optimizer step, before masks are updated."""
+
+
+def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> None:
+    """Filter criteria need the weight's first axis to be the output channels (Conv, Linear)."""
+    conv = isinstance(module, nn.modules.conv._ConvNd)
+    if (conv and module.transposed) or not (conv or isinstance(module, nn.Linear)):
+        raise ConfigError(
+            f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; filter pruning needs "
+            f"Conv1d/Conv2d/Conv3d or Linear (output channels first), not transposed convolutions"
+        )
+
+
+def all_reduce_sum(*tensors: torch.Tensor) -> None:
+    """Sum data statistics over the ranks of torch.distributed, if initialised, so every rank (each of
+    which saw different batches) picks the same filters. Called in the same order on every rank."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for t in tensors:
+            torch.distributed.all_reduce(t)
+
+
+def check_statistics_batch_num(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what}: statistics_batch_num = {value!r} is invalid; allowed: an int >= 1")
+    return value

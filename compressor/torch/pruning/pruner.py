@@ -1,0 +1,190 @@
+"""``TorchPruner`` (alias ``Pruner``): wraps layers in :class:`PrunerModuleWrapper` and keeps masks current.
+
+Clock: ``compress()`` computes the first masks; after every ``optimizer.step()`` the optimizer hook
+calls :meth:`TorchPruner.step`, which calls ``calc_mask(wrapper, wrapper_idx)`` for every wrapper
+(the seeds' contract: return ``{'weight_mask': ..., 'bias_mask': ...}`` or None, or assign
+``wrapper.weight_mask`` yourself) and re-masks the weights in place.
+
+:class:`OneShotPruner` is the base of the built-in one-shot pruners: one masker, masks computed once per
+layer (as soon as the masker's statistics are ready), never recomputed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from ..compressor import Compressor
+from .masker import WeightMasker
+from .wrapper import PrunerModuleWrapper
+
+__all__ = ["TorchPruner", "Pruner", "OneShotPruner"]
+
+
+_ACCEPTS_IDX: dict[Any, bool] = {}
+
+
+def _accepts_wrapper_idx(fn: Any) -> bool:
+    """Seed examples define ``calc_mask(self, wrapper)``, ``(wrapper, **kwargs)`` or ``(wrapper, wrapper_idx=None)``."""
+    key = getattr(fn, "__func__", fn)
+    if key not in _ACCEPTS_IDX:
+        try:
+            params = inspect.signature(fn).parameters.values()
+            _ACCEPTS_IDX[key] = any(p.name == "wrapper_idx" or p.kind is inspect.Parameter.VAR_KEYWORD
+                                    for p in params)
+        except (TypeError, ValueError):
+            _ACCEPTS_IDX[key] = True
+    return _ACCEPTS_IDX[key]
+
+
+class TorchPruner(Compressor):
+    """Base of all PyTorch pruners; subclasses implement :meth:`calc_mask`."""
+
+    _kind = "pruner"
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
+        super().__init__(model, config_list, optimizer)
+        self.current_epoch = 0
+        self._mask_round = 0
+
+    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise ConfigError(
+                f"{type(self).__name__}: layer {layer_info.name!r} ({layer_info.type}) has no weight tensor to prune"
+            )
+
+    def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
+        return PrunerModuleWrapper(module, layer_info.name, layer_info.type, config, self)
+
+    # ---------------------------------------------------------------- masks
+    def calc_mask(self, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        """Masks of ``wrapper`` now, or None to keep its current masks."""
+        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask()")
+
+    def update_mask(self) -> None:
+        """Run ``calc_mask`` on every wrapper, store returned masks, and re-mask changed layers."""
+        self._mask_round += 1
+        pass_idx = _accepts_wrapper_idx(self.calc_mask)
+        for idx, wrapper in enumerate(self._wrappers):
+            masks = self.calc_mask(wrapper, wrapper_idx=idx) if pass_idx else self.calc_mask(wrapper)
+            if masks is not None:
+                wrapper.set_masks(masks)
+        self.apply_masks()
+
+    def apply_masks(self) -> None:
+        """Re-mask in place every layer whose weights or masks changed since it was last masked
+        (after an optimizer step: all that were stepped), in one multi-tensor multiply."""
+        stale = [w for w in self._wrappers if w.is_stale()]
+        if not stale:
+            return
+        tensors: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        for w in stale:
+            w._mask_pairs(tensors, masks)
+        with torch.no_grad():
+            torch._foreach_mul_(tensors, masks)
+        for w in stale:
+            w._mark_masked()
+
+    def compress(self) -> nn.Module:
+        """Compute the initial masks and return the (wrapped) model."""
+        self.update_mask()
+        return self.bound_model
+
+    def step(self) -> None:
+        """After ``optimizer.step()``: update masks, then zero the pruned weights the step moved."""
+        self.update_mask()
+
+    def update_epoch(self, epoch: int) -> None:
+        self.current_epoch = int(epoch)
+
+    def _wrapper_index(self, wrapper: nn.Module) -> int:
+        for i, w in enumerate(self._wrappers):
+            if w is wrapper:
+                return i
+        raise ValueError(f"{getattr(wrapper, 'name', wrapper)!r} is not a wrapper of this pruner")
+
+    # ---------------------------------------------------------------- state, export, report
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.current_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.current_epoch = int(state.get("epoch", 0))
+
+    def export_model(self, model_path: str, mask_path: str | None = None, onnx_path: str | None = None,
+                     input_shape: tuple[int, ...] | None = None, device: Any = None) -> None:
+        """Save a state_dict loadable into the ORIGINAL model class (pruned weights zeroed), optionally
+        the masks (``{layer: {'weight': mask, 'bias': mask}}``) and an ONNX file checked with onnxruntime."""
+        from .export import export_pruned_model
+
+        export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device)
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state_dict of the original model (or of the wrapped model) into the wrapped model."""
+        from .export import load_into_wrapped
+
+        load_into_wrapped(self, state)
+
+    def report(self) -> Any:
+        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table."""
+        from .report import sparsity_report
+
+        return sparsity_report(self)
+
+
+Pruner = TorchPruner
+
+
+class OneShotPruner(TorchPruner):
+    """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
+
+    masker_class: type[WeightMasker] = WeightMasker
+    required_keys = ("sparsity",)
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
+                 **masker_kwargs: Any):
+        super().__init__(model, config_list, optimizer)
+        self._calculated: set[int] = set()
+        self.masker = self.masker_class(model, self, **masker_kwargs)
+
+    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, module, config)
+        self.masker_class.check_layer(layer_info, module)
+
+    def compress(self) -> nn.Module:
+        if len(self._calculated) < len(self._wrappers):
+            self.masker.start_statistics()
+        return super().compress()
+
+    def step(self) -> None:
+        self.apply_masks()  # first zero what the step moved, so statistics see the masked weights
+        if len(self._calculated) < len(self._wrappers):
+            self.masker.after_step()
+            self.update_mask()
+
+    def sparsity_for(self, wrapper: nn.Module, wrapper_idx: int) -> float:
+        return wrapper.config["sparsity"]
+
+    def calc_mask(self, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        if idx in self._calculated or not self.masker.statistics_ready(idx):
+            return None
+        masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
+        self._calculated.add(idx)
+        if len(self._calculated) == len(self._wrappers):
+            self.masker.stop_statistics()
+        return masks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "calculated": sorted(self._calculated)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._calculated = set(state.get("calculated", ()))
+        if len(self._calculated) == len(self._wrappers):
+            self.masker.stop_statistics()

@@ -1,0 +1,84 @@
+"""SlimPruner: network slimming (Liu et al. 2017) on BatchNorm scale factors.
+
+One global threshold over ``|gamma|`` of all selected BatchNorm layers (core ``slim_masks``); a pruned
+channel has gamma AND beta masked, so it outputs exactly 0. Train with an L1 penalty on gamma first
+(:meth:`SlimPruner.l1_penalty`) so the scale factors become sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from ...core.pruning import slim_l1_penalty, slim_masks
+from ..ops import ops
+from .masker import WeightMasker
+from .pruner import OneShotPruner
+
+__all__ = ["SlimPruner", "SlimPrunerMasker", "BN_TYPES", "check_bn_layer"]
+
+BN_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
+
+
+def check_bn_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> None:
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm) or not module.affine:
+        raise ConfigError(
+            f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; slimming needs "
+            f"BatchNorm layers with affine=True (types {list(BN_TYPES)})"
+        )
+
+
+class SlimPrunerMasker(WeightMasker):
+    """Global |gamma| threshold across all wrappers, computed once per mask update."""
+
+    def __init__(self, model: nn.Module, pruner: Any, **kwargs: Any):
+        super().__init__(model, pruner, **kwargs)
+        self._cache_key: tuple | None = None
+        self._cache: list[Any] = []
+
+    @classmethod
+    def check_layer(cls, layer_info: LayerInfo, module: nn.Module) -> None:
+        check_bn_layer(layer_info, module, "SlimPruner")
+
+    def calc_mask(self, sparsity: float, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any]:
+        wrappers = self.pruner.get_modules_wrapper()
+        idx = self.pruner._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        key = (self.pruner._mask_round, sparsity)
+        if key != self._cache_key:
+            gammas = [w.weight.detach() for w in wrappers]
+            self._cache = slim_masks(ops, gammas, sparsity, [w.weight_mask for w in wrappers])
+            self._cache_key = key
+        mask = self._cache[idx]
+        return {"weight_mask": mask, "bias_mask": mask}
+
+
+class SlimPruner(OneShotPruner):
+    """Prune the BatchNorm channels with the smallest ``|gamma|`` over all selected layers at once.
+
+    The global sparsity is that of the first non-excluded config entry; entries may not disagree.
+    """
+
+    default_types = BN_TYPES
+    masker_class = SlimPrunerMasker
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None):
+        super().__init__(model, config_list, optimizer)
+        self.sparsity = next(c["sparsity"] for c in self.config_list if not c["exclude"])
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        values = {c["sparsity"] for c in config_list if not c["exclude"]}
+        if len(values) > 1:
+            raise ConfigError(
+                f"SlimPruner: one global threshold needs one sparsity, but config entries give {sorted(values)}"
+            )
+
+    def sparsity_for(self, wrapper: nn.Module, wrapper_idx: int) -> float:
+        return self.sparsity
+
+    def l1_penalty(self, scale: float = 1e-4) -> torch.Tensor:
+        """``scale * sum |gamma|`` over the selected BatchNorm layers, to add to the training loss."""
+        return slim_l1_penalty(ops, [w.weight for w in self._wrappers], scale)

@@ -1,0 +1,138 @@
+"""Batch-norm folding for QAT: Conv2d -> BatchNorm2d pairs train with the BN folded into the weight.
+
+Pairs are found with ``torch.fx`` (a Conv2d whose only user is a BatchNorm2d of matching width). For a
+quantized conv of such a pair the BN moves into the wrapper (``<conv>.bn_module``) and its old place in
+the model becomes ``nn.Identity``. Training forward (Jacob et al. 2018, sec. 3.2; the form torch.ao's
+ConvBn uses):
+
+    f = gamma / sqrt(running_var + eps)             # per output channel
+    y = conv(x, fakequant(w * f)) / f + b           # quantize the folded weight
+    y = bn(y)                                       # batch statistics in training, running in eval
+
+In eval this equals ``conv(x, fakequant(w * f)) + beta + (b - mean) * f``, which is what export writes:
+the conv gets the folded quantized weight (and a zero bias), the BN becomes an identity that adds the
+folded bias (gamma 1, beta = folded bias, mean 0, var 1 - eps), so the file loads into the original class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+
+
+def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
+    """``{conv name: bn name}`` for every Conv2d whose output feeds only a BatchNorm2d."""
+    import torch.fx
+
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception as e:  # noqa: BLE001  (fx raises many kinds)
+        raise ConfigError(f"bn_fold: the model cannot be traced with torch.fx to find Conv2d -> BatchNorm2d pairs "
+                          f"({type(e).__name__}: {e}); use bn_fold=False") from None
+    modules = dict(model.named_modules())
+    pairs: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Conv2d):
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].op != "call_module":
+            continue
+        bn = modules.get(users[0].target)
+        conv = modules[node.target]
+        if isinstance(bn, nn.BatchNorm2d) and bn.num_features == conv.out_channels and bn.track_running_stats:
+            pairs[node.target] = users[0].target
+    return pairs
+
+
+class BNFolding:
+    """The folding state of one QAT_Quantizer (pairs, and which wrappers own which BN)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.pairs = find_conv_bn_pairs(model)
+        self._modules = dict(model.named_modules())
+        self._owned: dict[str, nn.BatchNorm2d] = {}  # conv (wrapper) name -> bn
+
+    def has(self, wrapper: Any) -> bool:
+        return wrapper.name in self._owned
+
+    def attach(self, wrapper: Any) -> None:
+        """Give a Conv2d wrapper its BN (before the model changes) if it heads a pair and quantizes weights."""
+        bn_name = self.pairs.get(wrapper.name)
+        if bn_name is None or "weight" not in wrapper.quant_types or wrapper.layer is not self._modules.get(wrapper.name):
+            return
+        bn = self._modules[bn_name]
+        wrapper.bn_module = bn
+        wrapper.bn_name = bn_name
+        wrapper.weight_forward = folded_forward
+        self._owned[wrapper.name] = bn
+
+    def _slots(self, target: nn.Module) -> list[tuple[nn.Module, str]]:
+        return [(p, a) for p in self.model.modules() for a, c in p._modules.items() if c is target]
+
+    def install(self, wrappers: list[Any]) -> None:
+        """Replace each owned BN by nn.Identity in the model (the wrapper now runs it)."""
+        for w in wrappers:
+            if self.has(w):
+                for parent, attr in self._slots(w.bn_module):
+                    if parent is not w:
+                        setattr(parent, attr, _FoldedBN(w.bn_name))
+
+    def uninstall(self, wrappers: list[Any]) -> None:
+        """Put the BNs back in their places (for export / unwrapping)."""
+        for w in wrappers:
+            if self.has(w):
+                for parent, attr, child in [(p, a, c) for p in self.model.modules() for a, c in p._modules.items()]:
+                    if isinstance(child, _FoldedBN) and child.bn_name == w.bn_name:
+                        setattr(parent, attr, w.bn_module)
+
+    @torch.no_grad()
+    def export_weight(self, quantizer: Any, wrapper: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded, quantized weight and folded bias (running statistics)."""
+        f = fold_factor(wrapper.bn_module)
+        w = quantizer._quantize("weight", wrapper.weight * f.reshape(-1, 1, 1, 1), wrapper).detach()
+        bn = wrapper.bn_module
+        b = wrapper.bias if wrapper.bias is not None else torch.zeros_like(bn.running_mean)
+        return w, bn.bias + (b - bn.running_mean) * f
+
+    @staticmethod
+    @torch.no_grad()
+    def identity_state(bn: nn.BatchNorm2d, bias: torch.Tensor) -> dict[str, torch.Tensor]:
+        """BN state that makes it add ``bias`` in eval mode (and nothing else)."""
+        return {
+            "weight": torch.ones_like(bn.weight), "bias": bias.detach().clone(),
+            "running_mean": torch.zeros_like(bn.running_mean),
+            "running_var": torch.full_like(bn.running_var, 1.0 - bn.eps),
+        }
+
+
+class _FoldedBN(nn.Identity):
+    """Placeholder left where a folded BatchNorm2d was (the conv's wrapper runs it)."""
+
+    def __init__(self, bn_name: str):
+        super().__init__()
+        self.bn_name = bn_name
+
+    def extra_repr(self) -> str:
+        return f"folded into the preceding conv: {self.bn_name!r}"
+
+
+def fold_factor(bn: nn.BatchNorm2d) -> torch.Tensor:
+    """``gamma / sqrt(running_var + eps)`` per channel."""
+    gamma = bn.weight if bn.weight is not None else torch.ones_like(bn.running_var)
+    return gamma / torch.sqrt(bn.running_var + bn.eps)
+
+
+def folded_forward(wrapper: Any, inputs: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Conv with the BN-folded fake-quantized weight, unscaled, then the BN itself."""
+    bn = wrapper.bn_module
+    f = fold_factor(bn)
+    qw = wrapper.quantizer._quantize("weight", wrapper.weight * f.reshape(-1, 1, 1, 1), wrapper)
+    y = wrapper.layer._conv_forward(inputs[0], qw, None) / f.reshape(1, -1, 1, 1)
+    if wrapper.bias is not None:
+        y = y + wrapper.bias.reshape(1, -1, 1, 1)
+    return bn(y)

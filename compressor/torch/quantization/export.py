@@ -1,0 +1,230 @@
+"""Export of a quantized model: plain float state_dict, calibration config, ONNX with QDQ nodes.
+
+* The model file is a ``state_dict`` of the model with the wrappers taken out, so it loads into the
+  ORIGINAL model class; each quantized weight holds its quantized values (dequantized floats).
+* The calibration config maps layer name -> ``{'quant_types', '<type>_bits', '<type>_scale',
+  '<type>_zero_point', '<type>_qmin', '<type>_qmax', 'tracked_min_<type>', 'tracked_max_<type>'}`` (host
+  floats/ints; scale and zero point are lists for per-channel schemes). Saved with ``torch.save``;
+  load it with ``torch.load(path, weights_only=True)``.
+* ONNX: each quantization with recorded scale/zero point becomes QuantizeLinear -> DequantizeLinear
+  (see :func:`.fakequant.onnx_qdq`); quantizations without them (BNN's sign, DoReFa's transform) are
+  exported as the ops they are (weights as constants holding the quantized values). The default
+  (dynamo) exporter keeps the weights' QDQ pairs; the TorchScript one (``dynamo=False``, ~25x faster)
+  folds them into constants holding the same values. onnxruntime with graph optimizations disabled
+  reproduces the PyTorch outputs; with them (the default) it runs integer kernels between QDQ pairs and
+  may differ by about one quantization step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ...core import quant as cq
+from ...core.errors import ConfigError
+from .fakequant import onnx_qdq
+from .wrapper import QuantizerModuleWrapper, quant_axis
+
+STATE_KEYS = ("scale", "zero_point")
+
+
+def _host(t: torch.Tensor) -> Any:
+    return t.detach().cpu().tolist()
+
+
+def calibration_entry(wrapper: QuantizerModuleWrapper) -> dict[str, Any]:
+    """Bits, scale, zero point, integer range and tracked ranges of every quant type of one layer."""
+    entry: dict[str, Any] = {"quant_types": list(wrapper.quant_types), "module_type": wrapper.type}
+    for t in wrapper.quant_types:
+        entry[f"{t}_bits"] = int(wrapper.quant_bits[t])
+        qp = wrapper.qparams(t)
+        if qp is not None:
+            s, z, qmin, qmax = qp
+            d = cq.describe(s.detach().cpu().double().numpy(), z.detach().cpu().double().numpy(), qmin, qmax)
+            entry.update({f"{t}_scale": d["scale"], f"{t}_zero_point": d["zero_point"],
+                          f"{t}_qmin": d["qmin"], f"{t}_qmax": d["qmax"]})
+        for key in (f"tracked_min_{t}", f"tracked_max_{t}"):
+            b = wrapper._buffers.get(key)
+            if b is not None:
+                entry[key] = _host(b)
+    return entry
+
+
+def _state_entries(quantizer: Any, wrapper: QuantizerModuleWrapper, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    hook = getattr(quantizer, "export_state_entries", None)
+    if hook is not None:
+        out = hook(wrapper, weight, bias)
+        if out is not None:
+            return out
+    prefix = f"{wrapper.name}.{wrapper._weight_path[: -len('weight')]}"
+    out = {prefix + "weight": weight}
+    if bias is not None:
+        out[prefix + "bias"] = bias
+    return out
+
+
+def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path: str | os.PathLike | None = None,
+                 onnx_path: str | os.PathLike | None = None, input_shape: tuple[int, ...] | None = None,
+                 device: torch.device | str | None = None, dummy_input: torch.Tensor | None = None,
+                 **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
+    """See :meth:`TorchQuantizer.export_model`. The model's train/eval mode is restored afterwards."""
+    if onnx_path is not None and input_shape is None and dummy_input is None:
+        raise ValueError("export_model: onnx_path needs input_shape (or dummy_input)")
+    model = quantizer.bound_model
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            exported = {w.name: quantizer.export_weight(w) for w in wrappers}
+            calibration = {w.name: quantizer.calibration(w) for w in wrappers}
+        quantizer._unwrap_model()
+        try:
+            state = dict(model.state_dict())
+        finally:
+            quantizer._wrap_model()
+        for w in wrappers:
+            weight, bias = exported[w.name]
+            for key, value in _state_entries(quantizer, w, weight, bias).items():
+                if key not in state:
+                    raise RuntimeError(f"export_model: {key!r} is not in the unwrapped model's state_dict")
+                state[key] = value.detach().clone().to(state[key].dtype)
+        torch.save(state, os.fspath(model_path))
+        if calibration_path is not None:
+            torch.save(calibration, os.fspath(calibration_path))
+        if onnx_path is not None:
+            if dummy_input is None:
+                dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
+                dummy_input = torch.randn(*input_shape, device=dev)
+            export_onnx(quantizer, exported, onnx_path, dummy_input, **onnx_kwargs)
+    finally:
+        model.train(training)
+    return calibration
+
+
+def export_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                onnx_path: str | os.PathLike, dummy_input: torch.Tensor, **onnx_kwargs: Any) -> None:
+    """Run ``torch.onnx.export`` with the wrappers in export mode (QDQ nodes, quantized weights)."""
+    model = quantizer.bound_model
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    for w in wrappers:
+        w.export_mode = True
+        w._export_weight, w._export_bias = exported[w.name]
+        w._export_plan = {t: _activation_plan(w, t) for t in w.quant_types if t != "weight"}
+        w._export_qparams = {t: _frozen_qparams(w, t) for t in w.quant_types}
+    kwargs = {"dynamo": True, "external_data": False, "verbose": False}
+    kwargs.update(onnx_kwargs)
+    try:
+        with torch.no_grad():
+            torch.onnx.export(model, (dummy_input,), os.fspath(onnx_path), **kwargs)
+    finally:
+        for w in wrappers:
+            w.export_mode = False
+            w._export_weight = w._export_bias = None
+            w._export_plan = w._export_qparams = None
+
+
+def _activation_plan(wrapper: QuantizerModuleWrapper, t: str) -> str:
+    """'qdq' (recorded scale/zero point), 'call' (the quantizer's own op) or 'skip' (nothing to apply)."""
+    if not wrapper.quant_active:
+        return "skip"
+    if wrapper.qparams(t) is None:
+        return "call"
+    observed = wrapper._buffers.get(f"{t}_observed")
+    if observed is not None and not bool(observed):
+        return "skip"
+    return "qdq"
+
+
+def _frozen_qparams(wrapper: QuantizerModuleWrapper, t: str) -> tuple | None:
+    """Copies of one quantization's parameters for tracing (the model's buffers may change later)."""
+    qp = wrapper.qparams(t)
+    if qp is None:
+        return None
+    scale, zp, qmin, qmax = qp
+    axis = quant_axis(wrapper.layer, t) if scale.dim() > 0 else None
+    return scale.detach().clone(), zp.detach().clone(), qmin, qmax, axis
+
+
+def _qdq(wrapper: QuantizerModuleWrapper, t: str, x: torch.Tensor) -> torch.Tensor:
+    scale, zp, qmin, qmax, axis = wrapper._export_qparams[t]
+    return onnx_qdq(x, scale, zp, qmin, qmax, axis)
+
+
+def export_forward(quantizer: Any, wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: dict[str, Any]) -> Any:
+    """The wrapper's forward during ONNX export: stored parameters only, QDQ where possible."""
+
+    def activation(t: str, x: torch.Tensor) -> torch.Tensor:
+        plan = wrapper._export_plan[t]
+        if plan == "qdq":
+            return _qdq(wrapper, t, x)
+        if plan == "call":
+            return quantizer._call(t, x, wrapper)
+        return x
+
+    if wrapper._q_input and inputs:
+        inputs = (activation("input", inputs[0]), *inputs[1:])
+    if wrapper._q_weight:
+        weight = wrapper._export_weight
+        if wrapper.quant_active and wrapper._export_qparams["weight"] is not None:
+            weight = _qdq(wrapper, "weight", weight)
+        out = wrapper.forward_with_weight(weight, inputs, kwargs, bias=wrapper._export_bias)
+    else:
+        out = wrapper.module(*inputs, **kwargs)
+    if wrapper._q_output:
+        out = activation("output", out)
+    return out
+
+
+def load_calibration_config(quantizer: Any, calibration_config: dict[str, dict[str, Any]]) -> None:
+    """Copy a calibration config into the wrappers; everything is checked before anything is written."""
+    what = type(quantizer).__name__
+    if not isinstance(calibration_config, dict):
+        raise ConfigError(f"{what}: calibration config must be a dict {{layer name: record}}, "
+                          f"got {type(calibration_config).__name__}")
+    wrappers = {w.name: w for w in quantizer.get_modules_wrapper()}
+    unknown = sorted(set(calibration_config) - set(wrappers))
+    if unknown:
+        raise ConfigError(f"{what}: calibration config names layers {unknown} that this quantizer does not wrap; "
+                          f"wrapped: {sorted(wrappers)}")
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    flags: list[torch.Tensor] = []
+    frozen: list[QuantizerModuleWrapper] = []
+    for name, entry in calibration_config.items():
+        w = wrappers[name]
+        for t in w.quant_types:
+            bits = entry.get(f"{t}_bits")
+            if bits is not None and int(bits) != w.quant_bits[t]:
+                raise ConfigError(f"{what}: layer {name!r}: calibration {t}_bits = {bits}, but the config quantizes "
+                                  f"{t} at {w.quant_bits[t]} bits")
+            qp = w.qparams(t)
+            if qp is not None and f"{t}_qmin" in entry and (entry[f"{t}_qmin"], entry[f"{t}_qmax"]) != (qp[2], qp[3]):
+                raise ConfigError(f"{what}: layer {name!r}: calibration {t} range "
+                                  f"[{entry[f'{t}_qmin']}, {entry[f'{t}_qmax']}] differs from [{qp[2]}, {qp[3]}]")
+            keys = [f"{t}_scale", f"{t}_zero_point", f"tracked_min_{t}", f"tracked_max_{t}"]
+            for key in keys:
+                if key not in entry:
+                    continue
+                target = getattr(w, key, None)
+                if not torch.is_tensor(target):
+                    continue
+                value = torch.as_tensor(entry[key], dtype=target.dtype, device=target.device)
+                if value.shape != target.shape:
+                    raise ConfigError(f"{what}: layer {name!r}: calibration {key} has shape {tuple(value.shape)}, "
+                                      f"expected {tuple(target.shape)}")
+                plan.append((target, value))
+            observed = w._buffers.get(f"{t}_observed")
+            if observed is not None and f"{t}_scale" in entry:
+                flags.append(observed)
+        if "weight" in w.quant_types and "weight_scale" in entry:
+            frozen.append(w)
+    with torch.no_grad():
+        for target, value in plan:
+            target.copy_(value)
+        for flag in flags:
+            flag.fill_(True)
+    for w in frozen:
+        w.frozen = True

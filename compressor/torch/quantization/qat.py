@@ -1,0 +1,151 @@
+"""``QAT_Quantizer``: quantization-aware training (Jacob et al. 2018).
+
+* weights: min/max of the current weight at every forward -> scale/zero point
+  (:func:`compressor.core.quant.qparams`), fake-quantized with torch's fused kernel;
+* inputs/outputs: min/max tracked with an EMA (decay 0.99; the first observation seeds it) in
+  training mode; eval mode uses the stored scale and zero point (a layer never observed passes its
+  activations through unchanged);
+* ``quant_start_step``: until that many optimizer steps, tensors pass unchanged (ranges still tracked);
+* keys ``quant_dtype`` ('int' | 'uint') and ``quant_scheme`` (per_tensor/per_channel x affine/symmetric),
+  a value or a dict per quant type; defaults in :mod:`.settings` (uint, per_tensor_affine);
+* ``bn_fold=True`` (or NNI's ``dummy_input=...``): each Conv2d followed only by a BatchNorm2d trains
+  with the BN folded into its weight (see :mod:`.bn_fold`).
+
+State per layer, saved in the state_dict: ``<type>_scale``, ``<type>_zero_point`` and for activations
+``tracked_min_<type>``, ``tracked_max_<type>``, ``<type>_observed``. All updates are in place, on device,
+without host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core import quant as cq
+from ...core.matching import LayerInfo
+from .bn_fold import BNFolding
+from .fakequant import fake_quant, observe_minmax, ops
+from .quantizer import TorchQuantizer, builtin_ste
+from .settings import QuantSpec, layer_device, resolve_spec
+from .wrapper import QuantizerModuleWrapper
+
+__all__ = ["QAT_Quantizer"]
+
+
+class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
+    """Quantization-aware training with fake quantization of weights, inputs and outputs."""
+
+    config_keys = ("quant_dtype", "quant_scheme")
+    handles_start_step = True
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
+                 dummy_input: Any = None, bn_fold: bool | None = None, ema_decay: float = 0.99):
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
+        self.ema_decay = float(ema_decay)
+        fold = bn_fold if bn_fold is not None else dummy_input is not None
+        self._bn = BNFolding(model) if fold else None  # finds Conv2d -> BatchNorm2d pairs (model untouched)
+        super().__init__(model, config_list, optimizer)
+        if self._bn is not None:
+            self._bn.install(self._wrappers)  # after the wrappers are in place: BN slots become Identity
+
+    # ------------------------------------------------------------------ construction
+    def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
+        return {t: resolve_spec(config, t, layer, name, what=type(self).__name__) for t in config["quant_types"]}
+
+    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, module, config)
+        self._specs(module, layer_info.name, config)
+
+    def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
+        specs = self._specs(wrapper.layer, wrapper.name, wrapper.config)
+        wrapper.qat_specs = specs
+        dev = layer_device(wrapper.layer)
+        for t, spec in specs.items():
+            shape = () if spec.channels is None else (spec.channels,)
+            wrapper.register_buffer(f"{t}_scale", torch.ones(shape, device=dev))
+            wrapper.register_buffer(f"{t}_zero_point", torch.zeros(shape, device=dev))
+            if t != "weight":
+                wrapper.register_buffer(f"tracked_min_{t}", torch.zeros(shape, device=dev))
+                wrapper.register_buffer(f"tracked_max_{t}", torch.zeros(shape, device=dev))
+                wrapper.register_buffer(f"{t}_observed", torch.zeros((), dtype=torch.bool, device=dev))
+            wrapper.qranges[t] = (spec.qmin, spec.qmax)
+        if self._bn is not None:
+            self._bn.attach(wrapper)
+
+    # ------------------------------------------------------------------ quantization
+    @builtin_ste
+    def quantize_weight(self, weight: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        spec = wrapper.qat_specs["weight"]
+        if wrapper.frozen:
+            scale, zp = wrapper.weight_scale, wrapper.weight_zero_point
+        else:
+            with torch.no_grad():
+                rmin, rmax = observe_minmax(weight.detach(), spec.axis)
+                scale, zp = cq.qparams(ops, rmin, rmax, spec.qmin, spec.qmax, spec.symmetric)
+                wrapper.weight_scale.copy_(scale)
+                wrapper.weight_zero_point.copy_(zp)
+        if not wrapper.quant_active:
+            return weight
+        return fake_quant(weight, scale, zp, spec.qmin, spec.qmax, spec.axis)
+
+    @builtin_ste
+    def quantize_input(self, inputs: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        return self._activation("input", inputs, wrapper)
+
+    @builtin_ste
+    def quantize_output(self, output: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        return self._activation("output", output, wrapper)
+
+    def _activation(self, t: str, x: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
+        spec = wrapper.qat_specs[t]
+        axis = spec.axis
+        buf = wrapper._buffers
+        scale, zp, observed = buf[f"{t}_scale"], buf[f"{t}_zero_point"], buf[f"{t}_observed"]
+        if wrapper.training:
+            with torch.no_grad():
+                rmin, rmax = observe_minmax(x.detach(), axis)
+                tmin, tmax = buf[f"tracked_min_{t}"], buf[f"tracked_max_{t}"]
+                tmin.copy_(torch.where(observed, cq.ema(ops, tmin, rmin, self.ema_decay), rmin))
+                tmax.copy_(torch.where(observed, cq.ema(ops, tmax, rmax, self.ema_decay), rmax))
+                observed.fill_(True)
+                s, z = cq.qparams(ops, tmin, tmax, spec.qmin, spec.qmax, spec.symmetric)
+                scale.copy_(s)
+                zp.copy_(z)
+            if not wrapper.quant_active:
+                return x
+            return fake_quant(x, s, z, spec.qmin, spec.qmax, axis)
+        if not wrapper.quant_active:
+            return x
+        return torch.where(observed, fake_quant(x, scale, zp, spec.qmin, spec.qmax, axis), x)
+
+    # ------------------------------------------------------------------ export
+    def _unwrap_model(self) -> nn.Module:
+        if self._bn is not None:
+            self._bn.uninstall(self._wrappers)
+        return super()._unwrap_model()
+
+    def _wrap_model(self) -> nn.Module:
+        model = super()._wrap_model()
+        if self._bn is not None:
+            self._bn.install(self._wrappers)
+        return model
+
+    def export_weight(self, wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._bn is not None and self._bn.has(wrapper):
+            return self._bn.export_weight(self, wrapper)
+        return super().export_weight(wrapper)
+
+    def export_state_entries(self, wrapper: QuantizerModuleWrapper, weight: torch.Tensor,
+                             bias: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+        """A folded pair exports as conv(folded quantized weight, zero bias) + BN adding the folded bias."""
+        if self._bn is None or not self._bn.has(wrapper):
+            return None
+        out = {f"{wrapper.name}.weight": weight}
+        if wrapper.bias is not None:
+            out[f"{wrapper.name}.bias"] = torch.zeros_like(wrapper.bias)
+        for key, value in BNFolding.identity_state(wrapper.bn_module, bias).items():
+            out[f"{wrapper.bn_name}.{key}"] = value
+        return out

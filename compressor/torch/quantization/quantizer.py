@@ -1,0 +1,225 @@
+"""``TorchQuantizer`` (exported as ``Quantizer``): the base of every PyTorch quantizer.
+
+Writing a quantizer (seeds 002 and 003): subclass and override ``quantize_weight``, ``quantize_input``
+and/or ``quantize_output``; each returns the quantized tensor. Two calling styles are accepted:
+
+* **canonical (seed 002)**: ``quantize_weight(self, weight, wrapper, **kwargs)``,
+  ``quantize_input(self, *inputs, wrapper, **kwargs)``, ``quantize_output(self, output, wrapper, **kwargs)``;
+  ``wrapper`` is the layer's :class:`QuantizerModuleWrapper` (``wrapper.config`` is its config entry,
+  buffers set with ``set_wrappers_attribute`` live there);
+* **seed 003**: the same methods with a parameter named ``config`` instead of ``wrapper``; they get the
+  layer's config dict (and ``op``, ``op_type``, ``op_name`` if they take ``**kwargs``).
+
+The style is read from each method's signature (a parameter named ``config`` and none named ``wrapper``).
+The wrapper passes the tensor as the first argument and the wrapper/config as a keyword; for inputs only
+the first positional input of the layer is quantized.
+
+Gradients: each quantization runs through ``self.quant_grad`` (default :class:`QuantGrad`: straight-through
+estimator clipped to the quantization range the quantizer recorded on the wrapper, plain STE when it
+recorded none); set ``self.quant_grad = MyGrad`` to change it. Built-in quantizers whose methods already
+carry the right gradient (fused fake-quant kernels) skip the extra autograd function while
+``quant_grad`` is the default.
+
+Clocks: ``step()`` runs after every ``optimizer.step()`` (optimizer hook) and counts steps for the
+``quant_start_step`` key: a layer is left unquantized until that many steps have run (quantizers that
+track ranges keep tracking them). Subclasses overriding ``step`` should call ``super().step()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.config import QUANT_TYPES
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+from ..compressor import Compressor
+from .grad import QuantGrad, QuantType
+from .wrapper import QuantizerModuleWrapper
+
+__all__ = ["TorchQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
+
+
+def builtin_ste(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``quantize_*`` method whose autograd already is the clipped STE: with the default
+    ``quant_grad`` it is called directly (no extra autograd function)."""
+    fn._quant_autograd = "ste"
+    return fn
+
+
+def builtin_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``quantize_*`` method whose gradients are its own (e.g. LSQ's learned scales):
+    ``quant_grad`` is never applied to it."""
+    fn._quant_autograd = "own"
+    return fn
+
+
+def _call_style(fn: Callable[..., Any]) -> tuple[str, bool]:
+    """('wrapper' | 'config', takes **kwargs) from a ``quantize_*`` signature."""
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "config" in params and "wrapper" not in params:
+        return "config", var_kw
+    return "wrapper", var_kw
+
+
+class TorchQuantizer(Compressor):
+    """Base quantizer: wraps the selected layers in :class:`QuantizerModuleWrapper`.
+
+    Config keys: ``quant_types`` (list of 'input' / 'weight' / 'output'), ``quant_bits`` (int or
+    ``{type: bits}``, 1..32), optional ``quant_start_step``; subclasses add their own.
+    """
+
+    _kind = "quantizer"
+    required_keys: tuple[str, ...] = ("quant_types", "quant_bits")
+    #: the quant types this algorithm implements (others are refused before the model is touched)
+    supported_quant_types: tuple[str, ...] = QUANT_TYPES
+    #: autograd function of every quantization; swap it per instance (``self.quant_grad = MyGrad``)
+    quant_grad: type[QuantGrad] = QuantGrad
+    #: True: ``quantize_*`` run (and track ranges) before ``quant_start_step`` and check ``wrapper.quant_active``
+    #: themselves; False: the base leaves tensors untouched until the start step.
+    handles_start_step: bool = False
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
+        self._steps = 0
+        cls = type(self)
+        self._styles: dict[str, tuple[str, bool]] = {}
+        self._autograd: dict[str, str | None] = {}
+        for t in QUANT_TYPES:
+            fn = getattr(cls, f"quantize_{t}")
+            self._styles[t] = _call_style(fn)
+            self._autograd[t] = getattr(fn, "_quant_autograd", None)
+        super().__init__(model, config_list, optimizer)
+        self._refresh_active()
+
+    # ------------------------------------------------------------------ construction
+    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
+        what = type(self).__name__
+        types = config.get("quant_types", [])
+        bad = [t for t in types if t not in self.supported_quant_types]
+        if bad:
+            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {bad} are not supported; "
+                              f"{what} quantizes {list(self.supported_quant_types)}")
+        missing = [t for t in types if getattr(type(self), f"quantize_{t}") is getattr(TorchQuantizer, f"quantize_{t}")]
+        if missing:
+            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {missing} need "
+                              f"{', '.join('quantize_' + t for t in missing)}(), which {what} does not define")
+        if "weight" in types and not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight tensor to quantize")
+
+    def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
+        wrapper = QuantizerModuleWrapper(module, layer_info.name, layer_info.type, config, self)
+        wrapper.training = module.training  # wrapping an eval-mode model must not switch its layers to training
+        self.init_wrapper(wrapper)
+        return wrapper
+
+    def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
+        """Hook: register the buffers/parameters a layer's quantization needs (before the model changes)."""
+
+    # ------------------------------------------------------------------ override points
+    def quantize_weight(self, weight: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        """Return the quantized ``weight`` of ``wrapper``'s layer."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_weight()")
+
+    def quantize_input(self, *inputs: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        """Return the quantized input of ``wrapper``'s layer."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_input()")
+
+    def quantize_output(self, output: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        """Return the quantized output of ``wrapper``'s layer."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_output()")
+
+    # ------------------------------------------------------------------ dispatch (called by the wrapper)
+    def _call(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
+        style, var_kw = self._styles[quant_type]
+        fn = getattr(self, f"quantize_{quant_type}")
+        if style == "wrapper":
+            out = fn(tensor, wrapper=wrapper)
+        elif var_kw:
+            out = fn(tensor, config=wrapper.config, op=wrapper.layer, op_type=wrapper.type, op_name=wrapper.name)
+        else:
+            out = fn(tensor, config=wrapper.config)
+        if isinstance(out, (tuple, list)):  # quantize_input(*inputs) may hand back a tuple
+            out = out[0]
+        return out
+
+    def _quantize(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
+        t = quant_type.value if isinstance(quant_type, QuantType) else quant_type
+        if not wrapper.quant_active and not self.handles_start_step:
+            return tensor
+        mode = self._autograd[t]
+        grad = self.quant_grad
+        if mode == "own" or (mode == "ste" and grad is QuantGrad):
+            return self._call(t, tensor, wrapper)
+
+        def run(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            return self._call(t, x, wrapper), wrapper.qparams(t)
+
+        return grad.apply(tensor, QuantType(t), run)
+
+    def _export_forward(self, wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: dict[str, Any]) -> Any:
+        from .export import export_forward
+
+        return export_forward(self, wrapper, inputs, kwargs)
+
+    # ------------------------------------------------------------------ clocks
+    def step(self) -> None:
+        """After each optimizer step: advance the step counter (``quant_start_step``)."""
+        self._steps += 1
+        for w in self._wrappers:
+            w.frozen = False  # weights moved: loaded calibration no longer describes them
+        self._refresh_active()
+
+    def _refresh_active(self) -> None:
+        for w in self._wrappers:
+            w.quant_active = self._steps >= w.config.get("quant_start_step", 0)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps seen so far."""
+        return self._steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self._steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps = int(state.get("steps", 0))
+        self._refresh_active()
+
+    # ------------------------------------------------------------------ export
+    def export_weight(self, wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight (and bias, None = unchanged) the exported float model holds for ``wrapper``'s layer."""
+        weight = wrapper.weight
+        if QuantType.QUANT_WEIGHT in wrapper.quant_types and wrapper.quant_active:
+            weight = self._quantize("weight", weight, wrapper)
+        return weight.detach(), None
+
+    def calibration(self, wrapper: QuantizerModuleWrapper) -> dict[str, Any]:
+        """The calibration record of one layer (see :func:`compressor.torch.quantization.export.calibration_entry`)."""
+        from .export import calibration_entry
+
+        return calibration_entry(wrapper)
+
+    def export_model(self, model_path: str, calibration_path: str | None = None, onnx_path: str | None = None,
+                     input_shape: tuple[int, ...] | None = None, device: torch.device | str | None = None,
+                     **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
+        """Save a plain float state_dict (quantized weight values) loadable into the original model class,
+        and return (and save to ``calibration_path``) the per-layer calibration config. With ``onnx_path``
+        and ``input_shape`` also export ONNX with QuantizeLinear/DequantizeLinear nodes."""
+        from .export import export_model
+
+        return export_model(self, model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
+
+    def load_calibration_config(self, calibration_config: dict[str, dict[str, Any]]) -> None:
+        """Load ranges, scales and zero points saved by :meth:`export_model` into the wrappers (checked
+        completely before anything is written)."""
+        from .export import load_calibration_config
+
+        load_calibration_config(self, calibration_config)
+
+
+Quantizer = TorchQuantizer

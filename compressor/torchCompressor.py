@@ -1,0 +1,168 @@
+"""The seed-004 prototype API on PyTorch, as thin shims over :mod:`compressor.torch`.
+
+::
+
+    from compressor import torchCompressor
+    pruner = torchCompressor.LevelPruner([{'sparsity': 0.8, 'support_type': 'default'}])
+    pruner(model)            # instruments the model in place and returns it; train as usual
+
+Built-in names: ``LevelPruner``, ``AGPruner`` (-> ``AGPPruner``), ``SensitivityPruner``, ``QATquantizer``
+(-> ``QAT_Quantizer``), ``DoReFaQuantizer``. Designers subclass :class:`TorchPruner` and implement
+``calc_mask(self, layer_info, weight) -> mask`` (``weight``: the layer's weight tensor, detached, in
+PyTorch's layout; the mask: same shape, bool or 0/1, True/1 = keep), or :class:`TorchQuantizer` and
+implement ``quantize_weight(self, layer_info, weight) -> new weight`` (gradients pass straight through).
+``layer_info.name`` is the module path, ``layer_info.type`` the class name and
+``layer_info.extra['layer']`` the module itself. Call ``step()`` / ``update_epoch(epoch)`` from the
+training loop; masks are re-evaluated after each. Configure keys of the prototype (``support_type``,
+``support_op``, ``prune: False``) and of the modern API are both accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import torch as _modern
+from ._prototype import Configure, PrototypeCompressor
+from .core.matching import LayerInfo
+from .torch.compressor import innermost_module
+
+__all__ = ["TorchPruner", "TorchQuantizer", "LevelPruner", "AGPruner", "SensitivityPruner", "QATquantizer",
+           "DoReFaQuantizer"]
+
+
+def _layer_infos(compressor: Any) -> list[LayerInfo]:
+    """Prototype ``layer_info`` of every wrapper, in wrapper order (the module under ``extra['layer']``)."""
+    return [LayerInfo(info.name, info.type, {"layer": innermost_module(w.module)})
+            for (info, _), w in zip(compressor.get_modules_to_compress(), compressor.get_modules_wrapper())]
+
+
+class _PrunerAdapter(_modern.TorchPruner):
+    """Runs a prototype ``calc_mask(layer_info, weight)`` as a modern pruner's masks."""
+
+    def __init__(self, model: nn.Module, config_list: Configure, prototype: TorchPruner):
+        self.prototype = prototype
+        self.config_keys = tuple(prototype.config_keys)
+        self._due = False
+        super().__init__(model, config_list)
+        self._infos = _layer_infos(self)
+
+    def calc_mask(self, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
+        if not self._due:  # the modern clock (optimizer hook) does not drive a prototype pruner
+            return None
+        idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
+        mask = self.prototype.calc_mask(self._infos[idx], wrapper.weight.detach())
+        return None if mask is None else {"weight_mask": mask}
+
+    def refresh(self) -> None:
+        """Evaluate the prototype's ``calc_mask`` for every layer now and apply the masks."""
+        self._due = True
+        try:
+            self.update_mask()
+        finally:
+            self._due = False
+
+    def compress(self) -> nn.Module:
+        self.refresh()
+        return self.bound_model
+
+
+class _QuantizerAdapter(_modern.TorchQuantizer):
+    """Runs a prototype ``quantize_weight(layer_info, weight)`` as a modern weight quantizer."""
+
+    required_keys = ("quant_types",)
+    supported_quant_types = ("weight",)
+
+    def __init__(self, model: nn.Module, config_list: Configure, prototype: TorchQuantizer):
+        self.prototype = prototype
+        self.config_keys = tuple(prototype.config_keys)
+        self._info_by_name: dict[str, LayerInfo] = {}
+        super().__init__(model, config_list)
+        self._info_by_name = {info.name: info for info in _layer_infos(self)}
+
+    def quantize_weight(self, weight: torch.Tensor, wrapper: nn.Module, **kwargs: Any) -> torch.Tensor:
+        return self.prototype.quantize_weight(self._info_by_name[wrapper.name], weight)
+
+
+class _TorchPrototype(PrototypeCompressor):
+    _backend = "torch"
+    _method = ""
+    _base: type = PrototypeCompressor
+    _adapter: type = object
+
+    def _modern_class(self) -> type | None:
+        base = self._base
+        if getattr(type(self), self._method) is not getattr(base, self._method):
+            return None  # the designer's method runs through the adapter
+        if self._modern is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement {self._method}(self, layer_info, weight)")
+        return getattr(_modern, self._modern)
+
+    def _adapter_class(self) -> type:
+        return self._adapter
+
+
+class TorchPruner(_TorchPrototype):
+    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask."""
+
+    _kind = "pruner"
+    _method = "calc_mask"
+    _adapter = _PrunerAdapter
+
+    def calc_mask(self, layer_info: LayerInfo, weight: torch.Tensor) -> Any:
+        """The mask of ``weight`` (same shape; True/1 keeps a weight). Called when the model is
+        instrumented and after every ``step()`` / ``update_epoch()``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask(self, layer_info, weight)")
+
+
+class TorchQuantizer(_TorchPrototype):
+    """Prototype quantizer base: implement ``quantize_weight(self, layer_info, weight)`` returning the new
+    weight. Configure entries quantize weights by default (``quant_types: ['weight']``)."""
+
+    _kind = "quantizer"
+    _method = "quantize_weight"
+    _adapter = _QuantizerAdapter
+    _legacy_renames = {"q_bits": "quant_bits"}
+    _legacy_defaults = {"quant_types": ["weight"]}
+
+    def quantize_weight(self, layer_info: LayerInfo, weight: torch.Tensor) -> torch.Tensor:
+        """The quantized ``weight``; called in every forward of the layer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement quantize_weight(self, layer_info, weight)")
+
+
+TorchPruner._base = TorchPruner
+TorchQuantizer._base = TorchQuantizer
+
+
+class LevelPruner(TorchPruner):
+    """Magnitude pruning to ``sparsity`` per layer (modern :class:`compressor.torch.LevelPruner`)."""
+
+    _modern = "LevelPruner"
+
+
+class AGPruner(TorchPruner):
+    """Automated gradual pruning; call ``update_epoch(epoch)`` each epoch (modern ``AGPPruner``)."""
+
+    _modern = "AGPPruner"
+
+
+class SensitivityPruner(TorchPruner):
+    """Han et al. 2015: prune ``|w| < s * std(w)``. The prototype named ``s`` 'sparsity'; it is passed on as
+    ``sensitivity`` (modern :class:`compressor.torch.SensitivityPruner`)."""
+
+    _modern = "SensitivityPruner"
+    _legacy_renames = {"sparsity": "sensitivity"}
+
+
+class QATquantizer(TorchQuantizer):
+    """Quantization-aware training (modern ``QAT_Quantizer``)."""
+
+    _modern = "QAT_Quantizer"
+
+
+class DoReFaQuantizer(TorchQuantizer):
+    """DoReFa weight quantization (modern :class:`compressor.torch.DoReFaQuantizer`)."""
+
+    _modern = "DoReFaQuantizer"
