@@ -63,6 +63,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
 from ..tf_plugin import DEFAULT_TYPES
 from . import hooks, layout
+from .distribute import strategy_of, strategy_scope_of
 from .hooks import check_optimizer
 
 __all__ = ["Compressor", "LayerWrapper", "iter_layers", "retrace_model", "strip_model", "wrappers_of"]
@@ -110,6 +111,12 @@ def _device_of(variable: Any) -> str | None:
 
 @contextmanager
 def _on_device(variable: Any):
+    """Create variables next to ``variable``: on its device, or mirrored like it when it is a distributed
+    (e.g. MirroredStrategy) variable, even outside ``strategy.scope()``."""
+    if strategy_of(variable) is not None:
+        with strategy_scope_of(variable):
+            yield
+        return
     dev = _device_of(variable)
     if dev:
         with tf.device(dev):
@@ -295,6 +302,9 @@ class Compressor:
     default_types: tuple[str, ...] = DEFAULT_TYPES
     #: wrappers of one kind are never stacked on a layer ('pruner', 'quantizer')
     _kind: str = "compressor"
+    #: under tf.distribute, reduce per-batch data statistics over the replicas before they are accumulated
+    #: (see :mod:`compressor.tf.distribute`); set False on an instance to opt out
+    sync_ranks: bool = True
 
     @property
     def wrapper_attr(self) -> str:
@@ -328,7 +338,8 @@ class Compressor:
         self.modules_to_compress = [(info, config) for info, config in selected]
         self._collectors: dict[int, Callable[..., Any]] = {}
         self._collector_ids = itertools.count()
-        with tf.init_scope():
+        anchor = next(iter(getattr(model, "weights", ()) or ()), None)  # mirror the step like the model's weights
+        with tf.init_scope(), _on_device(anchor):
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="compressor_step")
         self.epoch = 0
         # build every wrapper before touching the model

@@ -65,11 +65,15 @@ class Compressor:
     default_types: tuple[str, ...] = torch_plugin.DEFAULT_TYPES
     #: wrappers of one kind are never nested in each other ('pruner', 'quantizer')
     _kind: str = "compressor"
+    #: under torch.distributed, reduce per-rank data statistics over the ranks before masks / scales are
+    #: derived from them (see :mod:`compressor.torch.distributed`); set False on an instance to opt out
+    sync_ranks: bool = True
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
         what = type(self).__name__
         if not isinstance(model, nn.Module):
             raise ModelError(f"{what}: model must be a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}")
+        _refuse_distributed_wrapper(model, what)
         hooks.check_optimizer(optimizer, what)
         self.config_list: list[dict[str, Any]] = normalize_config_list(
             config_list, extra_keys=self.config_keys, required=self.required_keys, what=what
@@ -237,6 +241,25 @@ class Compressor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+
+def _refuse_distributed_wrapper(model: nn.Module, what: str) -> None:
+    """DDP and FSDP capture the parameters and buffers of the model when they are built, and FSDP shards
+    them; a compressor must instrument the plain model first. Refused before anything changes."""
+    kind = None
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        kind = "DistributedDataParallel"
+    elif torch.distributed.is_available():
+        fsdp = getattr(torch.distributed, "fsdp", None)
+        if fsdp is not None and isinstance(model, tuple(getattr(fsdp, n) for n in ("FullyShardedDataParallel", "FSDPModule")
+                                                        if hasattr(fsdp, n))):
+            kind = "FSDP"
+    if kind is not None:
+        raise ModelError(
+            f"{what}: the model is wrapped in {kind}; compress the plain model first, then wrap it "
+            f"(model = {what}(model, config_list, optimizer).compress(); model = {kind}(model, ...)). "
+            f"See README 'Distributed training'"
+        )
 
 
 def _module_device(module: nn.Module) -> torch.device | None:

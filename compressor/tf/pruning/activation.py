@@ -5,7 +5,9 @@ are collected by an activation collector, inside the traced graph, for ``statist
 each layer, as running sums in variables on the device (core ``activation_stats``; no per-batch tensors
 kept, no host copies; a ``tf.cond`` stops adding after the last batch). Masks are computed in the
 optimizer hook once a layer's statistics are in. The collector is removed at the next eager sync
-(``update_epoch``, the callback's epoch begin) after every layer has its masks.
+(``update_epoch``, the callback's epoch begin) after every layer has its masks. Under tf.distribute each
+batch's statistics are summed over the replicas before they are added (:mod:`compressor.tf.distribute`),
+so every replica ranks the channels of the global batch.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ...core.pruning import (
     mean_activation_importance,
 )
 from .. import layout
+from ..distribute import all_reduce_sum
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num, filter_result
 from .pruner import OneShotPruner
@@ -92,9 +95,12 @@ class ActivationFilterMasker(WeightMasker):
             return
         out = tf.cast(tf.stop_gradient(output), tf.float32)
         axis = layout.channel_axis(wrapper.layer)
+        stats = activation_stats(ops, out, axis, self.activation)
+        if self.pruner.sync_ranks:  # the global batch's statistics on every replica (outside the cond)
+            stats = all_reduce_sum(*stats)
 
         def add() -> Any:
-            for name, x in zip(_STATS, activation_stats(ops, out, axis, self.activation)):
+            for name, x in zip(_STATS, stats):
                 getattr(wrapper, name).assign_add(x)
             wrapper.act_batches.assign_add(1)
             return tf.constant(True)

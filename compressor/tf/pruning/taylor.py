@@ -3,7 +3,9 @@
 In the optimizer hook, right after each update (in-graph), ``sum((w * dL/dw)^2)`` per filter (core
 ``taylor_fo_contribution`` on canonical-layout tensors) is added to a running sum in a variable on the
 weight's device, for ``statistics_batch_num`` updates (``tf.cond``); then the filters with the smallest
-totals are pruned, also in-graph. The gradients are those the optimizer was given.
+totals are pruned, also in-graph. The gradients are those the optimizer was given; under tf.distribute
+they are first summed over the replicas, as the optimizer does, so every replica scores the filters by the
+gradient actually applied (NNI's DDP bug #5205 scored per-rank gradients and pruned different filters).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tensorflow as tf
 
 from ...core.matching import LayerInfo
 from ...core.pruning import expand_filter_mask, filter_keep_from_mask, filter_mask, taylor_fo_contribution
+from ..distribute import all_reduce_sum
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num, filter_result
 from .pruner import OneShotPruner
@@ -66,9 +69,12 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
             g = grads.get(id(w.weight), grads.get(id(getattr(w.weight, "_value", w.weight))))
             if g is None:
                 continue
+            g = tf.convert_to_tensor(g)
+            if self.pruner.sync_ranks:  # the gradient the optimizer applies: the replicas' sum (outside the cond)
+                (g,) = all_reduce_sum(g)
 
             def add(w: Any = w, g: Any = g) -> Any:
-                grad = w.canonical(tf.cast(tf.convert_to_tensor(g), tf.float32))
+                grad = w.canonical(tf.cast(g, tf.float32))
                 weight = tf.cast(w.canonical_weight(), tf.float32)
                 w.taylor_contribution.assign_add(taylor_fo_contribution(ops, weight, grad))
                 w.taylor_batches.assign_add(1)

@@ -12,6 +12,9 @@ paper's gradients: clipped STE for ``x``, the LSQ step-size gradient scaled by `
 signed ``[-2^(b-1), 2^(b-1)-1]`` as in the paper) or 'uint' (``[0, 2^b-1]``, for non-negative
 activations). Initial step: ``2 mean|x| / sqrt(qmax)`` from the kernel at construction and from the first
 training batch for activations (in-graph). ``quant_grad`` is not used: LSQ's gradients are its own.
+Under tf.distribute the activations' first-batch step size is averaged over the replicas (equal per-replica
+batches: the global batch's value); that scalar all-reduce runs in every training step, since collectives
+cannot sit in a ``tf.cond`` branch of a replica function.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tensorflow as tf
 from ...core import quant as cq
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ..distribute import all_reduce_mean
 from ..ops import ops
 from .quantizer import TfQuantizer, builtin_autograd
 from .settings import QuantSpec, resolve_spec
@@ -87,6 +91,8 @@ class LsqQuantizer(TfQuantizer):
             raw = getattr(wrapper, f"{t}_scale")._value  # the backing tf.Variable: assign outside Keras scopes
             x32 = tf.stop_gradient(tf.cast(x, tf.float32))
             init = tf.cast(cq.lsq_init_scale(ops, x32, wrapper.lsq_specs[t].qmax), raw.dtype)
+            if self.sync_ranks:  # every replica starts from the global batch's step size (a scalar all-reduce)
+                (init,) = all_reduce_mean(init)
             first = tf.logical_and(tf.logical_not(flag.read_value()), tf.cast(training, tf.bool))
             with tf.control_dependencies([raw.assign(tf.where(first, init, raw.read_value())),
                                           flag.assign(tf.logical_or(flag.read_value(), first))]):

@@ -19,6 +19,10 @@ Mirror of the torch ``QAT_Quantizer`` (same keys, defaults, state names and math
 State per layer (``tf.Variable``s of the wrapper, saved with ``tf.train.Checkpoint(model=model)``):
 ``<type>_scale``, ``<type>_zero_point`` and for activations ``tracked_min_<type>``, ``tracked_max_<type>``,
 ``<type>_observed``. All updates are graph ops (``assign``), no host synchronisation.
+
+Under tf.distribute (MirroredStrategy, MultiWorkerMirroredStrategy) each batch's activation min / max are
+reduced over the replicas (MIN / MAX) before the EMA, so every replica tracks the global batch's ranges
+(:mod:`compressor.tf.distribute`); weights are identical on all replicas, so their ranges are too.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tensorflow as tf
 
 from ...core import quant as cq
 from ...core.matching import LayerInfo
+from ..distribute import all_reduce_max, all_reduce_min
 from ..ops import ops
 from .fakequant import as_channels, fake_quant
 from .quantizer import TfQuantizer
@@ -107,9 +112,14 @@ class QAT_Quantizer(TfQuantizer):  # noqa: N801  (NNI's public name)
         scale_v, zp_v = getattr(wrapper, f"{t}_scale"), getattr(wrapper, f"{t}_zero_point")
         tmin, tmax = getattr(wrapper, f"tracked_min_{t}"), getattr(wrapper, f"tracked_max_{t}")
         observed = getattr(wrapper, f"{t}_observed")
+        training = wrapper.training
+        if training is not None and training is not False:
+            # observed outside the cond: collectives cannot run in a cond branch of a replica function
+            rmin, rmax = cq.minmax(ops, tf.stop_gradient(tf.cast(x, tf.float32)), axis)
+            if self.sync_ranks:  # the global batch's range on every replica (no-op on one device)
+                rmin, rmax = all_reduce_min(rmin), all_reduce_max(rmax)
 
         def train() -> tf.Tensor:
-            rmin, rmax = cq.minmax(ops, tf.stop_gradient(tf.cast(x, tf.float32)), axis)
             seen = observed.read_value()
             new_min = tf.where(seen, cq.ema(ops, tmin.read_value(), rmin, self.ema_decay), rmin)
             new_max = tf.where(seen, cq.ema(ops, tmax.read_value(), rmax, self.ema_decay), rmax)
@@ -124,4 +134,4 @@ class QAT_Quantizer(TfQuantizer):  # noqa: N801  (NNI's public name)
                                               fused=self.fused),
                            lambda: tf.identity(x))
 
-        return _select(wrapper.training, train, infer)
+        return _select(training, train, infer)

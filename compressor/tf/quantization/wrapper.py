@@ -23,7 +23,7 @@ import tensorflow as tf
 from ...core import quant as cq
 from ...core.matching import LayerInfo
 from .. import layout
-from ..compressor import LayerWrapper
+from ..compressor import LayerWrapper, _on_device
 from ..ops import ops
 from .grad import QuantType
 
@@ -106,7 +106,7 @@ class QuantizerLayerWrapper(LayerWrapper):
         """A Keras variable ``name`` that joins the layer's (hence the model's) variables while installed."""
         import keras
 
-        with tf.init_scope():
+        with tf.init_scope(), _on_device(self.weight):  # mirrored like the layer's weights under tf.distribute
             var = keras.Variable(tf.convert_to_tensor(value), trainable=trainable, name=f"{self.layer.name}_{name}")
         self._layer_variables.append(var)
         self._setattr_raw(name, var)

@@ -4,12 +4,20 @@ Statistics of ``activation(output)`` per output channel are collected by a forwa
 for ``statistics_batch_num`` batches, as running sums on the output's device (core
 ``activation_stats``; no per-batch tensors kept, no host copies). The hook is removed as soon as every
 layer has its masks, so later forwards cost nothing.
+
+Under DDP the running sums are summed over the ranks before the masks are chosen
+(:meth:`WeightMasker.reduce_statistics`). Under ``nn.DataParallel`` the hook runs on every replica: the
+statistics of all replicas' chunks are added into the original wrapper's sums (under a lock, on the
+original's device), counting batches per device, so a layer is ready after ``statistics_batch_num``
+DataParallel forwards.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...core.errors import ConfigError
@@ -24,8 +32,9 @@ from ...core.pruning import (
 )
 from ..ops import ops
 from .filters import filter_result
-from .masker import WeightMasker, all_reduce_sum, check_filter_layer, check_statistics_batch_num
+from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
 from .pruner import OneShotPruner
+from .wrapper import replica_origin
 
 __all__ = [
     "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
@@ -52,10 +61,12 @@ class ActivationFilterMasker(WeightMasker):
         self.statistics_batch_num = check_statistics_batch_num(statistics_batch_num, type(pruner).__name__)
         self._index = {id(w): i for i, w in enumerate(pruner.get_modules_wrapper())}
         self._collector_id: int | None = None
+        self._lock = threading.Lock()  # DataParallel runs the replicas' hooks in threads
         self._reset()
 
     def _reset(self) -> None:
-        self._batches = [0] * len(self._index)
+        # batches seen per layer and device (one device unless DataParallel replicas feed the layer)
+        self._batches: list[dict[torch.device, int]] = [{} for _ in self._index]
         self._stats: dict[int, tuple[Any, Any, Any]] = {}  # idx -> running (zeros, total, count)
 
     @classmethod
@@ -76,20 +87,29 @@ class ActivationFilterMasker(WeightMasker):
             self._collector_id = None
 
     def _collect(self, wrapper: nn.Module, inputs: Any, output: Any) -> None:
-        idx = self._index.get(id(wrapper))
-        if idx is None or self._batches[idx] >= self.statistics_batch_num:
+        origin = replica_origin(wrapper)
+        idx = self._index.get(id(origin))
+        if idx is None:
+            return
+        seen = self._batches[idx]
+        if seen.get(output.device, 0) >= self.statistics_batch_num:
             return
         batch = activation_stats(ops, output.detach(), 1, self.activation)
-        running = self._stats.get(idx)
-        if running is None:
-            self._stats[idx] = batch
-        else:
-            for acc, x in zip(running, batch):
-                acc.add_(x)
-        self._batches[idx] += 1
+        home = origin.weight_mask.device
+        if output.device != home:
+            batch = tuple(x.to(home, non_blocking=True) for x in batch)
+        with self._lock:
+            running = self._stats.get(idx)
+            if running is None:
+                self._stats[idx] = batch
+            else:
+                for acc, x in zip(running, batch):
+                    acc.add_(x)
+            seen[output.device] = seen.get(output.device, 0) + 1
 
     def statistics_ready(self, wrapper_idx: int) -> bool:
-        return self._batches[wrapper_idx] >= self.statistics_batch_num
+        home = self.pruner.get_modules_wrapper()[wrapper_idx].weight_mask.device
+        return self._batches[wrapper_idx].get(home, 0) >= self.statistics_batch_num
 
     def importance(self, wrapper_idx: int) -> Any:
         raise NotImplementedError
@@ -98,7 +118,7 @@ class ActivationFilterMasker(WeightMasker):
         idx = self._index[id(wrapper)] if wrapper_idx is None else wrapper_idx
         if not self.statistics_ready(idx):
             return None
-        all_reduce_sum(*self._stats[idx])
+        self.reduce_statistics(*self._stats[idx])
         kept = filter_keep_from_mask(ops, wrapper.weight_mask)
         keep = filter_mask(ops, self.importance(idx), sparsity, kept)
         return filter_result(wrapper, expand_filter_mask(ops, keep, tuple(wrapper.weight.shape)), keep)

@@ -5,6 +5,10 @@ dense; each later round prunes the smallest trained weights up to core ``lottery
 final ``sparsity`` is reached in round ``prune_iterations``), then resets the weights, the optimizer
 state and the LR scheduler (if given) to their initial copies, so the ticket is trained from the same
 start. Masks are monotone.
+
+Under torch.distributed the initial copies are taken from rank 0 when round 0 starts (DDP broadcasts rank
+0's weights when it wraps the model, after this pruner copied each rank's own), so every rank rewinds to
+the same weights.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ...core.config import key_spec
 from ...core.errors import ConfigError
 from ...core.pruning import level_mask
 from ...core.schedules import lottery_sparsity
+from ..distributed import broadcast
 from ..ops import ops
 from .pruner import TorchPruner
 from .wrapper import PrunerModuleWrapper
@@ -91,6 +96,9 @@ class LotteryTicketPruner(TorchPruner):
         if nxt > self.prune_iterations:
             raise RuntimeError(f"LotteryTicketPruner: all {self.prune_iterations} pruning rounds are done")
         self.curr_prune_iteration = nxt
+        if nxt == 0 and self.sync_ranks:
+            with torch.no_grad():
+                broadcast(*self._initial_model.values())  # no-op unless torch.distributed is initialised
         if nxt > 0:
             for wrapper in self._wrappers:
                 s = lottery_sparsity(nxt, wrapper.config["sparsity"], self.prune_iterations)

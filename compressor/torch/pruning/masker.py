@@ -16,6 +16,9 @@ from torch import nn
 
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ..distributed import all_reduce_sum
+
+__all__ = ["WeightMasker", "all_reduce_sum", "check_filter_layer", "check_statistics_batch_num"]
 
 
 class WeightMasker:
@@ -49,6 +52,13 @@ class WeightMasker:
     def after_step(self) -> None:
         """Called by the pruner after every optimizer step, before masks are updated."""
 
+    def reduce_statistics(self, *tensors: torch.Tensor) -> None:
+        """Sum data statistics over the ranks of torch.distributed (if initialised and the pruner's
+        ``sync_ranks`` is on) so every rank, each of which saw different batches, picks the same filters.
+        Called in the same order on every rank, right before a mask is derived from the statistics."""
+        if getattr(self.pruner, "sync_ranks", True):
+            all_reduce_sum(*tensors)
+
 
 def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> None:
     """Filter criteria need the weight's first axis to be the output channels (Conv, Linear)."""
@@ -58,14 +68,6 @@ def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> N
             f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; filter pruning needs "
             f"Conv1d/Conv2d/Conv3d or Linear (output channels first), not transposed convolutions"
         )
-
-
-def all_reduce_sum(*tensors: torch.Tensor) -> None:
-    """Sum data statistics over the ranks of torch.distributed, if initialised, so every rank (each of
-    which saw different batches) picks the same filters. Called in the same order on every rank."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        for t in tensors:
-            torch.distributed.all_reduce(t)
 
 
 def check_statistics_batch_num(value: Any, what: str) -> int:

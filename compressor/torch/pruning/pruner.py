@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, ModelError
 from ...core.matching import LayerInfo
 from ..compressor import Compressor
 from .masker import WeightMasker
@@ -87,7 +87,11 @@ class TorchPruner(Compressor):
         for w in stale:
             w._mask_pairs(tensors, masks)
         with torch.no_grad():
-            torch._foreach_mul_(tensors, masks)
+            try:
+                torch._foreach_mul_(tensors, masks)
+            except RuntimeError:
+                check_not_sharded(tensors, type(self).__name__)
+                raise
         for w in stale:
             w._mark_masked()
 
@@ -138,6 +142,17 @@ class TorchPruner(Compressor):
 
 
 Pruner = TorchPruner
+
+
+def check_not_sharded(tensors: list[torch.Tensor], what: str) -> None:
+    """Explain the failure of masking parameters that FSDP has sharded (DTensors): masks are full-size
+    tensors and the criteria need whole weights, so pruning under FSDP is not supported."""
+    if any(type(t).__name__ == "DTensor" for t in tensors):
+        raise ModelError(
+            f"{what}: the pruned weights are sharded (FSDP / DTensor); pruners need whole weights and full-size "
+            f"masks, so they do not work under FSDP. Prune with DDP (or on one device), export, then train the "
+            f"pruned model with FSDP. See README 'Distributed training'"
+        )
 
 
 class OneShotPruner(TorchPruner):

@@ -15,7 +15,7 @@ from ...core.matching import LayerInfo
 from ...core.pruning import expand_filter_mask, filter_keep_from_mask, filter_mask, taylor_fo_contribution
 from ..ops import ops
 from .filters import filter_result
-from .masker import WeightMasker, all_reduce_sum, check_filter_layer, check_statistics_batch_num
+from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
 from .pruner import OneShotPruner
 
 __all__ = ["TaylorFOWeightFilterPruner", "TaylorFOWeightFilterPrunerMasker"]
@@ -69,7 +69,7 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
         idx = self.pruner._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
         if not self.statistics_ready(idx):
             return None
-        all_reduce_sum(self._contrib[idx])
+        self.reduce_statistics(self._contrib[idx])
         kept = filter_keep_from_mask(ops, wrapper.weight_mask)
         keep = filter_mask(ops, self._contrib[idx], sparsity, kept)
         return filter_result(wrapper, expand_filter_mask(ops, keep, tuple(wrapper.weight.shape)), keep)

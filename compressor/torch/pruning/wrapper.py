@@ -11,10 +11,18 @@ device, saved in the state_dict as ``<name>.weight_mask`` / ``<name>.bias_mask``
 
 Writing a weight through ``.data`` bypasses version counting: call :meth:`PrunerModuleWrapper.apply_masks`
 after such writes.
+
+``nn.DataParallel`` replicas (rebuilt from the original model at every forward) never write masks or
+weights: their weights are copies of the original's, which the pruner keeps masked, and their mask buffers
+are the original's (device 0) or copies. If the original's weights changed since they were last masked (a
+checkpoint load, a write), a replica computes with ``weight * mask`` out of place until the next optimizer
+step re-masks the original. :func:`replica_origin` maps a replica (e.g. the module a forward hook receives)
+to the wrapper it was copied from.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -24,6 +32,11 @@ from torch import nn
 from ..compressor import innermost_module
 
 MASK_NAMES = ("weight_mask", "bias_mask")
+
+
+def replica_origin(module: nn.Module) -> nn.Module:
+    """The module a DataParallel replica was copied from (``module`` itself if it is not a replica)."""
+    return module.__dict__.get("_replica_of", module)
 
 
 class PrunerModuleWrapper(nn.Module):
@@ -66,16 +79,17 @@ class PrunerModuleWrapper(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The wrapped layer's weight Parameter (masked in place)."""
-        return self._layer.weight
+        return self._replica_layer().weight
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return getattr(self._layer, "bias", None)
+        return getattr(self._replica_layer(), "bias", None)
 
     # -------------------------------------------------------------- masks
     def __setattr__(self, name: str, value: Any) -> None:
         buffers = self.__dict__.get("_buffers")
-        if buffers is not None and buffers.get(name) is not None:
+        if buffers is not None and buffers.get(name) is not None and not self.__dict__.get("_is_replica"):
+            # (a DataParallel replica gets its buffer copies assigned, not copied into the original's)
             if name in MASK_NAMES:
                 self.set_mask(name, value)
                 return
@@ -153,15 +167,53 @@ class PrunerModuleWrapper(nn.Module):
 
     def refresh(self) -> bool:
         """Re-mask if the weights or masks changed since the last masking; True if it did."""
+        origin = self.__dict__.get("_replica_of")
+        if origin is not None:  # a DataParallel replica never writes weights
+            if origin.is_stale():
+                warnings.warn(f"{self.name}: weights changed since they were last masked and this DataParallel "
+                              f"replica cannot re-mask them; call pruner.apply_masks() after loading or writing "
+                              f"weights", RuntimeWarning, stacklevel=2)
+            return False
         if self._versions() != self._seen:
             self.apply_masks()
             return True
         return False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        origin = self.__dict__.get("_replica_of")
+        if origin is not None:
+            return self._replica_forward(origin, args, kwargs)
         if self._versions() != self._seen:
             self.apply_masks()
         return self.module(*args, **kwargs)
+
+    # -------------------------------------------------------------- nn.DataParallel
+    def _replicate_for_data_parallel(self) -> PrunerModuleWrapper:
+        replica = super()._replicate_for_data_parallel()
+        # the replica's layer is a replica too, set by torch after this returns: resolved at its forward
+        for key, value in (("_replica_of", self), ("_layer", None), ("_layer_params", None), ("_seen", None)):
+            object.__setattr__(replica, key, value)
+        return replica
+
+    def _replica_layer(self) -> nn.Module:
+        """The wrapped layer (in a DataParallel replica: the replica's, resolved on first use)."""
+        layer = self.__dict__["_layer"]
+        if layer is None:
+            layer = innermost_module(self.module)
+            object.__setattr__(self, "_layer", layer)
+        return layer
+
+    def _replica_forward(self, origin: PrunerModuleWrapper, args: tuple, kwargs: dict[str, Any]) -> Any:
+        layer = self._replica_layer()
+        if not origin.is_stale():
+            return self.module(*args, **kwargs)  # copies of weights the pruner has masked
+        prefix, module = "", self.module
+        while module is not layer:
+            prefix, module = prefix + "module.", module.module
+        params = {prefix + "weight": layer.weight * self._buffers["weight_mask"]}
+        if self._buffers["bias_mask"] is not None:
+            params[prefix + "bias"] = layer.bias * self._buffers["bias_mask"]
+        return torch.func.functional_call(self.module, params, args, kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         out = super()._apply(fn, recurse)

@@ -9,6 +9,10 @@ Range: ``quant_dtype`` 'int' (default; full signed ``[-2^(b-1), 2^(b-1)-1]`` as 
 (``[0, 2^b-1]``, for non-negative activations). Initial step: ``2 mean|x| / sqrt(qmax)`` from the weight at
 construction and from the first training batch for activations. ``quant_grad`` is not used: LSQ's
 gradients are its own.
+
+Under torch.distributed the activations' initial step sizes are averaged over the ranks (equal per-rank
+batches: the global batch's value), so DDP starts every rank from the same step sizes; compress before
+wrapping the model in DDP, so DDP also averages the step sizes' gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from ...core import quant as cq
 from ...core.matching import LayerInfo
+from ..distributed import all_reduce_mean, is_distributed
 from .fakequant import ops
 from .quantizer import TorchQuantizer, builtin_autograd
 from .settings import layer_device, resolve_spec
@@ -84,6 +89,10 @@ class LsqQuantizer(TorchQuantizer):
             scale = wrapper._parameters[f"{t}_scale"]
             with torch.no_grad():  # first training batch sets the initial step size, on device
                 init = cq.lsq_init_scale(ops, x.detach(), wrapper.lsq_specs[t].qmax).to(scale.dtype)
+                synced = wrapper.__dict__.setdefault("_lsq_init_synced", set())
+                if t not in synced and self.sync_ranks and is_distributed():
+                    all_reduce_mean(init)  # once per process (all ranks alike); later batches keep the scale
+                    synced.add(t)
                 scale.copy_(torch.where(flag, scale, init))
                 flag.fill_(True)
         per_sample = math.prod(x.shape[1:]) if x.dim() > 1 else x.numel()

@@ -13,7 +13,13 @@
 
 State per layer, saved in the state_dict: ``<type>_scale``, ``<type>_zero_point`` and for activations
 ``tracked_min_<type>``, ``tracked_max_<type>``, ``<type>_observed``. All updates are in place, on device,
-without host synchronisation.
+without host synchronisation (so they survive ``nn.DataParallel``: its first replica shares the original's
+buffers, like BatchNorm's running statistics; the other replicas' chunks are not observed).
+
+Under torch.distributed (DDP) the per-batch activation min/max are reduced over the ranks (MIN / MAX)
+before the EMA, so every rank tracks the same ranges: those of the global batch, as one process on the
+concatenated batch would. This makes a training-mode forward of a quantized layer a collective: all ranks
+must run it (DDP does); evaluate in ``eval()`` mode, or set ``quantizer.sync_ranks = False``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch import nn
 
 from ...core import quant as cq
 from ...core.matching import LayerInfo
+from ..distributed import all_reduce_max, all_reduce_min
 from .bn_fold import BNFolding
 from .fakequant import fake_quant, observe_minmax, ops
 from .quantizer import TorchQuantizer, builtin_ste
@@ -107,6 +114,9 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
         if wrapper.training:
             with torch.no_grad():
                 rmin, rmax = observe_minmax(x.detach(), axis)
+                if self.sync_ranks:  # the global batch's range on every rank (no-op when not distributed)
+                    all_reduce_min(rmin)
+                    all_reduce_max(rmax)
                 tmin, tmax = buf[f"tracked_min_{t}"], buf[f"tracked_max_{t}"]
                 tmin.copy_(torch.where(observed, cq.ema(ops, tmin, rmin, self.ema_decay), rmin))
                 tmax.copy_(torch.where(observed, cq.ema(ops, tmax, rmax, self.ema_decay), rmax))

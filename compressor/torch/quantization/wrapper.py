@@ -143,6 +143,9 @@ class QuantizerModuleWrapper(nn.Module):
         if self._q_input and inputs:
             inputs = (q._quantize(QuantType.QUANT_INPUT, inputs[0], self), *inputs[1:])
         if self._q_weight:
+            inner = self.module
+            if hasattr(inner, "refresh"):
+                inner.refresh()  # an inner pruner wrapper masks its weights in place BEFORE they are quantized
             if self.weight_forward is not None:
                 out = self.weight_forward(self, inputs, kwargs)
             else:

@@ -1,0 +1,148 @@
+"""torch.distributed helpers: keep compression state identical on every rank.
+
+Under DDP each rank sees different batches, so any statistic read from data (activation counts, Taylor
+contributions, QAT activation ranges, LSQ's first-batch step size) differs per rank. The built-in
+compressors reduce such statistics over the ranks with the collectives below BEFORE a mask or scale is
+derived from them, so every rank computes the same masks and scales (and the same ones a single process
+would compute on the concatenated global batch). Weight-only criteria need nothing: DDP keeps the
+weights identical.
+
+All helpers are no-ops when ``torch.distributed`` is unavailable or not initialised, work in place, and
+never read tensors on the host (except :func:`unsynchronized`, a debugging check). Collectives must be
+called by every rank in the same order; the built-in compressors call them from the optimizer hook and
+from training-mode forwards, which DDP runs on all ranks in lockstep. Set ``compressor.sync_ranks = False``
+to turn them off (e.g. when ranks deliberately train different models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "all_reduce_max", "all_reduce_mean", "all_reduce_min", "all_reduce_sum", "broadcast", "compression_tensors",
+    "is_distributed", "rank", "sync_compressor", "unsynchronized", "world_size",
+]
+
+
+def is_distributed() -> bool:
+    """True when ``torch.distributed`` is available and a default process group is initialised."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def world_size(group: Any = None) -> int:
+    """Number of ranks (1 when not distributed)."""
+    return torch.distributed.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank (0 when not distributed)."""
+    return torch.distributed.get_rank(group) if is_distributed() else 0
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A view the backends can transport (gloo/NCCL have no bool reductions: bool travels as uint8)."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _all_reduce(op: str, tensors: tuple[torch.Tensor, ...], group: Any) -> None:
+    if not is_distributed():
+        return
+    reduce_op = getattr(torch.distributed.ReduceOp, op)
+    for t in tensors:
+        if t is not None:
+            torch.distributed.all_reduce(t, op=reduce_op, group=group)
+
+
+def all_reduce_sum(*tensors: torch.Tensor, group: Any = None) -> None:
+    """Replace each tensor by its sum over the ranks (in place)."""
+    _all_reduce("SUM", tensors, group)
+
+
+def all_reduce_mean(*tensors: torch.Tensor, group: Any = None) -> None:
+    """Replace each float tensor by its mean over the ranks (in place)."""
+    if not is_distributed():
+        return
+    all_reduce_sum(*tensors, group=group)
+    n = world_size(group)
+    for t in tensors:
+        if t is not None:
+            t.div_(n)
+
+
+def all_reduce_min(*tensors: torch.Tensor, group: Any = None) -> None:
+    """Replace each tensor by its element-wise minimum over the ranks (in place)."""
+    _all_reduce("MIN", tensors, group)
+
+
+def all_reduce_max(*tensors: torch.Tensor, group: Any = None) -> None:
+    """Replace each tensor by its element-wise maximum over the ranks (in place)."""
+    _all_reduce("MAX", tensors, group)
+
+
+def broadcast(*tensors: torch.Tensor, src: int = 0, group: Any = None) -> None:
+    """Overwrite each tensor with rank ``src``'s value (in place; bool tensors included)."""
+    if not is_distributed():
+        return
+    for t in tensors:
+        if t is not None:
+            torch.distributed.broadcast(_wire(t), src=src, group=group)
+
+
+def compression_tensors(compressor: Any) -> dict[str, torch.Tensor]:
+    """The state a compressor keeps in its wrappers, by ``<layer>.<name>``: masks, quantization buffers
+    (ranges, scales, zero points, flags) and the wrappers' own parameters (LSQ step sizes); not the
+    layers' weights."""
+    out: dict[str, torch.Tensor] = {}
+    for wrapper in compressor.get_modules_wrapper():
+        tensors = {**wrapper._buffers, **wrapper._parameters}
+        for name, t in tensors.items():
+            if t is not None:
+                out[f"{wrapper.name}.{name}"] = t
+    return out
+
+
+def sync_compressor(compressor: Any, src: int = 0, group: Any = None) -> None:
+    """Copy rank ``src``'s compression state (:func:`compression_tensors`) and schedule position
+    (``compressor.state_dict()``) to every rank, then re-mask pruned layers.
+
+    For custom compressors whose masks depend on per-rank data, or after loading a checkpoint on one
+    rank only. The built-in ones keep ranks identical by themselves. A collective: call it on all ranks.
+    """
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        broadcast(*compression_tensors(compressor).values(), src=src, group=group)
+    state = [compressor.state_dict()]
+    torch.distributed.broadcast_object_list(state, src=src, group=group)
+    compressor.load_state_dict(state[0])
+    for wrapper in compressor.get_modules_wrapper():
+        if hasattr(wrapper, "apply_masks"):
+            wrapper.apply_masks()
+
+
+def unsynchronized(compressor: Any, group: Any = None) -> list[str]:
+    """Names of the compression tensors that are not bit-identical on every rank (``[]`` when all agree).
+
+    A collective that reads results on the host: a check for tests and debugging, not for the training step.
+    """
+    tensors = compression_tensors(compressor)
+    if not is_distributed() or not tensors:
+        return []
+    flags = []
+    with torch.no_grad():
+        for t in tensors.values():
+            ref = t.detach().clone()
+            broadcast(ref, src=0, group=group)
+            flags.append(not torch.equal(_bits(ref), _bits(t.detach())))
+    differs = torch.tensor(flags, dtype=torch.uint8, device=next(iter(tensors.values())).device)
+    all_reduce_max(differs, group=group)
+    return [name for name, d in zip(tensors, differs.tolist()) if d]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (compares -0.0/0.0 and NaN payloads exactly)."""
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
