@@ -22,18 +22,20 @@ State lives in ``self.__dict__`` with defaults, so a subclass whose ``__init__``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .core.algorithms import resolve_algorithm_name
 from .core.config import load_configs, normalize_config_list
 from .core.errors import ConfigError
 
-__all__ = ["PrototypeCompressor", "Configure"]
+__all__ = ["Configure", "PrototypeCompressor", "PrototypePruner", "PrototypeQuantizer", "PrunerAdapterMixin",
+           "QuantizerAdapterMixin"]
 
 Configure = list[dict[str, Any]]
 
@@ -61,13 +63,21 @@ def _clocked(fn: Callable[..., Any], clock: str) -> Callable[..., Any]:
 
 
 class PrototypeCompressor:
-    """Base of the seed-004 classes. Backend shims set ``_backend`` / ``_kind`` and implement
-    :meth:`_modern_class` and :meth:`_adapter_class`; built-in names set ``_modern``."""
+    """Base of the seed-004 classes. Backend shims set ``_backend``, ``_namespace`` and ``_adapter`` (and
+    may override the ``_modern_step`` / ``_configure_modern`` hooks); :class:`PrototypePruner` /
+    :class:`PrototypeQuantizer` set ``_kind`` and ``_method``; built-in names set ``_modern``."""
 
     #: 'torch' or 'tf' (set by the backend shim)
     _backend: str = ""
+    #: the modern backend package whose classes built-in names resolve to (set by the backend shim)
+    _namespace: Any = None
     #: 'pruner' or 'quantizer'
     _kind: str = ""
+    #: the designer's method (``calc_mask`` / ``quantize_weight``) and the class whose stub it overrides
+    _method: str = ""
+    _base: type | None = None
+    #: the modern class that runs a designer's method (set by the backend shim)
+    _adapter: type = object
     #: modern algorithm name for built-in classes; None for designers' subclasses
     _modern: str | None = None
     #: prototype-only key names -> modern names, per class (e.g. SensitivityPruner's 'sparsity')
@@ -213,12 +223,16 @@ class PrototypeCompressor:
     # ------------------------------------------------------------------ backend hooks
     def _modern_class(self) -> type | None:
         """The modern class of a built-in name, or None when a designer's method must be adapted."""
-        raise NotImplementedError
+        if getattr(type(self), self._method) is not getattr(self._base, self._method):
+            return None  # the designer's method runs through the adapter
+        if self._modern is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement {self._method}(self, layer_info, weight)")
+        return getattr(self._namespace, self._modern)
 
     def _adapter_class(self) -> type:
         """The modern class that runs a designer's ``calc_mask`` / ``quantize_weight``; it is built as
         ``adapter(model, configure, prototype)`` and has ``refresh()`` (re-evaluate the designer's masks)."""
-        raise NotImplementedError
+        return self._adapter
 
     def _build(self, model: Any, configure: Configure) -> Any:
         """The modern compressor instrumenting ``model`` (not yet compressed)."""
@@ -239,6 +253,66 @@ class PrototypeCompressor:
 
 for _clock in ("step", "update_epoch"):
     setattr(PrototypeCompressor, _clock, _clocked(getattr(PrototypeCompressor, _clock), _clock))
+
+
+class PrototypePruner(PrototypeCompressor):
+    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask."""
+
+    _kind = "pruner"
+    _method = "calc_mask"
+
+    def calc_mask(self, layer_info: Any, weight: Any) -> Any:
+        """The mask of ``weight`` (same shape, in the backend's layout; True/1 keeps a weight). Called when
+        the model is instrumented and after every ``step()`` / ``update_epoch()``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask(self, layer_info, weight)")
+
+
+class PrototypeQuantizer(PrototypeCompressor):
+    """Prototype quantizer base: implement ``quantize_weight(self, layer_info, weight)`` returning the new
+    weight. Configure entries quantize weights by default (``quant_types: ['weight']``)."""
+
+    _kind = "quantizer"
+    _method = "quantize_weight"
+    _legacy_renames = {"q_bits": "quant_bits"}
+    _legacy_defaults = {"quant_types": ["weight"]}
+
+    def quantize_weight(self, layer_info: Any, weight: Any) -> Any:
+        """The quantized ``weight`` (in the backend's layout); called in every forward of the layer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement quantize_weight(self, layer_info, weight)")
+
+
+PrototypePruner._base = PrototypePruner
+PrototypeQuantizer._base = PrototypeQuantizer
+
+
+class _AdapterMixin:
+    """What a backend's adapter (a modern compressor running a designer's prototype method) keeps."""
+
+    def _adopt(self, prototype: PrototypeCompressor) -> None:
+        self.prototype = prototype
+        self.config_keys = tuple(prototype.config_keys)
+
+
+class PrunerAdapterMixin(_AdapterMixin):
+    """Mixed into the backend's pruner adapter: the modern clocks alone never evaluate a designer's
+    ``calc_mask``; it runs only inside :meth:`_designer_due` (``refresh()``, a newly built layer)."""
+
+    _due = False
+
+    @contextlib.contextmanager
+    def _designer_due(self) -> Iterator[None]:
+        self._due = True
+        try:
+            yield
+        finally:
+            self._due = False
+
+
+class QuantizerAdapterMixin(_AdapterMixin):
+    """Mixed into the backend's quantizer adapter: a designer's ``quantize_weight`` quantizes weights only."""
+
+    required_keys = ("quant_types",)
+    supported_quant_types = ("weight",)
 
 
 class _quiet_legacy_keys(warnings.catch_warnings):

@@ -26,8 +26,14 @@ from typing import Any
 import tensorflow as tf
 
 from . import tf as _modern
-from ._prototype import Configure, PrototypeCompressor
-from .core.matching import LayerInfo
+from ._prototype import (
+    Configure,
+    PrototypeCompressor,
+    PrototypePruner,
+    PrototypeQuantizer,
+    PrunerAdapterMixin,
+    QuantizerAdapterMixin,
+)
 
 __all__ = ["TfPruner", "TfQuantizer", "LevelPruner", "AGPruner", "SensitivityPruner", "QATquantizer",
            "DoReFaQuantizer"]
@@ -36,15 +42,13 @@ __all__ = ["TfPruner", "TfQuantizer", "LevelPruner", "AGPruner", "SensitivityPru
 PROTOTYPE_MASK_MODE = "forward"
 
 
-class _PrunerAdapter(_modern.TfPruner):
+class _PrunerAdapter(PrunerAdapterMixin, _modern.TfPruner):
     """Runs a prototype ``calc_mask(layer_info, weight)`` as a modern pruner's masks."""
 
     mask_mode = PROTOTYPE_MASK_MODE
 
     def __init__(self, model: Any, config_list: Configure, prototype: TfPruner):
-        self.prototype = prototype
-        self.config_keys = tuple(prototype.config_keys)
-        self._due = False
+        self._adopt(prototype)
         super().__init__(model, config_list)
 
     def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
@@ -55,19 +59,12 @@ class _PrunerAdapter(_modern.TfPruner):
 
     def refresh(self) -> None:
         """Evaluate the prototype's ``calc_mask`` for every built layer now (eagerly) and apply the masks."""
-        self._due = True
-        try:
-            with tf.init_scope():
-                self.update_mask()
-        finally:
-            self._due = False
+        with self._designer_due(), tf.init_scope():
+            self.update_mask()
 
     def _on_wrapper_ready(self, wrapper: Any) -> None:
-        self._due = True  # a layer built after instrumentation gets the designer's mask at once
-        try:
+        with self._designer_due():  # a layer built after instrumentation gets the designer's mask at once
             super()._on_wrapper_ready(wrapper)
-        finally:
-            self._due = False
 
     def compress(self) -> Any:
         self._compressed = True
@@ -75,15 +72,11 @@ class _PrunerAdapter(_modern.TfPruner):
         return self.model
 
 
-class _QuantizerAdapter(_modern.TfQuantizer):
+class _QuantizerAdapter(QuantizerAdapterMixin, _modern.TfQuantizer):
     """Runs a prototype ``quantize_weight(layer_info, weight)`` as a modern weight quantizer."""
 
-    required_keys = ("quant_types",)
-    supported_quant_types = ("weight",)
-
     def __init__(self, model: Any, config_list: Configure, prototype: TfQuantizer):
-        self.prototype = prototype
-        self.config_keys = tuple(prototype.config_keys)
+        self._adopt(prototype)
         super().__init__(model, config_list)
 
     def quantize_weight(self, weight: tf.Tensor, wrapper: Any, **kwargs: Any) -> tf.Tensor:
@@ -92,23 +85,7 @@ class _QuantizerAdapter(_modern.TfQuantizer):
 
 class _TfPrototype(PrototypeCompressor):
     _backend = "tf"
-    _method = ""
-    _base: type = PrototypeCompressor
-    _adapter: type = object
-
-    def _modern_class(self) -> type | None:
-        if getattr(type(self), self._method) is not getattr(self._base, self._method):
-            return None  # the designer's method runs through the adapter
-        if self._modern is None:
-            raise NotImplementedError(f"{type(self).__name__} must implement {self._method}(self, layer_info, weight)")
-        return getattr(_modern, self._modern)
-
-    def _adapter_class(self) -> type:
-        return self._adapter
-
-    def _modern_step(self, compressor: Any) -> None:
-        # what the optimizer hook runs after an update: step counter (quant_start_step), re-mask
-        compressor.step()
+    _namespace = _modern
 
     def _configure_modern(self, compressor: Any) -> None:
         if self._kind == "pruner":
@@ -116,36 +93,18 @@ class _TfPrototype(PrototypeCompressor):
             compressor._retrace()
 
 
-class TfPruner(_TfPrototype):
-    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask."""
+class TfPruner(_TfPrototype, PrototypePruner):
+    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask
+    (``weight``: Keras layout; called eagerly)."""
 
-    _kind = "pruner"
-    _method = "calc_mask"
     _adapter = _PrunerAdapter
 
-    def calc_mask(self, layer_info: LayerInfo, weight: tf.Tensor) -> Any:
-        """The mask of ``weight`` (Keras layout, same shape; True/1 keeps a weight). Called eagerly when
-        the model is instrumented and after every ``step()`` / ``update_epoch()``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask(self, layer_info, weight)")
 
-
-class TfQuantizer(_TfPrototype):
+class TfQuantizer(_TfPrototype, PrototypeQuantizer):
     """Prototype quantizer base: implement ``quantize_weight(self, layer_info, weight)`` returning the new
-    weight. Configure entries quantize weights by default (``quant_types: ['weight']``)."""
+    weight (TF ops, Keras layout). Configure entries quantize weights by default (``quant_types: ['weight']``)."""
 
-    _kind = "quantizer"
-    _method = "quantize_weight"
     _adapter = _QuantizerAdapter
-    _legacy_renames = {"q_bits": "quant_bits"}
-    _legacy_defaults = {"quant_types": ["weight"]}
-
-    def quantize_weight(self, layer_info: LayerInfo, weight: tf.Tensor) -> tf.Tensor:
-        """The quantized ``weight`` (Keras layout); called in every forward of the layer."""
-        raise NotImplementedError(f"{type(self).__name__} must implement quantize_weight(self, layer_info, weight)")
-
-
-TfPruner._base = TfPruner
-TfQuantizer._base = TfQuantizer
 
 
 class LevelPruner(TfPruner):

@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from . import torch as _modern
-from ._prototype import Configure, PrototypeCompressor
+from ._prototype import (
+    Configure,
+    PrototypeCompressor,
+    PrototypePruner,
+    PrototypeQuantizer,
+    PrunerAdapterMixin,
+    QuantizerAdapterMixin,
+)
 from .core.matching import LayerInfo
 from .torch.compressor import innermost_module
 
@@ -39,13 +46,11 @@ def _layer_infos(compressor: Any) -> list[LayerInfo]:
             for (info, _), w in zip(compressor.get_modules_to_compress(), compressor.get_modules_wrapper())]
 
 
-class _PrunerAdapter(_modern.TorchPruner):
+class _PrunerAdapter(PrunerAdapterMixin, _modern.TorchPruner):
     """Runs a prototype ``calc_mask(layer_info, weight)`` as a modern pruner's masks."""
 
     def __init__(self, model: nn.Module, config_list: Configure, prototype: TorchPruner):
-        self.prototype = prototype
-        self.config_keys = tuple(prototype.config_keys)
-        self._due = False
+        self._adopt(prototype)
         super().__init__(model, config_list)
         self._infos = _layer_infos(self)
 
@@ -58,26 +63,19 @@ class _PrunerAdapter(_modern.TorchPruner):
 
     def refresh(self) -> None:
         """Evaluate the prototype's ``calc_mask`` for every layer now and apply the masks."""
-        self._due = True
-        try:
+        with self._designer_due():
             self.update_mask()
-        finally:
-            self._due = False
 
     def compress(self) -> nn.Module:
         self.refresh()
         return self.bound_model
 
 
-class _QuantizerAdapter(_modern.TorchQuantizer):
+class _QuantizerAdapter(QuantizerAdapterMixin, _modern.TorchQuantizer):
     """Runs a prototype ``quantize_weight(layer_info, weight)`` as a modern weight quantizer."""
 
-    required_keys = ("quant_types",)
-    supported_quant_types = ("weight",)
-
     def __init__(self, model: nn.Module, config_list: Configure, prototype: TorchQuantizer):
-        self.prototype = prototype
-        self.config_keys = tuple(prototype.config_keys)
+        self._adopt(prototype)
         self._info_by_name: dict[str, LayerInfo] = {}
         super().__init__(model, config_list)
         self._info_by_name = {info.name: info for info in _layer_infos(self)}
@@ -88,52 +86,21 @@ class _QuantizerAdapter(_modern.TorchQuantizer):
 
 class _TorchPrototype(PrototypeCompressor):
     _backend = "torch"
-    _method = ""
-    _base: type = PrototypeCompressor
-    _adapter: type = object
-
-    def _modern_class(self) -> type | None:
-        base = self._base
-        if getattr(type(self), self._method) is not getattr(base, self._method):
-            return None  # the designer's method runs through the adapter
-        if self._modern is None:
-            raise NotImplementedError(f"{type(self).__name__} must implement {self._method}(self, layer_info, weight)")
-        return getattr(_modern, self._modern)
-
-    def _adapter_class(self) -> type:
-        return self._adapter
+    _namespace = _modern
 
 
-class TorchPruner(_TorchPrototype):
-    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask."""
+class TorchPruner(_TorchPrototype, PrototypePruner):
+    """Prototype pruner base: implement ``calc_mask(self, layer_info, weight)`` returning the mask
+    (``weight``: detached, in PyTorch's layout)."""
 
-    _kind = "pruner"
-    _method = "calc_mask"
     _adapter = _PrunerAdapter
 
-    def calc_mask(self, layer_info: LayerInfo, weight: torch.Tensor) -> Any:
-        """The mask of ``weight`` (same shape; True/1 keeps a weight). Called when the model is
-        instrumented and after every ``step()`` / ``update_epoch()``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement calc_mask(self, layer_info, weight)")
 
-
-class TorchQuantizer(_TorchPrototype):
+class TorchQuantizer(_TorchPrototype, PrototypeQuantizer):
     """Prototype quantizer base: implement ``quantize_weight(self, layer_info, weight)`` returning the new
     weight. Configure entries quantize weights by default (``quant_types: ['weight']``)."""
 
-    _kind = "quantizer"
-    _method = "quantize_weight"
     _adapter = _QuantizerAdapter
-    _legacy_renames = {"q_bits": "quant_bits"}
-    _legacy_defaults = {"quant_types": ["weight"]}
-
-    def quantize_weight(self, layer_info: LayerInfo, weight: torch.Tensor) -> torch.Tensor:
-        """The quantized ``weight``; called in every forward of the layer."""
-        raise NotImplementedError(f"{type(self).__name__} must implement quantize_weight(self, layer_info, weight)")
-
-
-TorchPruner._base = TorchPruner
-TorchQuantizer._base = TorchQuantizer
 
 
 class LevelPruner(TorchPruner):

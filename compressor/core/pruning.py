@@ -147,6 +147,16 @@ def filter_prune_masks(
     return expand_filter_mask(ops, keep, ops.shape(weight)), keep
 
 
+def importance_filter_masks(
+    ops: ArrayOps, scores: Array, sparsity: float, mask: Array, shape: Sequence[int]
+) -> tuple[Array, Array]:
+    """(weight keep-mask of ``shape``, per-filter keep-mask) for a filter pruner ranking filters by
+    ``scores`` (data criteria: APoZ, mean activation, Taylor); monotone under the current ``mask``."""
+    kept = filter_keep_from_mask(ops, mask)
+    keep = filter_mask(ops, scores, sparsity, kept)
+    return expand_filter_mask(ops, keep, shape), keep
+
+
 def activation(ops: ArrayOps, x: Array, kind: str) -> Array:
     """The activation the statistics are taken after: 'relu' or 'relu6'."""
     if kind == "relu":
@@ -225,3 +235,12 @@ def slim_l1_penalty(ops: ArrayOps, gammas: Sequence[Array], scale: float) -> Arr
     if total is None:
         raise ValueError("slim_l1_penalty needs at least one gamma")
     return scale * total
+
+
+def filter_masks(weight_mask: Array, filter_keep: Array, has_bias: bool) -> dict[str, Array]:
+    """Masks dict of a filter decision: ``weight_mask``, and ``filter_keep`` as the bias mask when the layer
+    has a bias (a pruned filter's bias entry is pruned with it)."""
+    out = {"weight_mask": weight_mask}
+    if has_bias:
+        out["bias_mask"] = filter_keep
+    return out

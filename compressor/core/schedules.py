@@ -51,3 +51,18 @@ def lottery_sparsity(round_index: int, final_sparsity: float, rounds: int) -> fl
     if round_index >= rounds:
         return final_sparsity
     return 1.0 - lottery_keep_ratio(final_sparsity, rounds) ** round_index
+
+
+def lottery_next_round(current: int | None, rounds: int) -> int:
+    """The lottery-ticket round after ``current`` (None: before round 0); RuntimeError past the last one."""
+    nxt = 0 if current is None else current + 1
+    if nxt > rounds:
+        raise RuntimeError(f"LotteryTicketPruner: all {rounds} pruning rounds are done")
+    return nxt
+
+
+def sensitivity_round_due(epoch: int, epochs_per_iteration: int | None, done: int, iterations: int) -> bool:
+    """Whether SensitivityPruner runs its next prune round at ``epoch``: every ``epochs_per_iteration``
+    epochs after epoch 0, until ``iterations`` rounds are ``done`` (at most one round per period)."""
+    per = epochs_per_iteration
+    return bool(per and epoch > 0 and epoch % per == 0 and done < iterations and done < epoch // per + 1)

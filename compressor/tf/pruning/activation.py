@@ -16,35 +16,25 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.pruner_config import ACTIVATIONS, check_activation, check_statistics_batch_num
 from ...core.pruning import (
     activation_stats,
     apoz_importance,
-    expand_filter_mask,
-    filter_keep_from_mask,
-    filter_mask,
     mean_activation_importance,
 )
 from .. import layout
 from ..distribute import all_reduce_sum
 from ..ops import ops
-from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num, filter_result
+from .masker import WeightMasker, batches_ready, check_filter_layer, importance_filter_result
 from .pruner import OneShotPruner
 
 __all__ = [
-    "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
+    "ACTIVATIONS", "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
     "ActivationMeanRankFilterPruner", "ActivationMeanRankFilterPrunerMasker", "check_activation",
 ]
 
-ACTIVATIONS = ("relu", "relu6")
 _STATS = ("act_zeros", "act_total", "act_count")
-
-
-def check_activation(value: Any, what: str) -> str:
-    if value not in ACTIVATIONS:
-        raise ConfigError(f"{what}: activation = {value!r} is invalid; allowed: {list(ACTIVATIONS)}")
-    return value
 
 
 def _channels(wrapper: Any) -> int:
@@ -108,19 +98,13 @@ class ActivationFilterMasker(WeightMasker):
         tf.cond(wrapper.act_batches < self.statistics_batch_num, add, lambda: tf.constant(False))
 
     def statistics_ready(self, wrapper_idx: int) -> Any:
-        w = self.pruner.get_modules_wrapper()[wrapper_idx]
-        if "act_batches" not in w.state_variables():
-            return False
-        return w.act_batches >= self.statistics_batch_num
+        return batches_ready(self.pruner.get_modules_wrapper()[wrapper_idx], "act_batches", self.statistics_batch_num)
 
     def importance(self, wrapper: Any) -> Any:
         raise NotImplementedError
 
     def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
-        kept = filter_keep_from_mask(ops, wrapper.canonical_mask())
-        keep = filter_mask(ops, self.importance(wrapper), sparsity, kept)
-        shape = wrapper.canonical_shape()
-        return filter_result(wrapper, expand_filter_mask(ops, keep, shape), keep)
+        return importance_filter_result(wrapper, self.importance(wrapper), sparsity)
 
 
 class ActivationAPoZRankFilterPrunerMasker(ActivationFilterMasker):

@@ -14,23 +14,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.config import key_spec
 from ...core.errors import ConfigError
+from ...core.pruner_config import PRUNE_ITERATIONS, check_common_prune_iterations, first_active
 from ...core.pruning import level_mask
-from ...core.schedules import lottery_sparsity
+from ...core.schedules import lottery_next_round, lottery_sparsity
 from ..ops import ops
 from .pruner import TfPruner
 
 __all__ = ["LotteryTicketPruner"]
-
-
-def _prune_iterations(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError
-    return v
-
-
-PRUNE_ITERATIONS = key_spec("prune_iterations", _prune_iterations, "an int >= 1 (number of pruning rounds)")
 
 
 def _copies(variables: list[Any]) -> list[tuple[Any, Any]]:
@@ -50,7 +41,7 @@ class LotteryTicketPruner(TfPruner):
         if not isinstance(reset_weights, bool):
             raise ConfigError(f"LotteryTicketPruner: reset_weights = {reset_weights!r} is invalid; allowed: True or False")
         super().__init__(model, config_list, optimizer)
-        self.prune_iterations = next(c["prune_iterations"] for c in self.config_list if not c["exclude"])
+        self.prune_iterations = first_active(self.config_list, "prune_iterations")
         self.reset_weights = reset_weights
         self.curr_prune_iteration: int | None = None
         self._initial_model = _copies(list(model.variables))
@@ -75,9 +66,7 @@ class LotteryTicketPruner(TfPruner):
                               f"(model.build(input_shape) or call it once): the initial weights are copied now")
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        values = {c["prune_iterations"] for c in config_list if not c["exclude"] and "prune_iterations" in c}
-        if len(values) > 1:
-            raise ConfigError(f"LotteryTicketPruner: all entries must use the same prune_iterations, got {sorted(values)}")
+        check_common_prune_iterations(config_list)
 
     def get_prune_iterations(self) -> range:
         """Rounds 0..prune_iterations (round 0 trains the dense model)."""
@@ -91,9 +80,7 @@ class LotteryTicketPruner(TfPruner):
 
     def prune_iteration_start(self) -> None:
         """Start the next round: prune to this round's sparsity, then rewind weights and optimizer."""
-        nxt = 0 if self.curr_prune_iteration is None else self.curr_prune_iteration + 1
-        if nxt > self.prune_iterations:
-            raise RuntimeError(f"LotteryTicketPruner: all {self.prune_iterations} pruning rounds are done")
+        nxt = lottery_next_round(self.curr_prune_iteration, self.prune_iterations)
         self.curr_prune_iteration = nxt
         with tf.init_scope():
             if nxt > 0:

@@ -14,8 +14,14 @@ from typing import Any
 
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.pruner_config import check_statistics_batch_num
+from ...core.pruning import filter_masks, importance_filter_masks
+from ..ops import ops
 
-__all__ = ["WeightMasker", "check_filter_layer", "check_statistics_batch_num", "CONV_TYPES", "filter_result"]
+__all__ = [
+    "CONV_TYPES", "WeightMasker", "batches_ready", "check_filter_layer", "check_statistics_batch_num", "filter_result",
+    "importance_filter_result",
+]
 
 #: Keras layers whose LAST kernel axis is the filters (output channels)
 CONV_TYPES = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D", "DepthwiseConv2D", "Dense")
@@ -66,15 +72,21 @@ def check_filter_layer(layer_info: LayerInfo, layer: Any, what: str) -> None:
         )
 
 
-def check_statistics_batch_num(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what}: statistics_batch_num = {value!r} is invalid; allowed: an int >= 1")
-    return value
-
-
 def filter_result(wrapper: Any, weight_mask_canonical: Any, filter_keep: Any) -> dict[str, Any]:
     """Masks dict (Keras layout) for a filter decision: the bias follows its filter."""
-    out = {"weight_mask": wrapper.from_canonical(weight_mask_canonical)}
-    if wrapper.bias_mask is not None:
-        out["bias_mask"] = filter_keep
-    return out
+    return filter_masks(wrapper.from_canonical(weight_mask_canonical), filter_keep, wrapper.bias_mask is not None)
+
+
+def importance_filter_result(wrapper: Any, scores: Any, sparsity: float) -> dict[str, Any]:
+    """Masks dict (Keras layout) pruning ``wrapper``'s filters with the lowest ``scores`` (data criteria)."""
+    weight_mask, keep = importance_filter_masks(ops, scores, sparsity, wrapper.canonical_mask(),
+                                                wrapper.canonical_shape())
+    return filter_result(wrapper, weight_mask, keep)
+
+
+def batches_ready(wrapper: Any, counter: str, needed: int) -> Any:
+    """Whether the statistics counter ``counter`` of ``wrapper`` reached ``needed`` batches: a bool tensor,
+    or False before the layer has its statistics state (not built yet)."""
+    if counter not in wrapper.state_variables():
+        return False
+    return getattr(wrapper, counter) >= needed

@@ -14,8 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.errors import ConfigError
+from ...core.pruner_config import check_sensitivity_args, refuse_sparsity_key
 from ...core.pruning import sensitivity_mask
+from ...core.schedules import sensitivity_round_due
 from ..ops import ops
 from .pruner import TfPruner
 
@@ -31,11 +32,7 @@ class SensitivityPruner(TfPruner):
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  iterations: int = 1, epochs_per_iteration: int | None = None) -> None:
-        for name, v in (("iterations", iterations), ("epochs_per_iteration", epochs_per_iteration)):
-            if v is None and name == "epochs_per_iteration":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"SensitivityPruner: {name} = {v!r} is invalid; allowed: an int >= 1")
+        check_sensitivity_args(iterations, epochs_per_iteration)
         super().__init__(model, config_list, optimizer)
         self.iterations = iterations
         self.epochs_per_iteration = epochs_per_iteration
@@ -43,10 +40,7 @@ class SensitivityPruner(TfPruner):
         self._due = False
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        for i, c in enumerate(config_list):
-            if "sparsity" in c:
-                raise ConfigError(f"config_list[{i}]: SensitivityPruner takes 'sensitivity' (threshold = "
-                                  f"sensitivity * std of the layer's weights), not 'sparsity'")
+        refuse_sparsity_key(config_list)
 
     def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         if not self._due:
@@ -83,8 +77,7 @@ class SensitivityPruner(TfPruner):
 
     def update_epoch(self, epoch: int) -> None:
         super().update_epoch(epoch)
-        e, per = self.current_epoch, self.epochs_per_iteration
-        if per and e > 0 and e % per == 0 and self.iteration < self.iterations and self.iteration < e // per + 1:
+        if sensitivity_round_due(self.current_epoch, self.epochs_per_iteration, self.iteration, self.iterations):
             self.prune_iteration()
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,10 +15,16 @@ from typing import Any
 import tensorflow as tf
 
 from ...core.matching import LayerInfo
-from ...core.pruning import expand_filter_mask, filter_keep_from_mask, filter_mask, taylor_fo_contribution
+from ...core.pruning import taylor_fo_contribution
 from ..distribute import all_reduce_sum
 from ..ops import ops
-from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num, filter_result
+from .masker import (
+    WeightMasker,
+    batches_ready,
+    check_filter_layer,
+    check_statistics_batch_num,
+    importance_filter_result,
+)
 from .pruner import OneShotPruner
 
 __all__ = ["TaylorFOWeightFilterPruner", "TaylorFOWeightFilterPrunerMasker"]
@@ -83,16 +89,10 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
             tf.cond(w.taylor_batches < self.statistics_batch_num, add, lambda: tf.constant(False))
 
     def statistics_ready(self, wrapper_idx: int) -> Any:
-        w = self.pruner.get_modules_wrapper()[wrapper_idx]
-        if "taylor_batches" not in w.state_variables():
-            return False
-        return w.taylor_batches >= self.statistics_batch_num
+        return batches_ready(self.pruner.get_modules_wrapper()[wrapper_idx], "taylor_batches", self.statistics_batch_num)
 
     def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
-        kept = filter_keep_from_mask(ops, wrapper.canonical_mask())
-        keep = filter_mask(ops, tf.convert_to_tensor(wrapper.taylor_contribution), sparsity, kept)
-        shape = wrapper.canonical_shape()
-        return filter_result(wrapper, expand_filter_mask(ops, keep, shape), keep)
+        return importance_filter_result(wrapper, tf.convert_to_tensor(wrapper.taylor_contribution), sparsity)
 
 
 class TaylorFOWeightFilterPruner(OneShotPruner):

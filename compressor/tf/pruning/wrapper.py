@@ -29,13 +29,11 @@ from typing import Any
 import tensorflow as tf
 
 from ...core.matching import LayerInfo
+from ...core.pruner_config import MASK_NAMES, mask_to_set
 from .. import layout
 from ..compressor import LayerWrapper
 
 __all__ = ["PrunerLayerWrapper", "PrunerModuleWrapper", "MASK_NAMES"]
-
-MASK_NAMES = ("weight_mask", "bias_mask")
-
 
 def _raw(var: Any) -> Any:
     """The backing ``tf.Variable`` of a Keras variable (assigns bypass any Keras stateless scope)."""
@@ -93,12 +91,8 @@ class PrunerLayerWrapper(LayerWrapper):
         if not self.ready:
             raise ValueError(f"{self.name}: layer is not built yet, it has no masks")
         current = self.__dict__["_state_vars"].get(name)
-        if current is None:
-            if value is None:
-                return
-            raise ValueError(f"{self.name}: layer has no {name.split('_')[0]} to mask")
-        if value is None:
-            raise ValueError(f"{self.name}: {name} cannot be None (use an all-True mask to keep everything)")
+        if not mask_to_set(self.name, name, current is not None, value):
+            return
         t = tf.convert_to_tensor(value)
         if t.dtype != tf.bool:
             t = tf.not_equal(t, tf.zeros([], t.dtype))

@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ...core import quant as cq
+from ...core.calibration import (
+    calibration_record,
+    check_calibration_layers,
+    check_calibration_type,
+    loadable_keys,
+)
 from ...core.errors import ConfigError
 from .wrapper import QuantizerLayerWrapper
 
@@ -37,20 +42,19 @@ def _host(v: Any) -> Any:
 
 def calibration_entry(wrapper: QuantizerLayerWrapper) -> dict[str, Any]:
     """Bits, scale, zero point, integer range and tracked ranges of every quant type of one layer."""
-    entry: dict[str, Any] = {"quant_types": list(wrapper.quant_types), "module_type": wrapper.type}
-    for t in wrapper.quant_types:
-        entry[f"{t}_bits"] = int(wrapper.quant_bits[t])
+
+    def qparams(t: str) -> tuple[Any, Any, int, int] | None:
         qp = wrapper.qparams(t) if wrapper.ready else None
-        if qp is not None:
-            s, z, qmin, qmax = qp
-            d = cq.describe(np.asarray(s.numpy(), np.float64), np.asarray(z.numpy(), np.float64), qmin, qmax)
-            entry.update({f"{t}_scale": d["scale"], f"{t}_zero_point": d["zero_point"],
-                          f"{t}_qmin": d["qmin"], f"{t}_qmax": d["qmax"]})
-        for key in (f"tracked_min_{t}", f"tracked_max_{t}"):
-            v = wrapper.state_variables().get(key)
-            if v is not None:
-                entry[key] = _host(v)
-    return entry
+        if qp is None:
+            return None
+        s, z, qmin, qmax = qp
+        return np.asarray(s.numpy(), np.float64), np.asarray(z.numpy(), np.float64), qmin, qmax
+
+    def tracked(key: str) -> Any:
+        v = wrapper.state_variables().get(key)
+        return None if v is None else _host(v)
+
+    return calibration_record(wrapper.quant_types, wrapper.type, wrapper.quant_bits, qparams, tracked)
 
 
 def _save(model: Any, path: str) -> None:
@@ -115,14 +119,8 @@ def load_calibration_config(quantizer: Any, calibration_config: Any) -> None:
     what = type(quantizer).__name__
     if isinstance(calibration_config, (str, os.PathLike)):
         calibration_config = read_calibration(calibration_config)
-    if not isinstance(calibration_config, dict):
-        raise ConfigError(f"{what}: calibration config must be a dict {{layer name: record}} or a JSON path, "
-                          f"got {type(calibration_config).__name__}")
     wrappers = {w.name: w for w in quantizer.get_modules_wrapper()}
-    unknown = sorted(set(calibration_config) - set(wrappers))
-    if unknown:
-        raise ConfigError(f"{what}: calibration config names layers {unknown} that this quantizer does not wrap; "
-                          f"wrapped: {sorted(wrappers)}")
+    check_calibration_layers(what, calibration_config, wrappers, "a dict {layer name: record} or a JSON path")
     plan: list[tuple[Any, Any]] = []
     flags: list[Any] = []
     frozen: list[QuantizerLayerWrapper] = []
@@ -134,15 +132,8 @@ def load_calibration_config(quantizer: Any, calibration_config: Any) -> None:
             raise ConfigError(f"{what}: layer {name!r} is not built yet; call the model once before loading calibration")
         state = w.state_variables()
         for t in w.quant_types:
-            bits = entry.get(f"{t}_bits")
-            if bits is not None and int(bits) != w.quant_bits[t]:
-                raise ConfigError(f"{what}: layer {name!r}: calibration {t}_bits = {bits}, but the config quantizes "
-                                  f"{t} at {w.quant_bits[t]} bits")
-            rng = w.qranges.get(t)
-            if rng is not None and f"{t}_qmin" in entry and (entry[f"{t}_qmin"], entry[f"{t}_qmax"]) != tuple(rng):
-                raise ConfigError(f"{what}: layer {name!r}: calibration {t} range "
-                                  f"[{entry[f'{t}_qmin']}, {entry[f'{t}_qmax']}] differs from [{rng[0]}, {rng[1]}]")
-            for key in (f"{t}_scale", f"{t}_zero_point", f"tracked_min_{t}", f"tracked_max_{t}"):
+            check_calibration_type(what, name, t, entry, w.quant_bits[t], w.qranges.get(t))
+            for key in loadable_keys(t):
                 if key not in entry:
                     continue
                 target = state.get(key)

@@ -30,9 +30,7 @@ from the start step on. Subclasses overriding ``step`` should call ``super().ste
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -40,35 +38,20 @@ import tensorflow as tf
 from ...core.config import QUANT_TYPES
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.quantizer import (
+    builtin_autograd,
+    builtin_ste,
+    call_quantize,
+    calls_directly,
+    check_quant_types,
+    method_styles,
+)
 from .. import layout
 from ..compressor import Compressor
 from .grad import QuantGrad, QuantType
 from .wrapper import QuantizerLayerWrapper
 
 __all__ = ["TfQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
-
-
-def builtin_ste(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a ``quantize_*`` method whose own gradient is the intended straight-through one: with the
-    default ``quant_grad`` it is called directly (no custom-gradient op)."""
-    fn._quant_autograd = "ste"
-    return fn
-
-
-def builtin_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a ``quantize_*`` method whose gradients are its own (e.g. LSQ's learned scales):
-    ``quant_grad`` is never applied to it."""
-    fn._quant_autograd = "own"
-    return fn
-
-
-def _call_style(fn: Callable[..., Any]) -> tuple[str, bool]:
-    """('wrapper' | 'config', takes **kwargs) from a ``quantize_*`` signature."""
-    params = inspect.signature(fn).parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "config" in params and "wrapper" not in params:
-        return "config", var_kw
-    return "wrapper", var_kw
 
 
 class TfQuantizer(Compressor):
@@ -91,13 +74,7 @@ class TfQuantizer(Compressor):
     fused: bool = True
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
-        cls = type(self)
-        self._styles: dict[str, tuple[str, bool]] = {}
-        self._autograd: dict[str, str | None] = {}
-        for t in QUANT_TYPES:
-            fn = getattr(cls, f"quantize_{t}")
-            self._styles[t] = _call_style(fn)
-            self._autograd[t] = getattr(fn, "_quant_autograd", None)
+        self._styles, self._autograd = method_styles(type(self))
         self._any_frozen = False
         super().__init__(model, config_list, optimizer)
 
@@ -105,14 +82,7 @@ class TfQuantizer(Compressor):
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
         what = type(self).__name__
         types = config.get("quant_types", [])
-        bad = [t for t in types if t not in self.supported_quant_types]
-        if bad:
-            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {bad} are not supported; "
-                              f"{what} quantizes {list(self.supported_quant_types)}")
-        missing = [t for t in types if getattr(type(self), f"quantize_{t}") is getattr(TfQuantizer, f"quantize_{t}")]
-        if missing:
-            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {missing} need "
-                              f"{', '.join('quantize_' + t for t in missing)}(), which {what} does not define")
+        check_quant_types(type(self), TfQuantizer, layer_info.name, types, self.supported_quant_types)
         if "weight" in types and getattr(layer, "built", False) and layout.weight_of(layer) is None:
             raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight to quantize "
                               f"(known weights: {list(layout.WEIGHT_ATTRS)})")
@@ -151,16 +121,7 @@ class TfQuantizer(Compressor):
 
     # ------------------------------------------------------------------ dispatch (called by the wrapper)
     def _call(self, quant_type: str, tensor: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
-        style, var_kw = self._styles[quant_type]
-        fn = getattr(self, f"quantize_{quant_type}")
-        if style == "wrapper":
-            out = fn(tensor, wrapper=wrapper)
-        elif var_kw:
-            out = fn(tensor, config=wrapper.config, op=wrapper.layer, op_type=wrapper.type, op_name=wrapper.name)
-        else:
-            out = fn(tensor, config=wrapper.config)
-        if isinstance(out, (tuple, list)):  # quantize_input(*inputs) may hand back a tuple
-            out = out[0]
+        out = call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)
         return tf.convert_to_tensor(out, dtype=tensor.dtype)
 
     def _quantize(self, quant_type: str, tensor: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
@@ -169,7 +130,7 @@ class TfQuantizer(Compressor):
         grad = self.quant_grad
 
         def quantized() -> tf.Tensor:
-            if mode == "own" or (mode == "ste" and grad is QuantGrad):
+            if calls_directly(mode, grad is QuantGrad):
                 return self._call(t, tensor, wrapper)
 
             def run(x: tf.Tensor) -> tuple[tf.Tensor, Any]:

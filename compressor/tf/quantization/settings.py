@@ -1,7 +1,7 @@
 """Per-layer, per-quant-type settings resolved from a config entry (bits, dtype, scheme -> range, axis).
 
-Mirror of ``compressor.torch.quantization.settings``: defaults follow NNI's QAT_Quantizer (``'uint'``,
-``'per_tensor_affine'``); signed ints use the narrow range (int8: [-127, 127]).
+Bits, dtype, scheme and their defaults (NNI's QAT_Quantizer: ``'uint'``, ``'per_tensor_affine'``; signed
+ints narrow, int8: [-127, 127]) are resolved in core (:mod:`compressor.core.quant_config`).
 
 Channel axes in Keras layouts: a weight's output channels are the last kernel axis (second to last for
 transposed convolutions; depthwise kernels are viewed as ``[..., in * mult]``, see
@@ -12,42 +12,15 @@ built after wrapping are completed on its first call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from ...core import quant as cq
 from ...core.errors import ConfigError
+from ...core.quant_config import DEFAULT_DTYPE, DEFAULT_SCHEME, QuantSpec, base_spec
 from .. import layout
 from .fakequant import as_channels, channel_axis
 
-DEFAULT_DTYPE = "uint"
-DEFAULT_SCHEME = "per_tensor_affine"
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one tensor of one layer is quantized."""
-
-    quant_type: str
-    bits: int
-    dtype: str
-    scheme: str
-    qmin: int
-    qmax: int
-    symmetric: bool
-    axis: int | None  # channel axis (of the channel view for weights), None = per tensor
-    channels: int | None  # number of channels for per-channel scales (None until the layer is built)
-
-    @property
-    def per_channel(self) -> bool:
-        return self.axis is not None
-
-
-def _per_type(config: dict[str, Any], key: str, quant_type: str, default: str) -> str:
-    v = config.get(key, default)
-    if isinstance(v, dict):
-        return v.get(quant_type, default)
-    return v
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_SCHEME", "QuantSpec", "complete_spec", "io_channels", "resolve_spec"]
 
 
 def io_channels(layer: Any, layer_type: str) -> tuple[int, int] | None:
@@ -68,31 +41,24 @@ def resolve_spec(config: dict[str, Any], quant_type: str, layer: Any, layer_type
                  default_dtype: str = DEFAULT_DTYPE, default_scheme: str = DEFAULT_SCHEME, narrow: bool = True,
                  what: str = "quantizer") -> QuantSpec:
     """The :class:`QuantSpec` of ``quant_type`` for ``layer`` under ``config`` (ConfigError if impossible)."""
-    bits = config["quant_bits"][quant_type]
-    dtype = _per_type(config, "quant_dtype", quant_type, default_dtype)
-    scheme = _per_type(config, "quant_scheme", quant_type, default_scheme)
-    try:
-        qmin, qmax = cq.quant_range(bits, dtype, narrow=narrow)
-        per_channel, symmetric = cq.parse_scheme(scheme)
-    except ValueError as e:
-        raise ConfigError(f"{what}: layer {name!r}, {quant_type}: {e}") from None
-    axis = channels = None
-    if per_channel:
-        built = getattr(layer, "built", False)
-        if quant_type == "weight":
-            axis = channel_axis(layer_type)
-            k = layout.weight_of(layer)
-            if k is not None:
-                channels = int(as_channels(k, layer_type).shape[axis])
-        else:
-            io = io_channels(layer, layer_type)
-            if io is None and built or not _has_channels(layer_type):
-                raise ConfigError(f"{what}: layer {name!r} ({layer_type}): per-channel {quant_type} quantization "
-                                  f"needs a Conv or Dense layer (channel count unknown); use a per_tensor scheme")
-            axis = layout.channel_axis(layer)
-            if io is not None:
-                channels = io[0] if quant_type == "input" else io[1]
-    return QuantSpec(quant_type, bits, dtype, scheme, qmin, qmax, symmetric, axis, channels)
+    spec, per_channel = base_spec(config, quant_type, name, default_dtype, default_scheme, narrow, what)
+    if not per_channel:
+        return spec
+    channels = None
+    if quant_type == "weight":
+        axis = channel_axis(layer_type)
+        k = layout.weight_of(layer)
+        if k is not None:
+            channels = int(as_channels(k, layer_type).shape[axis])
+    else:
+        io = io_channels(layer, layer_type)
+        if io is None and getattr(layer, "built", False) or not _has_channels(layer_type):
+            raise ConfigError(f"{what}: layer {name!r} ({layer_type}): per-channel {quant_type} quantization "
+                              f"needs a Conv or Dense layer (channel count unknown); use a per_tensor scheme")
+        axis = layout.channel_axis(layer)
+        if io is not None:
+            channels = io[0] if quant_type == "input" else io[1]
+    return replace(spec, axis=axis, channels=channels)
 
 
 def _has_channels(layer_type: str) -> bool:

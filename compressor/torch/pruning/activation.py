@@ -20,34 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.pruner_config import ACTIVATIONS, check_activation, check_statistics_batch_num
 from ...core.pruning import (
     activation_stats,
     apoz_importance,
-    expand_filter_mask,
-    filter_keep_from_mask,
-    filter_mask,
+    importance_filter_masks,
     mean_activation_importance,
 )
 from ..ops import ops
 from .filters import filter_result
-from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
+from .masker import WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
 from .wrapper import replica_origin
 
 __all__ = [
-    "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
+    "ACTIVATIONS", "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
     "ActivationMeanRankFilterPruner", "ActivationMeanRankFilterPrunerMasker", "check_activation",
 ]
 
-ACTIVATIONS = ("relu", "relu6")
-
-
-def check_activation(value: Any, what: str) -> str:
-    if value not in ACTIVATIONS:
-        raise ConfigError(f"{what}: activation = {value!r} is invalid; allowed: {list(ACTIVATIONS)}")
-    return value
 
 
 class ActivationFilterMasker(WeightMasker):
@@ -119,9 +110,9 @@ class ActivationFilterMasker(WeightMasker):
         if not self.statistics_ready(idx):
             return None
         self.reduce_statistics(*self._stats[idx])
-        kept = filter_keep_from_mask(ops, wrapper.weight_mask)
-        keep = filter_mask(ops, self.importance(idx), sparsity, kept)
-        return filter_result(wrapper, expand_filter_mask(ops, keep, tuple(wrapper.weight.shape)), keep)
+        weight_mask, keep = importance_filter_masks(ops, self.importance(idx), sparsity, wrapper.weight_mask,
+                                                    tuple(wrapper.weight.shape))
+        return filter_result(wrapper, weight_mask, keep)
 
 
 class ActivationAPoZRankFilterPrunerMasker(ActivationFilterMasker):

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ...core.matching import LayerInfo
-from ...core.pruning import filter_prune_masks
+from ...core.pruning import filter_masks, filter_prune_masks
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
@@ -24,10 +24,7 @@ __all__ = [
 
 def filter_result(wrapper: nn.Module, weight_mask: Any, filter_keep: Any) -> dict[str, Any]:
     """Masks dict for a filter decision: the bias follows its filter."""
-    out = {"weight_mask": weight_mask}
-    if wrapper.bias_mask is not None:
-        out["bias_mask"] = filter_keep
-    return out
+    return filter_masks(weight_mask, filter_keep, wrapper.bias_mask is not None)
 
 
 class FilterMasker(WeightMasker):

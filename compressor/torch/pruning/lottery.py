@@ -19,25 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.config import key_spec
 from ...core.errors import ConfigError
+from ...core.pruner_config import PRUNE_ITERATIONS, check_common_prune_iterations, first_active
 from ...core.pruning import level_mask
-from ...core.schedules import lottery_sparsity
+from ...core.schedules import lottery_next_round, lottery_sparsity
 from ..distributed import broadcast
 from ..ops import ops
 from .pruner import TorchPruner
 from .wrapper import PrunerModuleWrapper
 
 __all__ = ["LotteryTicketPruner"]
-
-
-def _prune_iterations(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError
-    return v
-
-
-PRUNE_ITERATIONS = key_spec("prune_iterations", _prune_iterations, "an int >= 1 (number of pruning rounds)")
 
 
 class LotteryTicketPruner(TorchPruner):
@@ -52,7 +43,7 @@ class LotteryTicketPruner(TorchPruner):
             raise ConfigError(f"LotteryTicketPruner: lr_scheduler must have state_dict()/load_state_dict(), "
                               f"got {type(lr_scheduler).__name__}")
         super().__init__(model, config_list, optimizer)
-        self.prune_iterations = next(c["prune_iterations"] for c in self.config_list if not c["exclude"])
+        self.prune_iterations = first_active(self.config_list, "prune_iterations")
         self.lr_scheduler = lr_scheduler
         self.reset_weights = reset_weights
         self.curr_prune_iteration: int | None = None
@@ -61,9 +52,7 @@ class LotteryTicketPruner(TorchPruner):
         self._initial_scheduler = copy.deepcopy(lr_scheduler.state_dict()) if lr_scheduler is not None else None
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        values = {c["prune_iterations"] for c in config_list if not c["exclude"] and "prune_iterations" in c}
-        if len(values) > 1:
-            raise ConfigError(f"LotteryTicketPruner: all entries must use the same prune_iterations, got {sorted(values)}")
+        check_common_prune_iterations(config_list)
 
     def _mask_keys(self) -> set[str]:
         keys = set()
@@ -92,9 +81,7 @@ class LotteryTicketPruner(TorchPruner):
 
     def prune_iteration_start(self) -> None:
         """Start the next round: prune to this round's sparsity, then rewind weights and optimizer."""
-        nxt = 0 if self.curr_prune_iteration is None else self.curr_prune_iteration + 1
-        if nxt > self.prune_iterations:
-            raise RuntimeError(f"LotteryTicketPruner: all {self.prune_iterations} pruning rounds are done")
+        nxt = lottery_next_round(self.curr_prune_iteration, self.prune_iterations)
         self.curr_prune_iteration = nxt
         if nxt == 0 and self.sync_ranks:
             with torch.no_grad():

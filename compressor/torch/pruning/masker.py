@@ -16,6 +16,7 @@ from torch import nn
 
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.pruner_config import check_statistics_batch_num
 from ..distributed import all_reduce_sum
 
 __all__ = ["WeightMasker", "all_reduce_sum", "check_filter_layer", "check_statistics_batch_num"]
@@ -68,9 +69,3 @@ def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> N
             f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; filter pruning needs "
             f"Conv1d/Conv2d/Conv3d or Linear (output channels first), not transposed convolutions"
         )
-
-
-def check_statistics_batch_num(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what}: statistics_batch_num = {value!r} is invalid; allowed: an int >= 1")
-    return value

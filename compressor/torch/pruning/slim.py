@@ -14,6 +14,7 @@ from torch import nn
 
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.pruner_config import check_common_sparsity, first_active
 from ...core.pruning import slim_l1_penalty, slim_masks
 from ..ops import ops
 from .masker import WeightMasker
@@ -67,14 +68,10 @@ class SlimPruner(OneShotPruner):
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None):
         super().__init__(model, config_list, optimizer)
-        self.sparsity = next(c["sparsity"] for c in self.config_list if not c["exclude"])
+        self.sparsity = first_active(self.config_list, "sparsity")
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        values = {c["sparsity"] for c in config_list if not c["exclude"]}
-        if len(values) > 1:
-            raise ConfigError(
-                f"SlimPruner: one global threshold needs one sparsity, but config entries give {sorted(values)}"
-            )
+        check_common_sparsity(config_list)
 
     def sparsity_for(self, wrapper: nn.Module, wrapper_idx: int) -> float:
         return self.sparsity

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ...core.matching import LayerInfo
-from ...core.pruning import expand_filter_mask, filter_keep_from_mask, filter_mask, taylor_fo_contribution
+from ...core.pruning import importance_filter_masks, taylor_fo_contribution
 from ..ops import ops
 from .filters import filter_result
 from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
@@ -70,9 +70,9 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
         if not self.statistics_ready(idx):
             return None
         self.reduce_statistics(self._contrib[idx])
-        kept = filter_keep_from_mask(ops, wrapper.weight_mask)
-        keep = filter_mask(ops, self._contrib[idx], sparsity, kept)
-        return filter_result(wrapper, expand_filter_mask(ops, keep, tuple(wrapper.weight.shape)), keep)
+        weight_mask, keep = importance_filter_masks(ops, self._contrib[idx], sparsity, wrapper.weight_mask,
+                                                    tuple(wrapper.weight.shape))
+        return filter_result(wrapper, weight_mask, keep)
 
 
 class TaylorFOWeightFilterPruner(OneShotPruner):

@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.pruner_config import MASK_NAMES, mask_to_set
 from ..compressor import innermost_module
-
-MASK_NAMES = ("weight_mask", "bias_mask")
 
 
 def replica_origin(module: nn.Module) -> nn.Module:
@@ -102,12 +101,8 @@ class PrunerModuleWrapper(nn.Module):
     def set_mask(self, name: str, value: Any) -> None:
         """Copy ``value`` (bool or 0/1 numbers, any device) into mask buffer ``name`` in place."""
         current = self._buffers.get(name)
-        if current is None:
-            if value is None:
-                return
-            raise ValueError(f"{self.name}: layer has no {name.split('_')[0]} to mask")
-        if value is None:
-            raise ValueError(f"{self.name}: {name} cannot be None (use an all-True mask to keep everything)")
+        if not mask_to_set(self.name, name, current is not None, value):
+            return
         value = torch.as_tensor(value, device=current.device)
         if value.dtype != torch.bool:
             value = value != 0

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from ...core import quant as cq
+from ...core.calibration import (
+    calibration_record,
+    check_calibration_layers,
+    check_calibration_type,
+    loadable_keys,
+)
 from ...core.errors import ConfigError
 from .fakequant import onnx_qdq
 from .wrapper import QuantizerModuleWrapper, quant_axis
@@ -36,20 +41,19 @@ def _host(t: torch.Tensor) -> Any:
 
 def calibration_entry(wrapper: QuantizerModuleWrapper) -> dict[str, Any]:
     """Bits, scale, zero point, integer range and tracked ranges of every quant type of one layer."""
-    entry: dict[str, Any] = {"quant_types": list(wrapper.quant_types), "module_type": wrapper.type}
-    for t in wrapper.quant_types:
-        entry[f"{t}_bits"] = int(wrapper.quant_bits[t])
+
+    def qparams(t: str) -> tuple[Any, Any, int, int] | None:
         qp = wrapper.qparams(t)
-        if qp is not None:
-            s, z, qmin, qmax = qp
-            d = cq.describe(s.detach().cpu().double().numpy(), z.detach().cpu().double().numpy(), qmin, qmax)
-            entry.update({f"{t}_scale": d["scale"], f"{t}_zero_point": d["zero_point"],
-                          f"{t}_qmin": d["qmin"], f"{t}_qmax": d["qmax"]})
-        for key in (f"tracked_min_{t}", f"tracked_max_{t}"):
-            b = wrapper._buffers.get(key)
-            if b is not None:
-                entry[key] = _host(b)
-    return entry
+        if qp is None:
+            return None
+        s, z, qmin, qmax = qp
+        return s.detach().cpu().double().numpy(), z.detach().cpu().double().numpy(), qmin, qmax
+
+    def tracked(key: str) -> Any:
+        b = wrapper._buffers.get(key)
+        return None if b is None else _host(b)
+
+    return calibration_record(wrapper.quant_types, wrapper.type, wrapper.quant_bits, qparams, tracked)
 
 
 def _state_entries(quantizer: Any, wrapper: QuantizerModuleWrapper, weight: torch.Tensor,
@@ -182,30 +186,17 @@ def export_forward(quantizer: Any, wrapper: QuantizerModuleWrapper, inputs: tupl
 def load_calibration_config(quantizer: Any, calibration_config: dict[str, dict[str, Any]]) -> None:
     """Copy a calibration config into the wrappers; everything is checked before anything is written."""
     what = type(quantizer).__name__
-    if not isinstance(calibration_config, dict):
-        raise ConfigError(f"{what}: calibration config must be a dict {{layer name: record}}, "
-                          f"got {type(calibration_config).__name__}")
     wrappers = {w.name: w for w in quantizer.get_modules_wrapper()}
-    unknown = sorted(set(calibration_config) - set(wrappers))
-    if unknown:
-        raise ConfigError(f"{what}: calibration config names layers {unknown} that this quantizer does not wrap; "
-                          f"wrapped: {sorted(wrappers)}")
+    check_calibration_layers(what, calibration_config, wrappers)
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []
     flags: list[torch.Tensor] = []
     frozen: list[QuantizerModuleWrapper] = []
     for name, entry in calibration_config.items():
         w = wrappers[name]
         for t in w.quant_types:
-            bits = entry.get(f"{t}_bits")
-            if bits is not None and int(bits) != w.quant_bits[t]:
-                raise ConfigError(f"{what}: layer {name!r}: calibration {t}_bits = {bits}, but the config quantizes "
-                                  f"{t} at {w.quant_bits[t]} bits")
             qp = w.qparams(t)
-            if qp is not None and f"{t}_qmin" in entry and (entry[f"{t}_qmin"], entry[f"{t}_qmax"]) != (qp[2], qp[3]):
-                raise ConfigError(f"{what}: layer {name!r}: calibration {t} range "
-                                  f"[{entry[f'{t}_qmin']}, {entry[f'{t}_qmax']}] differs from [{qp[2]}, {qp[3]}]")
-            keys = [f"{t}_scale", f"{t}_zero_point", f"tracked_min_{t}", f"tracked_max_{t}"]
-            for key in keys:
+            check_calibration_type(what, name, t, entry, w.quant_bits[t], None if qp is None else (qp[2], qp[3]))
+            for key in loadable_keys(t):
                 if key not in entry:
                     continue
                 target = getattr(w, key, None)

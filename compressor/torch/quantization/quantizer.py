@@ -27,8 +27,6 @@ track ranges keep tracking them). Subclasses overriding ``step`` should call ``s
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,34 +35,19 @@ from torch import nn
 from ...core.config import QUANT_TYPES
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
+from ...core.quantizer import (
+    builtin_autograd,
+    builtin_ste,
+    call_quantize,
+    calls_directly,
+    check_quant_types,
+    method_styles,
+)
 from ..compressor import Compressor
 from .grad import QuantGrad, QuantType
 from .wrapper import QuantizerModuleWrapper
 
 __all__ = ["TorchQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
-
-
-def builtin_ste(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a ``quantize_*`` method whose autograd already is the clipped STE: with the default
-    ``quant_grad`` it is called directly (no extra autograd function)."""
-    fn._quant_autograd = "ste"
-    return fn
-
-
-def builtin_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a ``quantize_*`` method whose gradients are its own (e.g. LSQ's learned scales):
-    ``quant_grad`` is never applied to it."""
-    fn._quant_autograd = "own"
-    return fn
-
-
-def _call_style(fn: Callable[..., Any]) -> tuple[str, bool]:
-    """('wrapper' | 'config', takes **kwargs) from a ``quantize_*`` signature."""
-    params = inspect.signature(fn).parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "config" in params and "wrapper" not in params:
-        return "config", var_kw
-    return "wrapper", var_kw
 
 
 class TorchQuantizer(Compressor):
@@ -86,13 +69,7 @@ class TorchQuantizer(Compressor):
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
         self._steps = 0
-        cls = type(self)
-        self._styles: dict[str, tuple[str, bool]] = {}
-        self._autograd: dict[str, str | None] = {}
-        for t in QUANT_TYPES:
-            fn = getattr(cls, f"quantize_{t}")
-            self._styles[t] = _call_style(fn)
-            self._autograd[t] = getattr(fn, "_quant_autograd", None)
+        self._styles, self._autograd = method_styles(type(self))
         super().__init__(model, config_list, optimizer)
         self._refresh_active()
 
@@ -100,14 +77,7 @@ class TorchQuantizer(Compressor):
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         what = type(self).__name__
         types = config.get("quant_types", [])
-        bad = [t for t in types if t not in self.supported_quant_types]
-        if bad:
-            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {bad} are not supported; "
-                              f"{what} quantizes {list(self.supported_quant_types)}")
-        missing = [t for t in types if getattr(type(self), f"quantize_{t}") is getattr(TorchQuantizer, f"quantize_{t}")]
-        if missing:
-            raise ConfigError(f"{what}: layer {layer_info.name!r}: quant_types {missing} need "
-                              f"{', '.join('quantize_' + t for t in missing)}(), which {what} does not define")
+        check_quant_types(type(self), TorchQuantizer, layer_info.name, types, self.supported_quant_types)
         if "weight" in types and not isinstance(getattr(module, "weight", None), torch.Tensor):
             raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight tensor to quantize")
 
@@ -135,17 +105,7 @@ class TorchQuantizer(Compressor):
 
     # ------------------------------------------------------------------ dispatch (called by the wrapper)
     def _call(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
-        style, var_kw = self._styles[quant_type]
-        fn = getattr(self, f"quantize_{quant_type}")
-        if style == "wrapper":
-            out = fn(tensor, wrapper=wrapper)
-        elif var_kw:
-            out = fn(tensor, config=wrapper.config, op=wrapper.layer, op_type=wrapper.type, op_name=wrapper.name)
-        else:
-            out = fn(tensor, config=wrapper.config)
-        if isinstance(out, (tuple, list)):  # quantize_input(*inputs) may hand back a tuple
-            out = out[0]
-        return out
+        return call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)
 
     def _quantize(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
         t = quant_type.value if isinstance(quant_type, QuantType) else quant_type
@@ -153,7 +113,7 @@ class TorchQuantizer(Compressor):
             return tensor
         mode = self._autograd[t]
         grad = self.quant_grad
-        if mode == "own" or (mode == "ste" and grad is QuantGrad):
+        if calls_directly(mode, grad is QuantGrad):
             return self._call(t, tensor, wrapper)
 
         def run(x: torch.Tensor) -> tuple[torch.Tensor, Any]:

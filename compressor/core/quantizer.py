@@ -1,0 +1,94 @@
+"""The framework-free part of the quantizer base classes (``TorchQuantizer`` / ``TfQuantizer``).
+
+A quantizer overrides ``quantize_weight`` / ``quantize_input`` / ``quantize_output`` in one of two calling
+styles, read from each method's signature: seed 002's ``(tensor, wrapper, **kwargs)`` or seed 003's
+``(tensor, config, **kwargs)``. Methods may be marked :func:`builtin_ste` (their own gradient already is
+the clipped straight-through one) or :func:`builtin_autograd` (their gradients are their own). This
+module reads those facts, checks a config entry's ``quant_types`` against them and calls a method in
+its style; the backends add tensors, wrappers and gradient functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .config import QUANT_TYPES
+from .errors import ConfigError
+
+__all__ = [
+    "builtin_autograd", "builtin_ste", "call_quantize", "call_style", "calls_directly", "check_quant_types",
+    "method_styles",
+]
+
+
+def builtin_ste(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``quantize_*`` method whose own gradient is the intended (clipped) straight-through one: with
+    the default ``quant_grad`` it is called directly (no extra custom-gradient function)."""
+    fn._quant_autograd = "ste"
+    return fn
+
+
+def builtin_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a ``quantize_*`` method whose gradients are its own (e.g. LSQ's learned scales):
+    ``quant_grad`` is never applied to it."""
+    fn._quant_autograd = "own"
+    return fn
+
+
+def call_style(fn: Callable[..., Any]) -> tuple[str, bool]:
+    """('wrapper' | 'config', takes **kwargs) from a ``quantize_*`` signature."""
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "config" in params and "wrapper" not in params:
+        return "config", var_kw
+    return "wrapper", var_kw
+
+
+def method_styles(cls: type) -> tuple[dict[str, tuple[str, bool]], dict[str, str | None]]:
+    """``({quant_type: call_style}, {quant_type: autograd mark or None})`` of ``cls``'s ``quantize_*``."""
+    styles: dict[str, tuple[str, bool]] = {}
+    autograd: dict[str, str | None] = {}
+    for t in QUANT_TYPES:
+        fn = getattr(cls, f"quantize_{t}")
+        styles[t] = call_style(fn)
+        autograd[t] = getattr(fn, "_quant_autograd", None)
+    return styles, autograd
+
+
+def calls_directly(mode: str | None, default_grad: bool) -> bool:
+    """Whether a method with autograd mark ``mode`` runs without the ``quant_grad`` wrapper: always for
+    ``'own'``, for ``'ste'`` while ``quant_grad`` is the default one."""
+    return mode == "own" or (mode == "ste" and default_grad)
+
+
+def check_quant_types(cls: type, base: type, layer_name: str, types: Iterable[str],
+                      supported: Iterable[str]) -> None:
+    """Refuse quant types the algorithm ``cls`` does not support, or whose ``quantize_*`` it does not
+    override (``base``: the backend's quantizer base class, whose methods only raise)."""
+    what = cls.__name__
+    supported = list(supported)
+    bad = [t for t in types if t not in supported]
+    if bad:
+        raise ConfigError(f"{what}: layer {layer_name!r}: quant_types {bad} are not supported; "
+                          f"{what} quantizes {supported}")
+    missing = [t for t in types if getattr(cls, f"quantize_{t}") is getattr(base, f"quantize_{t}")]
+    if missing:
+        raise ConfigError(f"{what}: layer {layer_name!r}: quant_types {missing} need "
+                          f"{', '.join('quantize_' + t for t in missing)}(), which {what} does not define")
+
+
+def call_quantize(fn: Callable[..., Any], style: tuple[str, bool], tensor: Any, wrapper: Any) -> Any:
+    """Call ``quantize_*`` method ``fn`` on ``tensor`` in its ``style`` (see :func:`call_style`); a tuple
+    result (``quantize_input(*inputs)``) gives its first element."""
+    kind, var_kw = style
+    if kind == "wrapper":
+        out = fn(tensor, wrapper=wrapper)
+    elif var_kw:
+        out = fn(tensor, config=wrapper.config, op=wrapper.layer, op_type=wrapper.type, op_name=wrapper.name)
+    else:
+        out = fn(tensor, config=wrapper.config)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
