@@ -1,0 +1,661 @@
+"""``compressor demo``: compress a small CNN end to end on every installed backend and print what it cost.
+
+Per backend: train a small CNN (scikit-learn's bundled 8x8 digits by default; MNIST with ``--data mnist
+--data-dir DIR``), then from the same dense weights (a) prune it gradually to 80 % with ``AGPPruner``
+while fine-tuning and (b) quantize it to int8 with ``QAT_Quantizer`` while fine-tuning. The table gives
+test accuracy (dense / pruned / quantized), the sparsity of the EXPORTED pruned weights, the model size
+(dense float32 vs. the extra bool masks vs. an int8 export) and the training-step time of the compressed
+models relative to the dense one, measured interleaved in the same run. Seeds are fixed.
+
+The per-backend training code is a small "harness" (:class:`TorchHarness`, :class:`TfHarness`) that the
+examples (``examples/``) reuse with their own models. Importing this module imports neither framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .core.quant import quantized_bytes
+from .data import DataError, Dataset, load_dataset
+
+__all__ = ["BackendResult", "Schedule", "TfHarness", "TorchHarness", "get_harness", "main", "run_demo", "save_plot"]
+
+BACKENDS = ("torch", "tf")
+FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
+SPARSITY = 0.8
+LAYERS = ("conv1", "conv2", "fc1", "fc2")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Epochs, batch size and learning rates of one demo run."""
+
+    dense_epochs: int
+    prune_epochs: int  # AGP fine-tuning epochs (the ramp ends at ``agp_end_epoch``, the rest recovers)
+    agp_end_epoch: int
+    quant_epochs: int
+    batch_size: int = 32
+    lr: float = 2e-3
+    finetune_lr: float = 5e-4
+    n_train: int | None = None  # None = the whole split
+    n_test: int | None = None
+    timing_rounds: int = 5
+    timing_steps: int = 10
+
+
+SCHEDULES: dict[tuple[str, bool], Schedule] = {
+    ("digits", False): Schedule(dense_epochs=20, prune_epochs=15, agp_end_epoch=8, quant_epochs=4),
+    ("digits", True): Schedule(dense_epochs=8, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, timing_rounds=3),
+    ("mnist", False): Schedule(dense_epochs=3, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, batch_size=128),
+    ("mnist", True): Schedule(dense_epochs=2, prune_epochs=3, agp_end_epoch=2, quant_epochs=1, batch_size=64,
+                              n_train=6000, n_test=2000, timing_rounds=3),
+}
+
+
+def agp_config(s: Schedule) -> list[dict[str, Any]]:
+    """AGP from 0 to 80 % over ``agp_end_epoch`` epochs on every conv/dense layer (same list for both backends)."""
+    return [{"initial_sparsity": 0.0, "final_sparsity": SPARSITY, "start_epoch": 0, "end_epoch": s.agp_end_epoch,
+             "frequency": 1, "op_types": ["default"]}]
+
+
+#: int8 weights and activations (layer outputs) everywhere; the first layer also quantizes its input.
+QAT_CONFIG: list[dict[str, Any]] = [
+    {"quant_types": ["weight", "output"], "quant_bits": 8, "op_types": ["default"]},
+    {"quant_types": ["input", "weight", "output"], "quant_bits": 8, "op_names": ["conv1"]},
+]
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class BackendResult:
+    """What the demo measured on one backend (accuracies in [0, 1], sizes in bytes, times in seconds)."""
+
+    backend: str
+    data: str
+    acc_dense: float
+    acc_pruned: float
+    acc_quant: float
+    sparsity: float  # zeros / weights over the pruned layers of the exported model
+    layer_sparsity: dict[str, float]
+    dense_bytes: int  # float32 parameters
+    mask_bytes: int  # bool masks held while training with the pruner
+    int8_bytes: int  # int8 weights + float32 rest + scale/zero point per quantized tensor
+    step_dense: float  # median train-step seconds
+    step_pruned: float
+    step_quant: float
+    step_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+    description: str = ""
+
+    @property
+    def pruned_overhead(self) -> float:
+        return self.step_pruned / self.step_dense
+
+    @property
+    def quant_overhead(self) -> float:
+        return self.step_quant / self.step_dense
+
+    def table(self) -> str:
+        """The per-backend result table (plain text)."""
+        ms = 1e3
+        rows = [
+            ("", "dense", f"pruned (AGP {SPARSITY:.0%})", "quantized (QAT int8)"),
+            ("test accuracy", _pct(self.acc_dense), _pct(self.acc_pruned), _pct(self.acc_quant)),
+            ("weight sparsity (exported)", _pct(0.0), _pct(self.sparsity), "-"),
+            ("model bytes", f"{self.dense_bytes:,} fp32", f"+{self.mask_bytes:,} bool masks",
+             f"{self.int8_bytes:,} int8 export"),
+            ("train step, median", f"{self.step_dense * ms:.2f} ms", f"{self.step_pruned * ms:.2f} ms "
+             f"({self.pruned_overhead:.2f}x)", f"{self.step_quant * ms:.2f} ms ({self.quant_overhead:.2f}x)"),
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"== {self.backend}: {self.description} ({self.seconds:.1f} s) =="]
+        for r in rows:
+            lines.append("  " + "   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        per_layer = ", ".join(f"{k} {_pct(v)}" for k, v in self.layer_sparsity.items())
+        lines.append(f"  per-layer sparsity: {per_layer}")
+        lines.append("  (masks speed nothing up by themselves: the exported dense file is as large as before; "
+                     "store it sparse or prune filters to shrink it)")
+        return "\n".join(lines)
+
+
+def _pct(v: float) -> str:
+    return f"{100.0 * v:.2f} %"
+
+
+# ---------------------------------------------------------------------------------------------- harnesses
+def _progress(iterable: Any, total: int | None, desc: str, enabled: bool | None) -> Any:
+    from tqdm.auto import tqdm
+
+    disable = {True: False, None: None, False: True}[enabled]  # None: bars only on a terminal
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable)
+
+
+class TorchHarness:
+    """Training/evaluation helpers for PyTorch models on numpy image arrays ``[N, H, W]`` (CPU or ``device``)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu"):
+        import torch
+
+        import compressor.torch as backend
+
+        self.torch = torch
+        self.backend = backend
+        self.device = torch.device(device)
+
+    @contextlib.contextmanager
+    def threads(self, n: int | None) -> Any:
+        """Use ``n`` CPU threads inside the block (tiny models run fastest on one: no sync between threads)."""
+        old = self.torch.get_num_threads()
+        if n:
+            self.torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            self.torch.set_num_threads(old)
+
+    def seed(self, seed: int) -> None:
+        self.torch.manual_seed(seed)
+
+    def to_input(self, x: np.ndarray) -> Any:
+        return self.torch.from_numpy(np.ascontiguousarray(x[:, None])).to(self.device)  # NCHW
+
+    def build_cnn(self, image_shape: tuple[int, int], num_classes: int) -> Any:
+        """conv1(16) - conv2(32) - maxpool - fc1(64) - fc2; images above 16 px get a pool after conv1 too."""
+        from collections import OrderedDict
+
+        from torch import nn
+
+        h, w = image_shape
+        pools = 1 if h <= 16 else 2
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        layers["conv1"] = nn.Conv2d(1, 16, 3, padding=1)
+        layers["relu1"] = nn.ReLU()
+        if pools == 2:
+            layers["pool1"] = nn.MaxPool2d(2)
+        layers["conv2"] = nn.Conv2d(16, 32, 3, padding=1)
+        layers["relu2"] = nn.ReLU()
+        layers["pool2"] = nn.MaxPool2d(2)
+        layers["flatten"] = nn.Flatten()
+        layers["fc1"] = nn.Linear(32 * (h >> pools) * (w >> pools), 64)
+        layers["relu3"] = nn.ReLU()
+        layers["fc2"] = nn.Linear(64, num_classes)
+        return nn.Sequential(layers).to(self.device)
+
+    def copy(self, model: Any) -> Any:
+        import copy
+
+        return copy.deepcopy(model)
+
+    def optimizer(self, model: Any, lr: float, kind: str = "adam", momentum: float = 0.9, weight_decay: float = 0.0) -> Any:
+        params = model.parameters()
+        if kind == "adam":
+            return self.torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        return self.torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    def set_lr(self, optimizer: Any, lr: float) -> None:
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+
+    def fit(self, model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int,
+            seed: int = 0, compressor: Any = None, desc: str = "train", progress: bool | None = None,
+            epoch_end: Callable[[int], None] | None = None) -> list[float]:
+        """Train ``epochs`` epochs (shuffled with ``seed``); ``compressor.update_epoch(e)`` runs before epoch e.
+        Returns the mean loss per epoch."""
+        torch = self.torch
+        xt, yt = self.to_input(x), torch.from_numpy(y).to(self.device)
+        gen = torch.Generator().manual_seed(seed)
+        losses = []
+        bar = _progress(range(epochs), epochs, f"{self.name} {desc}", progress)
+        for epoch in bar:
+            if compressor is not None:
+                compressor.update_epoch(epoch)
+            model.train()
+            perm = torch.randperm(len(xt), generator=gen).to(self.device)
+            total = torch.zeros((), device=self.device)
+            for i in range(0, len(xt), batch_size):
+                idx = perm[i:i + batch_size]
+                total += self._step(model, optimizer, xt[idx], yt[idx]).detach() * len(idx)
+            losses.append(float(total) / len(xt))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if epoch_end is not None:
+                epoch_end(epoch)
+        return losses
+
+    def _step(self, model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.torch.nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> float:
+        torch = self.torch
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, len(x), batch_size):
+                pred = model(self.to_input(x[i:i + batch_size])).argmax(1).cpu().numpy()
+                correct += int((pred == y[i:i + batch_size]).sum())
+        model.train()
+        return correct / len(x)
+
+    def time_steps(self, runs: Sequence[tuple[Any, Any]], x: np.ndarray, y: np.ndarray, batch_size: int,
+                   rounds: int, steps: int) -> list[list[float]]:
+        """Seconds per training step of each ``(model, optimizer)``, interleaved round by round (the
+        first round is a discarded warm-up), on the same batches."""
+        torch = self.torch
+        xb, yb = self.to_input(x[:batch_size]), torch.from_numpy(y[:batch_size]).to(self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times: list[list[float]] = [[] for _ in runs]
+        for r in range(rounds + 1):
+            for i, (model, opt) in enumerate(runs):
+                model.train()
+                for _ in range(steps):
+                    sync()
+                    t0 = time.perf_counter()
+                    self._step(model, opt, xb, yb)
+                    sync()
+                    if r:
+                        times[i].append(time.perf_counter() - t0)
+        return times
+
+    def param_count(self, model: Any) -> dict[str, int]:
+        """Parameter name -> number of elements (the float32 payload of a checkpoint)."""
+        return {k: v.numel() for k, v in model.state_dict().items() if v.is_floating_point() and "mask" not in k}
+
+    def export_pruned(self, pruner: Any, model: Any, directory: str) -> dict[str, np.ndarray]:
+        """Export through the pruner and reload the file into a fresh dense model: layer -> weight."""
+        path = os.path.join(directory, "pruned.pt")
+        pruner.export_model(path, os.path.join(directory, "masks.pt"))
+        state = self.torch.load(path, weights_only=True)
+        return {k.rsplit(".", 1)[0]: v.cpu().numpy() for k, v in state.items() if k.endswith(".weight")}
+
+    def mask_bytes(self, pruner: Any) -> int:
+        total = 0
+        for w in pruner.get_modules_wrapper():
+            for m in (w.weight_mask, w.bias_mask):
+                if m is not None:
+                    total += m.numel() * m.element_size()
+        return total
+
+    def export_quantized(self, quantizer: Any, model: Any, directory: str) -> dict[str, dict[str, Any]]:
+        """Export through the quantizer; returns the calibration config (layer -> bits, scales, ...)."""
+        return quantizer.export_model(os.path.join(directory, "quant.pt"), os.path.join(directory, "calib.pt"))
+
+
+class TfHarness:
+    """The same helpers for Keras 3 models (NHWC), trained with ``model.fit`` and the compressor's callback."""
+
+    name = "tf"
+
+    def __init__(self, device: str = "cpu"):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+        import keras
+        import tensorflow as tf
+
+        import compressor.tf as backend
+
+        self.tf = tf
+        self.keras = keras
+        self.backend = backend
+        self.device = "/GPU:0" if device.startswith("cuda") else "/CPU:0"
+
+    def seed(self, seed: int) -> None:
+        self.keras.utils.set_random_seed(seed)
+
+    @contextlib.contextmanager
+    def threads(self, n: int | None) -> Any:
+        """Ask TF for ``n`` intra-op threads; only possible before TF's runtime starts (else left as is)."""
+        if n:
+            with contextlib.suppress(RuntimeError):
+                self.tf.config.threading.set_intra_op_parallelism_threads(n)
+                self.tf.config.threading.set_inter_op_parallelism_threads(n)
+        yield
+
+    def to_input(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x[..., None])  # NHWC
+
+    def build_cnn(self, image_shape: tuple[int, int], num_classes: int) -> Any:
+        """The same CNN as :meth:`TorchHarness.build_cnn` (same layer names)."""
+        L = self.keras.layers
+        h, w = image_shape
+        pools = 1 if h <= 16 else 2
+        layers: list[Any] = [self.keras.Input((h, w, 1)), L.Conv2D(16, 3, padding="same", name="conv1"), L.ReLU(name="relu1")]
+        if pools == 2:
+            layers.append(L.MaxPooling2D(2, name="pool1"))
+        layers += [L.Conv2D(32, 3, padding="same", name="conv2"), L.ReLU(name="relu2"), L.MaxPooling2D(2, name="pool2"),
+                   L.Flatten(name="flatten"), L.Dense(64, name="fc1"), L.ReLU(name="relu3"), L.Dense(num_classes, name="fc2")]
+        return self.keras.Sequential(layers, name="cnn")
+
+    def copy(self, model: Any) -> Any:
+        clone = self.keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+        return clone
+
+    def optimizer(self, model: Any, lr: float, kind: str = "adam", momentum: float = 0.9, weight_decay: float = 0.0) -> Any:
+        """A Keras optimizer, compiled into ``model`` (``model.optimizer`` is the one returned)."""
+        opts = self.keras.optimizers
+        wd = weight_decay or None
+        opt = opts.Adam(lr, weight_decay=wd) if kind == "adam" else opts.SGD(lr, momentum=momentum, weight_decay=wd)
+        loss = self.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
+        return opt
+
+    def set_lr(self, optimizer: Any, lr: float) -> None:
+        optimizer.learning_rate.assign(lr)
+
+    def _callbacks(self, compressor: Any) -> list[Any]:
+        if compressor is None:
+            return []
+        return [self.backend.CompressionCallback(compressor)]
+
+    def fit(self, model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int,
+            seed: int = 0, compressor: Any = None, desc: str = "train", progress: bool | None = None,
+            epoch_end: Callable[[int], None] | None = None) -> list[float]:
+        keras = self.keras
+        bar = _progress(None, epochs, f"{self.name} {desc}", progress)
+        harness = self
+
+        class Progress(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{(logs or {}).get('loss', float('nan')):.4f}")
+                if epoch_end is not None:
+                    epoch_end(epoch)
+
+        keras.utils.set_random_seed(seed)
+        with self.tf.device(harness.device):
+            hist = model.fit(self.to_input(x), y, batch_size=batch_size, epochs=epochs, shuffle=True, verbose=0,
+                             callbacks=[*self._callbacks(compressor), Progress()])
+        bar.close()
+        return [float(v) for v in hist.history.get("loss", [])]
+
+    def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> float:
+        with self.tf.device(self.device):
+            logits = model.predict(self.to_input(x), batch_size=batch_size, verbose=0)
+        return float((np.argmax(logits, axis=1) == y).mean())
+
+    def time_steps(self, runs: Sequence[tuple[Any, Any]], x: np.ndarray, y: np.ndarray, batch_size: int,
+                   rounds: int, steps: int) -> list[list[float]]:
+        """Seconds per ``model.fit`` step (batch callbacks), interleaved round by round, same batches."""
+        keras = self.keras
+        xb, yb = self.to_input(x[:batch_size * steps]), y[:batch_size * steps]
+
+        class Timer(keras.callbacks.Callback):
+            def __init__(self) -> None:
+                super().__init__()
+                self.times: list[float] = []
+
+            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                self.t0 = time.perf_counter()
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                self.times.append(time.perf_counter() - self.t0)
+
+        times: list[list[float]] = [[] for _ in runs]
+        for r in range(rounds + 1):
+            for i, (model, _opt) in enumerate(runs):
+                timer = Timer()
+                with self.tf.device(self.device):
+                    model.fit(xb, yb, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+                if r:
+                    times[i].extend(timer.times[1:])  # the first batch of a fit call pays the dispatch set-up
+        return times
+
+    def param_count(self, model: Any) -> dict[str, int]:
+        return {v.path: int(np.prod(v.shape)) for v in model.weights if "float" in str(v.dtype)}
+
+    def export_pruned(self, pruner: Any, model: Any, directory: str) -> dict[str, np.ndarray]:
+        """Export through the pruner (a plain ``.keras`` model) and reload it: layer -> kernel."""
+        path = os.path.join(directory, "pruned.keras")
+        pruner.export_model(path, os.path.join(directory, "masks.npz"))
+        plain = self.keras.models.load_model(path, compile=False)
+        return {layer.name: np.asarray(layer.kernel) for layer in plain.layers if hasattr(layer, "kernel")}
+
+    def mask_bytes(self, pruner: Any) -> int:
+        total = 0
+        for w in pruner.get_modules_wrapper():
+            for name in ("weight_mask", "bias_mask"):
+                m = getattr(w, name, None)
+                if m is not None:
+                    total += int(np.prod(m.shape)) * self.tf.as_dtype(m.dtype).size
+        return total
+
+    def export_quantized(self, quantizer: Any, model: Any, directory: str) -> dict[str, dict[str, Any]]:
+        return quantizer.export_model(os.path.join(directory, "quant.keras"), os.path.join(directory, "calib.json"))
+
+
+def get_harness(backend: str, device: str = "cpu") -> TorchHarness | TfHarness:
+    """The training harness of ``backend`` ('torch' or 'tf')."""
+    if backend == "torch":
+        return TorchHarness(device)
+    if backend == "tf":
+        return TfHarness(device)
+    raise ValueError(f"unknown backend {backend!r}; allowed: {list(BACKENDS)}")
+
+
+def installed_backends() -> list[str]:
+    return [b for b in BACKENDS if importlib.util.find_spec(FRAMEWORK[b]) is not None]
+
+
+# ---------------------------------------------------------------------------------------------- the demo
+def _param_layer(key: str) -> tuple[str, str]:
+    """``'fc1.weight'`` / ``'cnn/fc1/kernel'`` -> (layer path with '.' separators, parameter name)."""
+    parts = key.replace("/", ".").rsplit(".", 1)
+    return (parts[0], parts[1]) if len(parts) == 2 else ("", parts[0])
+
+
+def int8_export_bytes(params: dict[str, int], calibration: dict[str, dict[str, Any]]) -> int:
+    """Bytes of an int8 deployment: quantized weights at their bit width, every other parameter as 4
+    bytes (float32, or int32 biases), plus a 4-byte scale and a 4-byte zero point per quantized
+    tensor (per channel for per-channel schemes)."""
+    total = 0
+    quantized = set()
+    for layer, entry in calibration.items():
+        types = entry.get("quant_types", ())
+        if "weight" in types:
+            name = layer.replace("/", ".")
+            for key in params:
+                path, pname = _param_layer(key)
+                if pname in ("weight", "kernel") and (path == name or path.endswith("." + name)):
+                    quantized.add(key)
+                    total += quantized_bytes(params[key], int(entry["weight_bits"]))
+                    break
+        for t in types:
+            scale = entry.get(f"{t}_scale")
+            if scale is not None:
+                total += 8 * (len(scale) if isinstance(scale, list) else 1)
+    total += sum(4 * n for k, n in params.items() if k not in quantized)
+    return total
+
+
+def _sparsity(weights: dict[str, np.ndarray]) -> tuple[float, dict[str, float]]:
+    per = {k: float((w == 0).mean()) for k, w in weights.items()}
+    zeros = sum(int((w == 0).sum()) for w in weights.values())
+    return zeros / max(sum(w.size for w in weights.values()), 1), per
+
+
+def run_backend(backend: str, ds: Dataset, schedule: Schedule, seed: int = 0, progress: bool | None = None,
+                device: str = "cpu", threads: int | None = 1, log: Callable[[str], None] = print) -> BackendResult:
+    """Train, prune (AGP) and quantize (QAT) the demo CNN on one backend and measure everything."""
+    h = get_harness(backend, device)
+    with h.threads(threads):
+        return _run_backend(h, ds, schedule, seed, progress, log)
+
+
+def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | None,
+                 log: Callable[[str], None]) -> BackendResult:
+    t_start = time.perf_counter()
+    backend = h.name
+    h.seed(seed)
+    dense = h.build_cnn(ds.image_shape, ds.num_classes)
+    opt = h.optimizer(dense, s.lr)
+    h.fit(dense, opt, ds.x_train, ds.y_train, s.dense_epochs, s.batch_size, seed, desc="dense", progress=progress)
+    acc_dense = h.evaluate(dense, ds.x_test, ds.y_test)
+    log(f"[{backend}] dense accuracy {_pct(acc_dense)}")
+
+    # AGP pruning while fine-tuning (the optimizer hook keeps pruned weights at zero after every step)
+    pruned_model = h.copy(dense)
+    popt = h.optimizer(pruned_model, s.finetune_lr)
+    pruner = h.backend.AGPPruner(pruned_model, agp_config(s), popt)
+    pruned_model = pruner.compress()
+    h.fit(pruned_model, popt, ds.x_train, ds.y_train, s.prune_epochs, s.batch_size, seed + 1, compressor=pruner,
+          desc="AGP prune", progress=progress)
+    acc_pruned = h.evaluate(pruned_model, ds.x_test, ds.y_test)
+    log(f"[{backend}] pruned accuracy {_pct(acc_pruned)}")
+
+    # QAT int8 while fine-tuning
+    quant_model = h.copy(dense)
+    qopt = h.optimizer(quant_model, s.finetune_lr)
+    quantizer = h.backend.QAT_Quantizer(quant_model, QAT_CONFIG, qopt)
+    quant_model = quantizer.compress()
+    h.fit(quant_model, qopt, ds.x_train, ds.y_train, s.quant_epochs, s.batch_size, seed + 2, compressor=quantizer,
+          desc="QAT int8", progress=progress)
+    acc_quant = h.evaluate(quant_model, ds.x_test, ds.y_test)
+    log(f"[{backend}] quantized accuracy {_pct(acc_quant)}")
+
+    params = h.param_count(dense)
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = h.export_pruned(pruner, pruned_model, tmp)
+        calibration = h.export_quantized(quantizer, quant_model, tmp)
+    sparsity, per_layer = _sparsity({k: exported[k] for k in LAYERS if k in exported})
+
+    # step time, interleaved; after the accuracies, since timing trains the models a little further
+    t_dense, t_pruned, t_quant = h.time_steps([(dense, opt), (pruned_model, popt), (quant_model, qopt)],
+                                              ds.x_train, ds.y_train, s.batch_size, s.timing_rounds, s.timing_steps)
+    med = statistics.median
+    n_train, n_test = len(ds.x_train), len(ds.x_test)
+    hh, ww = ds.image_shape
+    return BackendResult(
+        backend=backend, data=ds.name, acc_dense=acc_dense, acc_pruned=acc_pruned, acc_quant=acc_quant,
+        sparsity=sparsity, layer_sparsity=per_layer, dense_bytes=4 * sum(params.values()),
+        mask_bytes=h.mask_bytes(pruner), int8_bytes=int8_export_bytes(params, calibration),
+        step_dense=med(t_dense), step_pruned=med(t_pruned), step_quant=med(t_quant),
+        step_ranges={k: (min(v), max(v)) for k, v in (("dense", t_dense), ("pruned", t_pruned), ("quant", t_quant))},
+        seconds=time.perf_counter() - t_start,
+        description=f"small CNN on {ds.name} {hh}x{ww} ({n_train} train / {n_test} test images)",
+    )
+
+
+def save_plot(results: Sequence[BackendResult], path: str) -> None:
+    """Per-layer sparsity and the three accuracies of each backend, side by side, as an image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(len(results), 1)
+    for i, r in enumerate(results):
+        names = list(r.layer_sparsity)
+        xs = np.arange(len(names)) + i * width
+        axes[0].bar(xs, [100 * r.layer_sparsity[n] for n in names], width, label=r.backend)
+        axes[0].set_xticks(np.arange(len(names)) + width * (len(results) - 1) / 2, names)
+        accs = [r.acc_dense, r.acc_pruned, r.acc_quant]
+        axes[1].bar(np.arange(3) + i * width, [100 * a for a in accs], width, label=r.backend)
+    axes[0].axhline(100 * SPARSITY, color="gray", linestyle="--", linewidth=1)
+    axes[0].set_ylim(0, 115)
+    axes[0].set_ylabel("sparsity (%)")
+    axes[0].set_title("per-layer sparsity after AGP")
+    axes[1].set_xticks(np.arange(3) + width * (len(results) - 1) / 2, ["dense", "pruned", "QAT int8"])
+    low = min((min(r.acc_dense, r.acc_pruned, r.acc_quant) for r in results), default=0.9)
+    axes[1].set_ylim(max(0.0, 100 * low - 5), 101)
+    axes[1].set_ylabel("test accuracy (%)")
+    axes[1].set_title("accuracy")
+    for ax in axes:
+        ax.legend(loc="upper right", ncol=len(results))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(backends: Sequence[str], data: str = "digits", data_dir: str | None = None, quick: bool = False,
+             seed: int = 0, plot: str | None = None, progress: bool | None = None, device: str = "cpu",
+             threads: int | None = 1, out: Callable[[str], None] = print) -> list[BackendResult]:
+    """Run the demo on ``backends``, printing each table through ``out``; returns the results."""
+    ds = load_dataset(data, data_dir, seed=seed)
+    schedule = SCHEDULES[(data, quick)]
+    if schedule.n_train or schedule.n_test:
+        ds = ds.subset(schedule.n_train, schedule.n_test)
+    out(f"compressor demo: {ds.describe()}; backends: {', '.join(backends)}{' (quick)' if quick else ''}")
+    results = []
+    for b in backends:
+        r = run_backend(b, ds, schedule, seed=seed, progress=progress, device=device, threads=threads, log=out)
+        out(r.table())
+        results.append(r)
+    if plot:
+        save_plot(results, plot)
+        out(f"figure saved to {plot}")
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="compressor demo", description=(
+        "Train a small CNN, then prune it with AGP to 80 % and quantize it with QAT int8 while fine-tuning, on "
+        "every installed backend; print accuracy, sparsity, model size and train-step overhead per backend."))
+    p.add_argument("--backend", choices=("torch", "tf", "all"), default="all",
+                   help="which backend to run (default: every installed one)")
+    p.add_argument("--data", choices=("digits", "mnist"), default="digits",
+                   help="digits: scikit-learn's bundled 8x8 digits (no download); mnist: IDX files in --data-dir")
+    p.add_argument("--data-dir", help="directory holding the four MNIST IDX(.gz) files")
+    p.add_argument("--quick", action="store_true", help="fewer epochs (a smoke test, seconds per backend)")
+    p.add_argument("--plot", metavar="OUT.png", help="save a per-layer sparsity and accuracy figure")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per framework (default 1: the demo's model is too small to gain from more; 0 = "
+                        "the framework's default)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``compressor demo``; returns the exit code (2 on bad input, one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    installed = installed_backends()
+    if args.backend == "all":
+        backends = installed
+        if not backends:
+            print("compressor demo: error: neither torch nor tensorflow is installed "
+                  "(pip install 'compressor[torch,demo]' or 'compressor[tf,demo]')", file=sys.stderr)
+            return 2
+    else:
+        backends = [args.backend]
+        if args.backend not in installed:
+            print(f"compressor demo: error: backend {args.backend!r} needs {FRAMEWORK[args.backend]}, which is not "
+                  f"installed (pip install 'compressor[{args.backend},demo]')", file=sys.stderr)
+            return 2
+    if args.data == "mnist" and not args.data_dir:
+        print("compressor demo: error: --data mnist needs --data-dir DIR (the four MNIST IDX files)", file=sys.stderr)
+        return 2
+    progress = False if args.no_progress else None
+    try:
+        run_demo(backends, args.data, args.data_dir, args.quick, args.seed, args.plot, progress, args.device,
+                 args.threads or None)
+    except (FileNotFoundError, DataError) as e:
+        print(f"compressor demo: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"compressor demo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())
