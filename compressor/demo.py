@@ -113,7 +113,7 @@ class BackendResult:
         rows = [
             ("", "dense", f"pruned (AGP {SPARSITY:.0%})", "quantized (QAT int8)"),
             ("test accuracy", _pct(self.acc_dense), _pct(self.acc_pruned), _pct(self.acc_quant)),
-            ("weight sparsity (exported)", _pct(0.0), _pct(self.sparsity), "-"),
+            ("weight sparsity (exported)", "-", _pct(self.sparsity), "-"),
             ("model bytes", f"{self.dense_bytes:,} fp32", f"+{self.mask_bytes:,} bool masks",
              f"{self.int8_bytes:,} int8 export"),
             ("train step, median", f"{self.step_dense * ms:.2f} ms", f"{self.step_pruned * ms:.2f} ms "
@@ -125,6 +125,9 @@ class BackendResult:
             lines.append("  " + "   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         per_layer = ", ".join(f"{k} {_pct(v)}" for k, v in self.layer_sparsity.items())
         lines.append(f"  per-layer sparsity: {per_layer}")
+        if self.step_ranges:
+            spread = ", ".join(f"{k} {lo * ms:.2f}-{hi * ms:.2f}" for k, (lo, hi) in self.step_ranges.items())
+            lines.append(f"  train step min-max (ms, interleaved rounds): {spread}")
         lines.append("  (masks speed nothing up by themselves: the exported dense file is as large as before; "
                      "store it sparse or prune filters to shrink it)")
         return "\n".join(lines)
