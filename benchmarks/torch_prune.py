@@ -7,7 +7,11 @@ Prints, in one run with interleaved repeats (medians):
   tie count) vs NNI's rule (``topk(k, largest=False).values.max()`` then ``>``);
 * extra bytes per pruned weight kept by each approach.
 
-    python benchmarks/torch_prune.py [--device cuda] [--repeats 41] [--iters 2] [--threads 2]
+``ours`` re-masks after each optimizer step with a cached copy of the mask in the weight's dtype (the
+default on CPU); ``ours-nocache`` (``PrunerModuleWrapper.multiplier_cache = False``) multiplies by the bool
+mask's bytes instead: 4 bytes per weight less memory, a slower re-mask.
+
+    python benchmarks/torch_prune.py [--device cuda] [--repeats 101] [--iters 2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -58,11 +62,21 @@ def variants(make, device):
     out = {}
     model = fresh()
     out["dense"] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    model = fresh()  # the same dense model again: its ratio to "dense" is the noise floor of this run
+    out["dense-copy"] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
     model = fresh()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     LevelPruner(model, [{"sparsity": SPARSITY, "op_types": ["Conv2d", "Linear"]}], opt).compress()
     out["ours"] = (model, opt)
+
+    model = fresh()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pruner = LevelPruner(model, [{"sparsity": SPARSITY, "op_types": ["Conv2d", "Linear"]}], opt)
+    for wrapper in pruner.get_modules_wrapper():
+        wrapper.multiplier_cache = False  # re-mask with the bool mask's bytes: 4 bytes/weight less memory
+    pruner.compress()
+    out["ours-nocache"] = (model, opt)
 
     model = fresh()
     for m in model.modules():
@@ -120,22 +134,23 @@ def bench_model(name, device, repeats, iters):
             model.eval()
             res[variant]["infer"].append(timed(infer(model), iters, device))
     med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in res.items()}
-    low = {k: {m: _p10(v) for m, v in d.items()} for k, d in res.items()}
+    # paired: the ratio to the dense run of the SAME round (rounds are ~0.1 s apart, so slow drifts of a
+    # shared machine cancel), then the median over rounds, with the 25th-75th percentile of those ratios
+    paired = {k: {m: sorted(a / b for a, b in zip(v, res["dense"][m])) for m, v in d.items()} for k, d in res.items()}
     print(f"\n{name}, batch {'x'.join(map(str, shape))}, {SPARSITY:.0%} sparsity, "
-          f"{repeats} interleaved repeats x {iters} iters")
-    print(f"{'variant':<12} {'train ms':>9} {'ratio':>6} {'p10-ratio':>9} {'infer ms':>9} {'ratio':>6} {'p10-ratio':>9}")
+          f"{repeats} interleaved rounds x {iters} iters")
+    print(f"{'variant':<13} {'train ms':>9} {'ratio':>6} {'IQR':>11}  {'infer ms':>9} {'ratio':>6} {'IQR':>11}")
     for k, d in med.items():
-        print(f"{k:<12} {d['train'] * 1e3:9.3f} {d['train'] / med['dense']['train']:6.3f} "
-              f"{low[k]['train'] / low['dense']['train']:9.3f} "
-              f"{d['infer'] * 1e3:9.3f} {d['infer'] / med['dense']['infer']:6.3f} "
-              f"{low[k]['infer'] / low['dense']['infer']:9.3f}")
+        cells = []
+        for m in ("train", "infer"):
+            r = paired[k][m]
+            q1, q2, q3 = r[len(r) // 4], statistics.median(r), r[(3 * len(r)) // 4]
+            cells.append(f"{d[m] * 1e3:9.3f} {q2:6.3f} {q1:5.3f}-{q3:5.3f}")
+        print(f"{k:<13} {cells[0]}  {cells[1]}")
     ours = vs["ours"][0]
     w = ours[0].module.weight  # the first layer is a wrapped Conv2d in both models
     assert bool((w[~ours[0].weight_mask] == 0).all()), "ours: pruned weights must stay zero while training"
 
-
-def _p10(values):
-    return sorted(values)[len(values) // 10]
 
 
 def nni_rule(w, s):
@@ -168,8 +183,16 @@ def bench_level(device, repeats):
 def bench_bytes():
     print("\nextra bytes per prunable weight (float32 weights)")
     seq = nn.Sequential(nn.Linear(256, 256, bias=False))
-    LevelPruner(seq, [{"sparsity": SPARSITY, "op_types": ["Linear"]}])
-    print(f"ours         {seq[0].weight_mask.element_size():>3}  (bool mask buffer; weight pruned in place)")
+    opt = torch.optim.SGD(seq.parameters(), lr=0.01)
+    LevelPruner(seq, [{"sparsity": SPARSITY, "op_types": ["Linear"]}], opt).compress()
+    seq(torch.randn(2, 256)).sum().backward()
+    opt.step()  # the re-mask after the step builds the multiplier cache
+    stored = seq[0].weight_mask.element_size()
+    cache = seq[0]._mul_cache[0][1].element_size()
+    print(f"ours (CPU)   {stored + cache:>3}  (bool mask buffer, {stored} byte saved in checkpoints, + {cache} bytes "
+          f"runtime multiplier cache; weight pruned in place)")
+    print(f"ours (CUDA)  {stored:>3}  (bool mask only: no multiplier cache on accelerators by default)")
+    print(f"ours-nocache {stored:>3}  (multiplier_cache = False: bool mask only)")
     m = nn.Linear(256, 256, bias=False)
     tprune.l1_unstructured(m, "weight", amount=SPARSITY)
     per = (m.weight_mask.element_size() + m.weight_orig.element_size() + m.weight.element_size()) - 4
@@ -180,15 +203,15 @@ def bench_bytes():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=41)
+    ap.add_argument("--repeats", type=int, default=101)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads")
-    print("ratio = median / dense median; p10-ratio = 10th percentile / dense 10th percentile (robust to "
-          "other processes on a shared machine)")
+    print("ratio = median over rounds of (variant time / dense time in the same round); IQR = 25th-75th "
+          "percentile of those ratios; dense-copy = a second identical dense model (the noise floor)")
     for name in MODELS:
         bench_model(name, device, args.repeats, args.iters)
     bench_level(device, max(5, args.repeats // 2))

@@ -349,3 +349,61 @@ def test_level_is_one_shot_masks_fixed_while_training():
     pruner.compress()
     assert torch.equal(model.fc.weight_mask, before)
     assert pruner.state_dict() == {"epoch": 0, "calculated": [0, 1]}
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_remask_after_step_with_and_without_the_multiplier_cache(cache, monkeypatch):
+    assert PrunerModuleWrapper.multiplier_cache is None  # default: cache on CPU only
+    monkeypatch.setattr(PrunerModuleWrapper, "multiplier_cache", cache)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    pruner = LevelPruner(model, CFG, opt)
+    pruner.compress()
+    conv = model.conv1
+    # a bias mask nobody wrote is all True: the bias is left alone (and trains)
+    assert conv._bias_is_pristine()
+    b0 = conv.module.bias.detach().clone()
+    train_step(model, opt)
+    assert not torch.equal(conv.module.bias, b0)
+    assert int((conv.module.weight == 0).sum()) == 18
+    # a bias mask written later is applied after the next step
+    conv.bias_mask = torch.tensor([True, False, True, False])
+    assert not conv._bias_is_pristine()
+    for _ in range(2):
+        train_step(model, opt)
+        assert conv.module.bias[1] == 0 and conv.module.bias[3] == 0
+        assert conv.module.bias[0] != 0
+    # a changed weight mask replaces the cached multiplier
+    conv.weight_mask = torch.zeros(4, 1, 3, 3, dtype=torch.bool)
+    train_step(model, opt)
+    assert not conv.module.weight.any()
+    # dtype moves: the multiplier follows the weight's dtype
+    model.double()
+    mask = torch.arange(36).reshape(4, 1, 3, 3) % 2 == 0  # 18 kept
+    conv.weight_mask = mask
+    with torch.no_grad():
+        conv.module.weight.fill_(1.0)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    pruner.hook_optimizer(opt2)
+    model(X.double()).sum().backward()
+    opt2.step()
+    w = conv.module.weight
+    assert w.dtype == torch.float64
+    assert torch.equal(w != 0, mask)
+    if cache:
+        assert conv._mul_cache[0][1].dtype == torch.float64
+
+def test_bias_mask_loaded_from_a_checkpoint_is_applied():
+    model = net()
+    LevelPruner(model, CFG).compress()
+    state = model.state_dict()
+    state["conv1.bias_mask"] = torch.tensor([False, True, True, True])
+    fresh = net()
+    LevelPruner(fresh, CFG).compress()
+    fresh.load_state_dict(state)
+    assert not fresh.conv1._bias_is_pristine()
+    fresh(X)
+    assert fresh.conv1.module.bias[0] == 0 and fresh.conv1.module.bias[1] != 0
+    # a pristine bias mask stays pristine across device/dtype moves
+    model.float()
+    assert model.conv1._bias_is_pristine()

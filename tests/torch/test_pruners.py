@@ -300,3 +300,56 @@ def test_end_to_end_tiny_cnn_with_level_pruner():
     rows = pruner.report()
     assert [r["pruned"] for r in rows] == [25, 201, 268]  # floor(0.7 * n) for n = 36, 288, 384
     assert "total" in str(rows) and rows.total["params"] == 36 + 288 + 384
+
+
+CUDA_PRUNERS = {
+    "level": (LevelPruner, {"sparsity": 0.5}, {}),
+    "l1": (L1FilterPruner, {"sparsity": 0.5}, {}),
+    "fpgm": (FPGMPruner, {"sparsity": 0.5}, {}),
+    "apoz": (ActivationAPoZRankFilterPruner, {"sparsity": 0.5}, {"statistics_batch_num": 2}),
+    "taylorfo": (TaylorFOWeightFilterPruner, {"sparsity": 0.5}, {"statistics_batch_num": 2}),
+    "agp": (AGPPruner, {"final_sparsity": 0.5, "start_epoch": 0, "end_epoch": 2, "frequency": 1}, {}),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CUDA_PRUNERS))
+def test_cuda_pruning_step_has_no_host_sync(name):
+    """Masks live on the GPU, statistics and re-masking happen there, and the training step (including
+    the steps where statistics are collected and masks computed) never waits for the host."""
+    cls, cfg, kwargs = CUDA_PRUNERS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 4 * 4, 5)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pruner = cls(model, [{**cfg, "op_types": ["Conv2d"]}], opt, **kwargs)
+    x = torch.randn(16, 1, 8, 8, device="cuda")
+    y = torch.randint(0, 5, (16,), device="cuda")
+
+    def step():
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    pruner.compress()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for epoch in range(3):
+            if hasattr(pruner, "update_epoch"):
+                pruner.update_epoch(epoch)
+            step()
+            step()
+        with torch.no_grad():
+            model.eval()(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for wrapper in pruner.get_modules_wrapper():
+        assert wrapper.weight_mask.device.type == "cuda" and wrapper.weight_mask.dtype == torch.bool
+        assert wrapper._mul_cache == [None, None]  # no float copy of the mask on the GPU by default
+        mask = wrapper.weight_mask
+        if name in ("level", "agp"):  # unstructured: floor(n * 0.5) weights
+            assert int((~mask).sum()) == mask.numel() // 2
+        else:  # half of the 8 filters, whole
+            assert int(mask.flatten(1).all(1).sum()) == 4 and int(mask.flatten(1).any(1).sum()) == 4
+        assert not wrapper.weight[~mask].any()

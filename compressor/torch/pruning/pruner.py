@@ -79,7 +79,7 @@ class TorchPruner(Compressor):
     def apply_masks(self) -> None:
         """Re-mask in place every layer whose weights or masks changed since it was last masked
         (after an optimizer step: all that were stepped), in one multi-tensor multiply."""
-        stale = [w for w in self._wrappers if w.is_stale()]
+        stale = [w for w in self._wrappers if w._versions() != w._seen]
         if not stale:
             return
         tensors: list[torch.Tensor] = []
