@@ -1,10 +1,13 @@
 """TF / Keras 3 pruning overhead: ``model.fit`` step time of a pruned small CNN vs the same dense model.
 
-Side by side in one process, interleaved rounds, medians (target: pruned <= 1.05x dense). Each figure is
+Side by side in one process, interleaved rounds (target: pruned <= 1.05x dense). Ratios are paired: each
+variant's time over the dense model's time in the same round, then the median (and 25th-75th percentile)
+over rounds, so slow drifts of a shared machine cancel. Each figure is
 given as wall time and as process CPU time (user + system): on a shared machine the CPU time is far less
 disturbed by other processes; ``--threads`` (default 1) pins TF's thread pools so both are stable.
 
 * ``dense``         plain Keras 3 model
+* ``dense-copy``    the same dense model again: its ratio to ``dense`` is the noise floor of the run
 * ``ours inplace``  LevelPruner 70 %, default mask_mode: pruned weights zeroed in place after each update
 * ``ours forward``  LevelPruner 70 %, mask_mode='forward': ``where(mask, w, 0)`` in every call
 * inference (``predict_on_batch``) for the same three.
@@ -14,7 +17,7 @@ tfmot's ``prune_low_magnitude`` only works on Keras 2 (``tf_keras``), so it runs
 (``--tfmot-path DIR`` adds DIR to that process's ``sys.path``, e.g. a ``pip install --target DIR``), with
 its own dense baseline; otherwise the output says so.
 
-    python benchmarks/tf_prune.py [--rounds 9] [--steps 10] [--threads 1] [--tfmot-path DIR]
+    python benchmarks/tf_prune.py [--rounds 15] [--steps 10] [--threads 1] [--tfmot-path DIR]
 """
 
 from __future__ import annotations
@@ -73,10 +76,6 @@ def medians(samples):
     return tuple(statistics.median(s[i] for s in samples) for i in (0, 1))
 
 
-def mins(samples):
-    return tuple(min(s[i] for s in samples) for i in (0, 1))
-
-
 def run_ours(rounds, steps):
     import keras
     import numpy as np
@@ -87,11 +86,11 @@ def run_ours(rounds, steps):
     x, y = data(np, steps * BATCH)
     models = {}
     pruners = {}
-    for name in ("dense", "ours inplace", "ours forward"):
+    for name in ("dense", "dense-copy", "ours inplace", "ours forward"):
         keras.utils.set_random_seed(0)
         m = build(keras)
         opt = keras.optimizers.SGD(0.01, momentum=0.9)
-        if name != "dense":
+        if name.startswith("ours"):
             cls = LevelPruner if name == "ours inplace" else type("FwdLevelPruner", (LevelPruner,), {"mask_mode": "forward"})
             pruners[name] = cls(m, [{"sparsity": SPARSITY, "op_types": ["default"]}], opt)
             pruners[name].compress()
@@ -115,8 +114,7 @@ def run_ours(rounds, steps):
         extra.append(per_step(t, 50))
     pruned = models["ours inplace"]
     zeros = float(np.mean([np.mean(v.numpy() == 0) for v in pruned.trainable_variables if len(v.shape) > 1]))
-    return ({n: medians(v) for n, v in fit.items()}, {n: medians(v) for n, v in pred.items()},
-            {n: mins(v) for n, v in fit.items()}, medians(extra), zeros)
+    return fit, pred, medians(extra), zeros
 
 
 TFMOT_SCRIPT = r"""
@@ -132,7 +130,7 @@ exec(os.environ["BENCH_HELPERS"])
 rounds, steps = int(sys.argv[1]), int(sys.argv[2])
 x, y = data(np, steps * BATCH)
 models = {}
-for name in ("dense", "tfmot"):
+for name in ("dense", "dense-copy", "tfmot"):
     tf.random.set_seed(0)
     m = build(keras)
     cbs = []
@@ -153,15 +151,14 @@ res = {n: [] for n in models}; pred = {n: [] for n in models}
 for r in range(rounds):
     for n in (models if r % 2 == 0 else list(reversed(list(models)))):
         res[n].append(fit(models[n], steps)); pred[n].append(time_predict(models[n], x, steps))
-print(json.dumps({"fit": {n: medians(v) for n, v in res.items()},
-                  "predict": {n: medians(v) for n, v in pred.items()}}))
+print(json.dumps({"fit": res, "predict": pred}))
 """
 
 
 def run_tfmot(rounds, steps, path, threads):
     import inspect
 
-    helpers = "\n".join(inspect.getsource(f) for f in (build, data, clocks, per_step, time_predict, medians))
+    helpers = "\n".join(inspect.getsource(f) for f in (build, data, clocks, per_step, time_predict))
     helpers = f"BATCH, SHAPE, CLASSES, SPARSITY = {BATCH}, {SHAPE}, {CLASSES}, {SPARSITY}\n" + helpers
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TFMOT_PATH=path or "", BENCH_HELPERS=helpers,
                BENCH_THREADS=str(threads))
@@ -179,7 +176,7 @@ def run_tfmot(rounds, steps, path, threads):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="TF intra/inter-op threads (0 = TF default)")
     ap.add_argument("--tfmot-path", default=os.environ.get("COMPRESSOR_TFMOT_PATH", ""))
@@ -190,15 +187,14 @@ def main() -> None:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     print(f"TF {tf.__version__}; small CNN {SHAPE} batch {BATCH}, LevelPruner {SPARSITY:.0%}; "
-          f"{args.rounds} interleaved rounds x {args.steps} steps, medians; TF threads: {args.threads or 'default'}")
-    fit, pred, fit_min, extra, zeros = run_ours(args.rounds, args.steps)
-    table(fit, pred, "dense")
-    print("fit, fastest round (least disturbed by other processes): " + "; ".join(
-        f"{n} {v[0] * 1e3:.1f} ms wall {v[0] / fit_min['dense'][0]:.3f}x, {v[1] * 1e3:.1f} ms cpu "
-        f"{v[1] / fit_min['dense'][1]:.3f}x" for n, v in fit_min.items()))
+          f"{args.rounds} interleaved rounds x {args.steps} steps; TF threads: {args.threads or 'default'}")
+    print("ms = median per step; x = median over rounds of (variant / dense in the same round) [25th-75th pct]")
+    fit, pred, extra, zeros = run_ours(args.rounds, args.steps)
+    table(fit, pred)
     print(f"inplace mask upkeep alone (the re-mask the hook adds per step, tf.function, median): "
-          f"{extra[0] * 1e3:.3f} ms wall / {extra[1] * 1e3:.3f} ms cpu = {extra[1] / fit['dense'][1]:.2%} of a "
-          f"dense step's cpu time; predict runs the unchanged graph (no mask op)")
+          f"{extra[0] * 1e3:.3f} ms wall / {extra[1] * 1e3:.3f} ms cpu = "
+          f"{extra[1] / statistics.median(s[1] for s in fit['dense']):.2%} of a dense step's cpu time; "
+          f"predict runs the unchanged graph (no mask op)")
     print(f"weights at zero in the pruned model after training: {zeros:.1%} (target {SPARSITY:.0%})")
     res, why = run_tfmot(args.rounds, args.steps, args.tfmot_path, args.threads)
     if res is None:
@@ -206,17 +202,24 @@ def main() -> None:
               f"TF_USE_LEGACY_KERAS=1; probe said: {why})")
     else:
         print("tfmot prune_low_magnitude (Keras 2 via tf_keras, own process, own dense baseline):")
-        table(res["fit"], res["predict"], "dense")
+        table(res["fit"], res["predict"])
 
 
-def table(fit, pred, base):
-    print(f"{'variant':<14}{'fit wall ms':>12}{'x':>7}{'fit cpu ms':>12}{'x':>7}"
-          f"{'pred wall ms':>14}{'x':>7}{'pred cpu ms':>13}{'x':>7}")
+def paired(samples, base, i):
+    """(q25, median, q75) of samples[k][i] / base[k][i] over rounds k."""
+    r = sorted(a[i] / b[i] for a, b in zip(samples, base))
+    return r[len(r) // 4], statistics.median(r), r[(3 * len(r)) // 4]
+
+
+def table(fit, pred):
+    print(f"{'variant':<14}" + "".join(f"{h:>27}" for h in ("fit wall", "fit cpu", "predict wall", "predict cpu")))
     for n in fit:
         cells = []
         for d in (fit, pred):
             for i in (0, 1):
-                cells.append(f"{d[n][i] * 1e3:>12.2f}{d[n][i] / d[base][i]:>6.3f}x")
+                q1, q2, q3 = paired(d[n], d["dense"], i)
+                ms = statistics.median(s[i] for s in d[n]) * 1e3
+                cells.append(f"{ms:>8.2f} {q2:>6.3f}x [{q1:.3f}-{q3:.3f}]")
         print(f"{n:<14}" + "".join(cells))
 
 
