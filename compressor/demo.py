@@ -204,10 +204,24 @@ class TorchHarness:
         return copy.deepcopy(model)
 
     def optimizer(self, model: Any, lr: float, kind: str = "adam", momentum: float = 0.9, weight_decay: float = 0.0) -> Any:
-        params = model.parameters()
+        """Weight decay is decoupled, as in Keras (``p -= lr * wd * p`` before the update): AdamW for Adam,
+        a step pre-hook for SGD (torch's own SGD ``weight_decay`` would add ``wd * p`` to the gradient)."""
+        params = list(model.parameters())
         if kind == "adam":
-            return self.torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-        return self.torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+            if weight_decay:
+                return self.torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+            return self.torch.optim.Adam(params, lr=lr)
+        opt = self.torch.optim.SGD(params, lr=lr, momentum=momentum)
+        if weight_decay:
+            torch = self.torch
+
+            def decay(optimizer: Any, args: Any, kwargs: Any) -> None:
+                with torch.no_grad():
+                    for g in optimizer.param_groups:
+                        torch._foreach_mul_(g["params"], 1.0 - g["lr"] * weight_decay)
+
+            opt.register_step_pre_hook(decay)
+        return opt
 
     def set_lr(self, optimizer: Any, lr: float) -> None:
         for g in optimizer.param_groups:
