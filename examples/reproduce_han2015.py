@@ -3,7 +3,8 @@
 LeNet-300-100 and LeNet-5 are trained dense, then pruned iteratively to the paper's per-layer kept
 fractions (LeNet-300-100: fc1 8 %, fc2 9 %, fc3 26 %; LeNet-5: conv1 66 %, conv2 12 %, fc1 8 %, fc2 19 %)
 with retraining after each round (the paper retrains at 1/10 of the original learning rate; with Adam
-we restart at 1/2 of it and decay per epoch, see RECIPES), two ways:
+LeNet-300-100 recovers best when each round restarts at 2x the dense learning rate and decays per
+epoch, see RECIPES and RESULTS.md), two ways:
 
 * ``level``: ``LevelPruner`` with one config entry per layer; round r of R prunes each layer to
   ``1 - kept ** (r / R)`` (the export of round r is reloaded into a plain model and pruned further);
@@ -60,16 +61,18 @@ MAX_KEPT = 0.085  # "92 % sparsity": the paper's own per-layer fractions keep 8.
 class Recipe:
     dense: Train
     rounds: int
-    retrain: Train  # per round, at 1/10 of the dense learning rate
+    retrain: Train  # per round (each round restarts the learning rate and its decay)
 
     def as_dict(self) -> dict[str, Any]:
         return {"dense": self.dense.__dict__, "rounds": self.rounds, "retrain": self.retrain.__dict__}
 
 
 RECIPES: dict[tuple[str, bool], Recipe] = {
-    # Adam with a per-epoch decay; retraining restarts at half the dense learning rate each round (the
-    # paper's 1/10, i.e. 1e-4 here, left LeNet-300-100 ~0.5 pp short after 3 x 8 epochs; see RESULTS.md)
-    ("lenet300", False): Recipe(Train(20, 1e-3, decay=0.85), rounds=3, retrain=Train(15, 5e-4, decay=0.8)),
+    # Adam with a per-epoch decay; each retraining round restarts at 2x the dense learning rate. Over
+    # seeds 0-2 the extra error after pruning fell from +0.13..+0.19 pp (restart at 5e-4) via
+    # +0.04..+0.16 pp (1e-3) to -0.02..+0.13 pp (2e-3); the paper's 1/10 (1e-4) left it ~1 pp short.
+    # See RESULTS.md.
+    ("lenet300", False): Recipe(Train(20, 1e-3, decay=0.85), rounds=3, retrain=Train(15, 2e-3, decay=0.8)),
     ("lenet5", False): Recipe(Train(12, 1e-3, decay=0.8), rounds=3, retrain=Train(8, 5e-4, decay=0.75)),
     # --quick: a pipeline check on 6000 images, not a reproduction
     ("lenet300", True): Recipe(Train(3, 2e-3, 64), rounds=2, retrain=Train(1, 2e-4, 64)),
