@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -354,6 +355,23 @@ def render(report: Report) -> str:
     return "\n".join(out)
 
 
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuse ``--device`` values no script can run on, before anything is measured."""
+    if device == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:[0-9]+)?", device):
+        parser.error(f"--device {device!r}: allowed: cpu, cuda, cuda:N")
+    if importlib.util.find_spec("torch") is None:
+        parser.error(f"--device {device}: the CUDA runs are PyTorch's and torch is not installed")
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    count = int(out.stdout.strip() or 0)
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        parser.error(f"--device {device}: torch sees {count} CUDA device(s) on this machine; run without --device "
+                     f"(CPU)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
@@ -369,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [x for x in parts if x not in SCRIPTS and x not in ("imports", "memory")]
     if unknown:
         p.error(f"unknown part(s) {unknown}")
+
+    check_device(p, args.device)
 
     report = Report(machine(args.device), {"argv": argv})
     for name in SCRIPTS:

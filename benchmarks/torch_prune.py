@@ -24,6 +24,10 @@ import torch
 import torch.nn.utils.prune as tprune
 from torch import nn
 
+try:
+    from benchmarks._device import torch_device
+except ModuleNotFoundError:  # run as a file (python benchmarks/<name>.py): its folder is on sys.path
+    from _device import torch_device
 from compressor.core.pruning import level_mask
 from compressor.torch.ops import ops
 from compressor.torch.pruning import LevelPruner
@@ -208,7 +212,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = torch_device(ap, args.device)
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads")
     print("ratio = median over rounds of (variant time / dense time in the same round); IQR = 25th-75th "
           "percentile of those ratios; dense-copy = a second identical dense model (the noise floor)")

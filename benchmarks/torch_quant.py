@@ -30,6 +30,10 @@ import warnings
 import torch
 from torch import nn
 
+try:
+    from benchmarks._device import torch_device
+except ModuleNotFoundError:  # run as a file (python benchmarks/<name>.py): its folder is on sys.path
+    from _device import torch_device
 from compressor.torch import QAT_Quantizer
 
 
@@ -105,7 +109,7 @@ def main() -> None:
         args.threads, clock = 1, time.thread_time
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dev = torch.device(args.device)
+    dev = torch_device(ap, args.device)
     base = SmallCNN().to(dev)
     x = torch.randn(args.batch, 1, 28, 28, device=dev)
     y = torch.randint(0, 10, (args.batch,), device=dev)
