@@ -21,6 +21,8 @@ from compressor.torch.pruning import (
     TaylorFOWeightFilterPruner,
 )
 
+from ._cuda import batch_and_step, no_host_sync
+
 
 def filter_model(values, bias=True):
     """Conv2d(2 -> len(values), 3x3) whose filter i is ``ones * values[i]``; then a Linear head."""
@@ -323,18 +325,9 @@ def test_cuda_pruning_step_has_no_host_sync(name):
                           nn.Linear(8 * 4 * 4, 5)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     pruner = cls(model, [{**cfg, "op_types": ["Conv2d"]}], opt, **kwargs)
-    x = torch.randn(16, 1, 8, 8, device="cuda")
-    y = torch.randint(0, 5, (16,), device="cuda")
-
-    def step():
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
+    x, step = batch_and_step(model, opt)
     pruner.compress()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for epoch in range(3):
             if hasattr(pruner, "update_epoch"):
                 pruner.update_epoch(epoch)
@@ -342,8 +335,6 @@ def test_cuda_pruning_step_has_no_host_sync(name):
             step()
         with torch.no_grad():
             model.eval()(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for wrapper in pruner.get_modules_wrapper():
         assert wrapper.weight_mask.device.type == "cuda" and wrapper.weight_mask.dtype == torch.bool
         assert wrapper._mul_cache == [None, None]  # no float copy of the mask on the GPU by default

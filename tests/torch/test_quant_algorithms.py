@@ -12,6 +12,8 @@ from compressor.core import quant as cq
 from compressor.torch import BNNQuantizer, DoReFaQuantizer, LsqQuantizer, NaiveQuantizer, QAT_Quantizer
 from compressor.torch.quantization.fakequant import fake_quant
 
+from ._cuda import batch_and_step, no_host_sync
+
 NP = NumpyOps()
 
 
@@ -308,25 +310,14 @@ def test_cuda_training_step_has_no_host_sync(name):
     model = tiny_cnn().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cls(model, [{**cfg, "op_types": ["default"]}], opt)
-    x = torch.randn(16, 1, 8, 8, device="cuda")
-    y = torch.randint(0, 5, (16,), device="cuda")
-
-    def step():
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
+    x, step = batch_and_step(model, opt)
     step()  # allocations, lazy init
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(2):
             step()
         model.eval()
         with torch.no_grad():
             model(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for w in model.modules():
         for b in w.buffers():
             assert b.device.type == "cuda"
