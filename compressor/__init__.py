@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendNotAvailable", "ConfigError", "ConfigWarning", "ModelError", "available", "backend_for",
-    "backends", "load_config", "load_configs", "normalize_config_list", "register_plugin",
+    "backends", "count_flops_params", "load_config", "load_configs", "normalize_config_list", "register_plugin",
+    "speedup_model",
 ]
 
 
@@ -33,6 +34,24 @@ def available() -> dict[str, dict[str, list[str]]]:
 def backends() -> dict[str, bool]:
     """Every known backend and whether its framework is installed."""
     return {name: info.installed for name, info in sorted(registry().backends.items())}
+
+
+def _backend_module(model: Any) -> Any:
+    """The backend package (compressor.torch / compressor.tf) of a model or of a compressor's model."""
+    target = getattr(model, "bound_model", model)
+    return importlib.import_module(f".{backend_for(target)}", __name__)
+
+
+def speedup_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Turn a pruned model's masks into physically smaller layers on the model's backend:
+    ``compressor.torch.speedup_model(pruner_or_model, dummy_input, ...)`` or
+    ``compressor.tf.speedup_model(pruner_or_model, ...)``; see those for the arguments."""
+    return _backend_module(model).speedup_model(model, *args, **kwargs)
+
+
+def count_flops_params(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``(macs, params, per_layer)`` of a model on its backend (torch needs a dummy input, Keras does not)."""
+    return _backend_module(model).count_flops_params(model, *args, **kwargs)
 
 
 _SUBMODULES = {"torchCompressor", "tfCompressor", "core", "torch", "tf", "cli", "report"}

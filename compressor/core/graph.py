@@ -181,6 +181,22 @@ class Graph:
                     for j, s in enumerate(mapping):
                         if s is not None:
                             uf.union(base + j, sb + s)
+            # a layer called more than once has one set of weights: its calls share output and input channels
+            first: dict[str, Node] = {}
+            for n in self.nodes:
+                if n.layer is None or n.kind in ("input", "output"):
+                    continue
+                f = first.setdefault(n.layer, n)
+                if f is n:
+                    continue
+                if f.channels == n.channels:
+                    for j in range(n.channels):
+                        uf.union(self.offset[f.name] + j, self.offset[n.name] + j)
+                if f.inputs and n.inputs:
+                    a, b = self.by_name[f.inputs[0]], self.by_name[n.inputs[0]]
+                    if a.channels == b.channels:
+                        for j in range(a.channels):
+                            uf.union(self.offset[a.name] + j, self.offset[b.name] + j)
             self._classes = [uf.find(s) for s in range(self.n_slots)]  # type: ignore[assignment]
         return self._classes  # type: ignore[return-value]
 

@@ -5,7 +5,14 @@ import pytest
 
 from compressor.core.errors import ModelError
 from compressor.core.graph import (
-    Graph, Node, channel_groups, class_scores, classify_reshape, count_graph, group_keep_classes, member_keep,
+    Graph,
+    Node,
+    channel_groups,
+    class_scores,
+    classify_reshape,
+    count_graph,
+    group_keep_classes,
+    member_keep,
     speedup_plan,
 )
 from compressor.core.ops import NumpyOps

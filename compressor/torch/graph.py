@@ -1,0 +1,562 @@
+"""Translate a PyTorch model into the backend-neutral channel graph of :mod:`compressor.core.graph`.
+
+:func:`build_graph` runs ONE forward pass (eval mode, float inputs cloned and requiring grad, every float
+parameter temporarily requiring grad) with hooks on the layers that own parameters, then walks the
+autograd graph (``grad_fn.next_functions``) back from every tensor of the output. A ``grad_fn`` that is
+the output of a hooked layer becomes that layer's node (its inputs are the tensors the layer received;
+the walk does not descend into the layer); every other ``grad_fn`` becomes an op node classified by its
+class name. Python control flow does not matter: only what the forward really computed is seen.
+
+Each tensor keeps a channel axis (conv outputs: axis 1, Linear/Embedding outputs: the last axis; reshapes,
+permutes, slices and reductions move it). Whatever cannot be classified becomes kind ``other`` (core then
+never cuts channels through it, the safe answer). Nothing here reasons about channels: that is core's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import ModelError
+from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
+from .compressor import innermost_module, is_wrapper
+
+__all__ = ["build_graph", "module_kind"]
+
+# activations by grad_fn name: zero_preserving (f(0) == 0)
+_ACTIVATIONS = {
+    "ReluBackward0": True, "GeluBackward0": True, "SiluBackward0": True, "HardswishBackward0": True,
+    "TanhBackward0": True, "LeakyReluBackward0": True, "EluBackward0": True, "MishBackward0": True,
+    "NegBackward0": True, "AbsBackward0": True, "SigmoidBackward0": False, "HardsigmoidBackward0": False,
+    "ExpBackward0": False, "SoftplusBackward0": False,
+    # scalar operands: x * s, x / s keep zeros; x + s, x - s, s - x do not
+    "MulBackward1": True, "DivBackward1": True, "AddBackward1": False, "SubBackward1": False,
+    "RsubBackward1": False,
+}
+_IDENTITY = {"CloneBackward0", "ToCopyBackward0", "AliasBackward0", "NativeDropoutBackward0",
+             "FeatureDropoutBackward0", "LiftFreshBackward0"}
+_VIEWS = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "UnsqueezeBackward0",
+          "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "FlattenBackward0", "_UnsafeViewBackward0"}
+_BINARY = {"AddBackward0": "all", "SubBackward0": "all", "MulBackward0": "any", "DivBackward0": "any"}
+_REDUCE = {"MeanBackward1", "SumBackward1", "AmaxBackward0", "AminBackward0"}
+
+
+def module_kind(module: nn.Module) -> tuple[str, dict[str, Any]]:
+    """Graph kind (and attrs) of a layer that owns parameters."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        if module.transposed:
+            return "other", {}
+        if module.groups == 1:
+            return "conv", {}
+        if module.groups == module.in_channels and module.out_channels % module.in_channels == 0:
+            return "depthwise", {"multiplier": module.out_channels // module.in_channels}
+        return "group_conv", {}
+    if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
+        return "linear", {}
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "norm", {}
+    if isinstance(module, nn.Embedding):
+        return "embedding", {}
+    return "other", {}
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    t = type(module)
+    return t.__name__ == "Conv1D" and t.__module__.startswith("transformers") and hasattr(module, "nf")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensor leaves of a (nested) tensor / tuple / list / dict / ModelOutput, in order."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _prod(xs: Iterable[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+# ---------------------------------------------------------------------------------- zero facts
+@torch.no_grad()
+def _facts(kind: str, m: nn.Module) -> dict[str, Any]:
+    if kind in ("conv", "depthwise", "linear", "embedding"):
+        w = m.weight.detach()
+        if kind == "embedding":
+            w = w.t()
+        elif _is_hf_conv1d(m):
+            w = w.t()  # stored [in, out]
+        alive = (w.reshape(w.shape[0], -1) != 0).any(1)
+        b = getattr(m, "bias", None)
+        bias_zero = (b.detach() == 0) if torch.is_tensor(b) else torch.ones_like(alive)
+        out = {"dead": ((~alive) & bias_zero).tolist()}
+        if kind == "depthwise":
+            out["passes_zero"] = bias_zero.tolist()
+        return out
+    if kind == "norm":
+        n = m.num_features
+        gamma = m.weight.detach() if m.weight is not None else torch.ones(n)
+        beta = m.bias.detach() if m.bias is not None else torch.zeros(n)
+        gamma, beta = gamma.float().cpu(), beta.float().cpu()
+        dead = (gamma == 0) & (beta == 0)
+        if m.running_mean is not None and m.track_running_stats:
+            shift = beta - m.running_mean.detach().float().cpu() * gamma / torch.sqrt(
+                m.running_var.detach().float().cpu() + m.eps)
+        else:  # batch statistics: a zero channel normalises to beta
+            shift = beta
+        return {"dead": dead.tolist(), "passes_zero": ((shift == 0) | dead).tolist()}
+    return {}
+
+
+def _macs(kind: str, m: nn.Module, out_shape: tuple[int, ...]) -> int:
+    if kind in ("conv", "depthwise", "group_conv"):
+        nd = len(m.kernel_size)
+        spatial = out_shape[-nd:] if len(out_shape) >= nd else ()
+        return conv_macs(m.out_channels, m.in_channels, m.groups, _prod(m.kernel_size), _prod(spatial))
+    if kind == "linear":
+        if _is_hf_conv1d(m):
+            fin, fout = m.weight.shape[0], m.weight.shape[1]
+        else:
+            fin, fout = m.in_features, m.out_features
+        batch = out_shape[0] if len(out_shape) >= 2 else 1
+        positions = _prod(out_shape) // max(fout, 1) // max(batch, 1)
+        return linear_macs(fin, fout, positions)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the tracer
+class _Builder:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.nodes: list[Node] = []
+        self.info: dict[str, tuple[tuple[int, ...], int | None]] = {}  # node -> (shape, channel axis)
+        self.names: set[str] = set()
+        self.done: dict[Any, str | None] = {}
+        self.leaves: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> input node name
+        self.params: dict[int, str] = {}
+        self.mod_out: dict[Any, tuple[dict[str, Any], int]] = {}
+        self.layer_modules: dict[str, nn.Module] = {}
+        self.calls: dict[str, int] = {}
+
+    # -------------------------------------------------------------- helpers
+    def unique(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.names:
+            name = f"{base}#{k}"
+            k += 1
+        self.names.add(name)
+        return name
+
+    def add(self, name: str, kind: str, inputs: list[str], shape: tuple[int, ...], axis: int | None,
+            **kw: Any) -> str:
+        shape = tuple(int(s) for s in shape)
+        channels = shape[axis] if axis is not None and shape else 1
+        if kind in ("input", "output", "other") and axis is None:
+            channels = 1
+        self.nodes.append(Node(name, kind, list(inputs), channels, **kw))
+        self.info[name] = (shape, axis)
+        return name
+
+    @staticmethod
+    def tensor_key(t: torch.Tensor) -> Any:
+        if t.grad_fn is not None:
+            return (t.grad_fn, t.output_nr)
+        if t.requires_grad:
+            return ("leaf", id(t))
+        return None
+
+    @staticmethod
+    def edge_key(fn: Any, nr: int) -> Any:
+        if fn is None:
+            return None
+        if type(fn).__name__ == "AccumulateGrad":
+            return ("leaf", id(fn.variable))
+        return (fn, nr)
+
+    def default_axis(self, shape: tuple[int, ...]) -> int | None:
+        return len(shape) - 1 if shape else None
+
+    # -------------------------------------------------------------- walk
+    def children(self, key: Any) -> list[Any]:
+        if key[0] == "leaf":
+            return []
+        if key in self.mod_out:
+            rec, _ = self.mod_out[key]
+            return [k for k in rec["in_keys"] if k is not None]
+        fn = key[0]
+        return [k for k in (self.edge_key(f, n) for f, n in fn.next_functions) if k is not None]
+
+    def resolve(self, key: Any) -> str | None:
+        stack = [(key, False)]
+        while stack:
+            k, expanded = stack.pop()
+            if k in self.done:
+                continue
+            if not expanded:
+                stack.append((k, True))
+                stack.extend((c, False) for c in self.children(k) if c not in self.done)
+            else:
+                self.done[k] = self.make(k)
+        return self.done[key]
+
+    def make(self, key: Any) -> str | None:
+        if key[0] == "leaf":
+            hit = self.leaves.get(key[1])
+            return hit[0] if hit else None  # parameters and other leaves are constants
+        if key in self.mod_out:
+            return self.make_module(key)
+        return self.make_op(*key)
+
+    # -------------------------------------------------------------- layers
+    def make_module(self, key: Any) -> str:
+        rec, idx = self.mod_out[key]
+        if "node" not in rec:
+            self.make_layer(rec)
+        if idx == 0:
+            return rec["node"]
+        shape = rec["out_shapes"][idx]
+        return self.add(self.unique(f"{rec['node']}:{idx}"), "other", [rec["node"]], shape,
+                        self.default_axis(shape), op=rec["op"])
+
+    def make_layer(self, rec: dict[str, Any]) -> None:
+        path, leaf = rec["path"], rec["leaf"]
+        kind, attrs = module_kind(leaf)
+        ins = [self.done.get(k) if k is not None else None for k in rec["in_keys"]]
+        graph_ins = [i for i in ins if i is not None]
+        first = ins[0] if ins else None
+        out_shape = rec["out_shapes"][0]
+        if len(rec["out_shapes"]) > 1 and kind != "other":
+            kind, attrs = "other", {}
+        # the layer must see its channels on the axis we track; otherwise it is an op we cannot cut
+        if kind in ("conv", "depthwise", "group_conv", "norm"):
+            expect = leaf.in_channels if kind != "norm" else leaf.num_features
+            ok = first is not None and self.info[first][1] == (1 if len(self.info[first][0]) > 1 else 0) \
+                and self.info[first][0][self.info[first][1]] == expect
+            ok = ok or (kind == "conv" and first is not None and self.is_input(first))
+            if not ok and kind != "group_conv":
+                kind, attrs = "other", {}
+            out_axis = 1 if len(out_shape) > 1 else 0
+        elif kind == "linear":
+            fin = leaf.weight.shape[0] if _is_hf_conv1d(leaf) else leaf.in_features
+            ok = first is not None and self.info[first][1] == len(self.info[first][0]) - 1 \
+                and self.info[first][0][-1] == fin
+            ok = ok or (first is not None and self.is_input(first))  # model inputs keep their channels anyway
+            if not ok:
+                kind, attrs = "other", {}
+            out_axis = len(out_shape) - 1
+        elif kind == "embedding":
+            out_axis = len(out_shape) - 1
+        if kind == "other":
+            out_axis = self.default_axis(out_shape)
+            if first is not None and self.info[first][0] == tuple(out_shape):
+                out_axis = self.info[first][1]
+        inputs = graph_ins if kind == "other" else ([first] if first is not None else [])
+        if kind == "embedding":
+            inputs = []
+        attrs = {**attrs, **_facts(kind, leaf)}
+        params = sum(p.numel() for p in leaf.parameters())
+        base = path if path else "model"
+        n = self.calls.get(path, 0)
+        self.calls[path] = n + 1
+        name = self.unique(base if n == 0 else f"{base}#call{n}")
+        self.layer_modules[path] = leaf
+        rec["node"] = self.add(name, kind, inputs, out_shape, out_axis, layer=path, op=type(leaf).__name__,
+                               attrs=attrs, params=params, macs=_macs(kind, leaf, out_shape))
+
+    # -------------------------------------------------------------- ops
+    def make_op(self, fn: Any, nr: int) -> str:
+        op = type(fn).__name__
+        try:
+            out_shape = tuple(int(s) for s in fn._input_metadata[nr].shape)
+        except Exception:  # pragma: no cover - no metadata: nothing we can say about channels
+            out_shape = ()
+        operands = []  # (position, node name or None, edge key)
+        for pos, (f, n) in enumerate(fn.next_functions):
+            k = self.edge_key(f, n)
+            operands.append((pos, self.done.get(k) if k is not None else None, k))
+        graph_ins = [name for _, name, _ in operands if name is not None]
+        name = self.unique(op)
+
+        def other() -> str:
+            return self.add(name, "other", graph_ins, out_shape, self.default_axis(out_shape), op=op)
+
+        if not graph_ins:
+            return other()
+        src = graph_ins[0]
+        in_shape, axis = self.info[src]
+
+        def same(kind: str, new_axis: int | None = axis, **attrs: Any) -> str:
+            if new_axis is None or not out_shape or out_shape[new_axis] != (in_shape[axis] if axis is not None else -1):
+                return other()
+            return self.add(name, kind, [src], out_shape, new_axis, op=op, attrs=attrs)
+
+        if axis is None:
+            return other()
+        if op in _ACTIVATIONS and len(graph_ins) == 1:
+            return same("activation", zero_preserving=_ACTIVATIONS[op]) if out_shape == in_shape else other()
+        if op in ("HardtanhBackward0", "ClampBackward1"):
+            lo = getattr(fn, "_saved_min_val", getattr(fn, "_saved_min", None))
+            hi = getattr(fn, "_saved_max_val", getattr(fn, "_saved_max", None))
+            zp = (lo is None or float(lo) <= 0) and (hi is None or float(hi) >= 0)
+            return same("activation", zero_preserving=zp) if out_shape == in_shape else other()
+        if op == "PowBackward0":
+            e = getattr(fn, "_saved_exponent", None)
+            return same("activation", zero_preserving=e is not None and float(e) > 0) if out_shape == in_shape else other()
+        if op in _IDENTITY and len(graph_ins) == 1:
+            return same("identity") if out_shape == in_shape else other()
+        if op == "ConstantPadNdBackward0":
+            pad = list(getattr(fn, "_saved_pad", []))
+            touched = {len(in_shape) - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+            # the pad value is not recorded: a pad is not trusted to keep zero channels zero
+            return other() if axis in touched else same("activation", zero_preserving=False)
+        if op in _BINARY:
+            return self.binary(fn, op, name, operands, out_shape)
+        if op == "CatBackward0":
+            return self.cat(fn, op, name, operands, out_shape)
+        if op in ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0",
+                  "UnsafeSplitWithSizesBackward0"):
+            dim = int(fn._saved_dim) % len(in_shape)
+            if dim != axis:
+                return same("identity")
+            # a split of the channel axis: its sizes are in the model's code, which speedup cannot edit
+            return other()
+        if op == "SliceBackward0":
+            dim = int(fn._saved_dim) % len(in_shape)
+            if dim != axis:
+                return same("identity")
+            if out_shape[axis] == in_shape[dim]:
+                return same("identity")
+            return other()  # a channel slice: its bounds are in the model's code
+        if op in _VIEWS:
+            how, arg = classify_reshape(in_shape, axis, out_shape)
+            if how == "identity":
+                return same("identity", int(arg))
+            if how == "flatten":
+                positions, order = arg
+                if order == "channels_first":
+                    before = _prod(in_shape[:axis])
+                    prod, new_axis = 1, None
+                    for k, d in enumerate(out_shape):
+                        if prod == before and d == in_shape[axis] * positions:
+                            new_axis = k
+                            break
+                        prod *= d
+                else:
+                    new_axis = 1
+                if new_axis is None:
+                    return other()
+                return self.add(name, "flatten", [src], out_shape, new_axis, op=op,
+                                attrs={"positions": positions, "order": order})
+            return other()
+        if op == "PermuteBackward0":
+            dims = [int(d) % len(in_shape) for d in fn._saved_dims]
+            return same("identity", dims.index(axis))
+        if op in ("TransposeBackward0", "TBackward0"):
+            d0, d1 = (int(fn._saved_dim0), int(fn._saved_dim1)) if op == "TransposeBackward0" else (0, 1)
+            d0, d1 = d0 % len(in_shape), d1 % len(in_shape)
+            return same("identity", d1 if axis == d0 else d0 if axis == d1 else axis)
+        if op == "ExpandBackward0":
+            return same("identity", axis + len(out_shape) - len(in_shape))
+        if op in _REDUCE:
+            dims = getattr(fn, "_saved_dim", None)
+            dims = [int(d) % len(in_shape) for d in (dims if dims is not None else [])]
+            if not dims or axis in dims:
+                return other()
+            keep = bool(getattr(fn, "_saved_keepdim", False))
+            return same("pool", axis if keep else axis - sum(d < axis for d in dims))
+        if "Pool" in op or "Upsample" in op:
+            nd = 3 if "3D" in op or "3d" in op else 1 if "1D" in op or "1d" in op else 2
+            if len(in_shape) - axis > nd and len(out_shape) == len(in_shape):
+                return same("pool")
+            return other()
+        return other()
+
+    def const(self, shape: tuple[int, ...] | None, out_shape: tuple[int, ...], out_axis: int, label: str) -> str:
+        """A constant operand (a parameter or a tensor that needs no grad) of an elementwise op."""
+        c = out_shape[out_axis]
+        if shape is not None:
+            d = out_axis - (len(out_shape) - len(shape))
+            c = int(shape[d]) if d >= 0 else 1
+        name = self.unique(label)
+        self.nodes.append(Node(name, "input", [], c, op=label))
+        self.info[name] = ((c,), 0)
+        return name
+
+    def binary(self, fn: Any, op: str, name: str, operands: list, out_shape: tuple[int, ...]) -> str:
+        R = len(out_shape)
+        graph = [(pos, nm) for pos, nm, _ in operands if nm is not None]
+        out_axis = None
+        for _, nm in graph:
+            s, a = self.info[nm]
+            if a is not None and len(s) <= R:
+                oa = a + R - len(s)
+                if s[a] == out_shape[oa] and (s[a] > 1 or all(self.info[g][0] == s for _, g in graph)):
+                    out_axis = oa
+                    break
+        if out_axis is None:
+            return self.add(name, "other", [nm for _, nm in graph], out_shape, self.default_axis(out_shape), op=op)
+        C = out_shape[out_axis]
+        inputs = []
+        for pos, nm, key in operands:
+            if nm is not None:
+                s, a = self.info[nm]
+                d = out_axis - (R - len(s))
+                size = s[d] if d >= 0 else 1
+                related = a == d and size == C
+                broadcast = size == 1 and (self.nodes_channels(nm) != C or C == 1)
+                if not (related or broadcast):
+                    return self.add(name, "other", [g for _, g in graph], out_shape, self.default_axis(out_shape), op=op)
+                inputs.append(nm)
+            else:
+                shape = None
+                saved = {0: "_saved_self", 1: "_saved_other"}.get(pos)
+                if saved and op in ("MulBackward0", "DivBackward0"):
+                    try:
+                        t = getattr(fn, saved)
+                        shape = tuple(t.shape) if torch.is_tensor(t) else None
+                    except Exception:
+                        shape = None
+                label = self.params.get(key[1], "parameter") if key is not None and key[0] == "leaf" else "constant"
+                inputs.append(self.const(shape, out_shape, out_axis, f"{label} ({op})" if label == "constant" else label))
+        zero = _BINARY[op]
+        if op == "DivBackward0" and operands[1][1] is not None:
+            zero = "none"  # a zero denominator is not a zero
+        return self.add(name, "elementwise", inputs, out_shape, out_axis, op=op, attrs={"zero": zero})
+
+    def is_input(self, nm: str) -> bool:
+        return any(n.name == nm and n.kind == "input" for n in self.nodes[:len(self.leaves)])
+
+    def nodes_channels(self, nm: str) -> int:
+        s, a = self.info[nm]
+        return s[a] if a is not None and s else 1
+
+    def cat(self, fn: Any, op: str, name: str, operands: list, out_shape: tuple[int, ...]) -> str:
+        graph = [nm for _, nm, _ in operands if nm is not None]
+        R = len(out_shape)
+        dim = int(fn._saved_dim) % R
+        axes = {self.info[nm][1] for nm in graph}
+        ok = len(graph) == len(operands) and len(axes) == 1 and all(len(self.info[nm][0]) == R for nm in graph)
+        axis = axes.pop() if ok else None
+        if not ok or axis is None:
+            return self.add(name, "other", graph, out_shape, self.default_axis(out_shape), op=op)
+        if dim == axis:
+            return self.add(name, "concat", graph, out_shape, axis, op=op)
+        if any(self.info[nm][0][axis] != out_shape[axis] for nm in graph):
+            return self.add(name, "other", graph, out_shape, self.default_axis(out_shape), op=op)
+        return self.add(name, "elementwise", graph, out_shape, axis, op=op, attrs={"zero": "all"})
+
+
+def _layers_to_hook(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Compressor wrappers and leaf layers owning parameters; nothing inside a wrapper."""
+    out, inside = [], []
+    for path, m in model.named_modules():
+        if any(path.startswith(p + ".") for p in inside):
+            continue
+        if is_wrapper(m):
+            out.append((path, m))
+            inside.append(path)
+        elif not m._modules and (m._parameters or isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            out.append((path, m))
+    return out
+
+
+def _prepare_inputs(dummy_input: Any) -> tuple[tuple, dict, list[tuple[str, torch.Tensor]]]:
+    def prep(t: Any) -> Any:
+        if torch.is_tensor(t) and t.is_floating_point():
+            return t.detach().clone().requires_grad_(True)
+        return t
+
+    if torch.is_tensor(dummy_input):
+        args, kwargs = (prep(dummy_input),), {}
+    elif isinstance(dummy_input, (tuple, list)):
+        args, kwargs = tuple(prep(t) for t in dummy_input), {}
+    elif isinstance(dummy_input, dict):
+        args, kwargs = (), {k: prep(v) for k, v in dummy_input.items()}
+    else:
+        raise ModelError(f"dummy_input must be a tensor, a tuple of tensors or a dict of keyword tensors, "
+                         f"not {type(dummy_input).__name__}")
+    named = [("input" if len(args) == 1 and not kwargs else f"input_{i}", t) for i, t in enumerate(args)]
+    named += [(k, t) for k, t in kwargs.items()]
+    return args, kwargs, [(n, t) for n, t in named if torch.is_tensor(t) and t.requires_grad]
+
+
+def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn.Module]]:
+    """The channel graph of ``model`` on ``dummy_input`` (a tensor, a tuple of positional tensors or a
+    dict of keyword tensors), and ``{layer path: innermost leaf module}`` for every layer node.
+
+    The model is traced in eval mode; its training flags, parameters' ``requires_grad`` and buffers are
+    as before afterwards (BatchNorm statistics are not updated)."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"build_graph needs an nn.Module, not {type(model).__name__}")
+    b = _Builder(model)
+    b.params = {id(p): n for n, p in model.named_parameters()}
+    args, kwargs, inputs = _prepare_inputs(dummy_input)
+    for name, t in inputs:
+        shape = tuple(t.shape)
+        nm = b.unique(name)
+        b.add(nm, "input", [], shape, (1 if len(shape) > 1 else 0) if shape else None, op="input")
+        b.leaves[id(t)] = (nm, t)
+        b.done[("leaf", id(t))] = nm
+
+    handles = []
+
+    def pre_hook(rec_list: list, path: str, module: nn.Module):
+        def hook(mod: nn.Module, a: tuple, kw: dict) -> None:
+            rec_list.append({"path": path, "module": mod, "leaf": innermost_module(mod), "op": type(innermost_module(mod)).__name__,
+                             "in_keys": [b.tensor_key(t) for t in _tensors(a) + _tensors(kw)]})
+        return hook
+
+    def post_hook(rec_list: list):
+        def hook(mod: nn.Module, a: tuple, kw: dict, output: Any) -> None:
+            rec = rec_list.pop()
+            outs = _tensors(output)
+            rec["out_shapes"] = [tuple(t.shape) for t in outs]
+            rec["outs"] = outs  # keep the grad_fns alive until the walk
+            for i, t in enumerate(outs):
+                k = b.tensor_key(t)
+                if k is None or k in rec["in_keys"] or k in b.mod_out:
+                    continue  # a pass-through of an input
+                b.mod_out[k] = (rec, i)
+        return hook
+
+    training = {m: m.training for m in model.modules()}
+    grads = {p: p.requires_grad for p in model.parameters()}
+    stack: list = []
+    try:
+        for path, m in _layers_to_hook(model):
+            handles.append(m.register_forward_pre_hook(pre_hook(stack, path, m), with_kwargs=True))
+            handles.append(m.register_forward_hook(post_hook(stack), with_kwargs=True))
+        model.eval()
+        for p in grads:
+            if p.is_floating_point():
+                p.requires_grad_(True)
+        with torch.enable_grad():
+            output = model(*args, **kwargs)
+        outs = _tensors(output)
+        ends = []
+        for t in outs:
+            k = b.tensor_key(t)
+            if k is not None:
+                ends.append((b.resolve(k), t))
+        for i, (src, _t) in enumerate(ends):
+            if src is None:
+                continue
+            shape, axis = b.info[src]
+            b.add(b.unique(f"output_{i}" if len(ends) > 1 else "output"), "output", [src], shape, axis, op="output")
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in training.items():
+            m.training = flag
+        for p, flag in grads.items():
+            p.requires_grad_(flag)
+    return Graph(b.nodes), dict(b.layer_modules)
