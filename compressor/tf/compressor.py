@@ -335,6 +335,7 @@ class Compressor:
                                   f"{type(vars(layer)[self.wrapper_attr].compressor).__name__}; call strip() on "
                                   f"that {self._kind} (or export and reload the model) before compressing it again")
             self.validate_layer(info, layer, config)
+        selected = selected + self._extra_layers(model, selected, infos, by_name)
         self.modules_to_compress = [(info, config) for info, config in selected]
         self._collectors: dict[int, Callable[..., Any]] = {}
         self._collector_ids = itertools.count()
@@ -358,6 +359,12 @@ class Compressor:
 
     def validate_layer(self, layer_info: LayerInfo, layer: keras.layers.Layer, config: dict[str, Any]) -> None:
         """Refuse a selected layer by raising ConfigError (called before any mutation)."""
+
+    def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                      by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Layers to wrap besides the config's (e.g. the norms a dependency-aware pruner masks with their
+        convs). Called before anything is changed; may raise ConfigError."""
+        return []
 
     def _create_wrapper(self, layer: keras.layers.Layer, layer_info: LayerInfo, config: dict[str, Any]) -> LayerWrapper:
         raise NotImplementedError(f"{type(self).__name__} must implement _create_wrapper()")

@@ -98,6 +98,7 @@ class Compressor:
                     f"the model) before compressing it again"
                 )
             self.validate_layer(layer, innermost_module(module), config)
+        selected = selected + self._extra_layers(model, selected, layers, modules)
 
         wrappers = []
         for layer, config in selected:
@@ -150,6 +151,12 @@ class Compressor:
 
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         """Hook for subclasses: raise ConfigError if ``module`` cannot be compressed with ``config``."""
+
+    def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
+                      layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Hook for subclasses: layers to wrap besides the config's (e.g. the norms a dependency-aware
+        pruner masks with their convs). Called before anything is changed; may raise ConfigError."""
+        return []
 
     def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
         """Build (without touching the model) the wrapper that will replace ``module``."""

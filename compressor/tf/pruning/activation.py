@@ -126,11 +126,12 @@ class _ActivationPruner(OneShotPruner):
     default_types = ("Conv2D",)
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 activation: str = "relu", statistics_batch_num: int = 1) -> None:
+                 activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,
+                 dummy_input: Any = None) -> None:
         check_activation(activation, type(self).__name__)
         check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, activation=activation,
-                         statistics_batch_num=statistics_batch_num)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
+                         activation=activation, statistics_batch_num=statistics_batch_num)
 
 
 class ActivationAPoZRankFilterPruner(_ActivationPruner):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.matching import LayerInfo
-from ...core.pruning import filter_prune_masks
+from ...core.pruning import filter_prune_masks, filter_scores
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer, filter_result
 from .pruner import OneShotPruner
@@ -35,6 +35,10 @@ class FilterMasker(WeightMasker):
                                                wrapper.canonical_mask())
         return filter_result(wrapper, weight_mask, keep)
 
+    def filter_importance(self, wrapper: Any) -> Any:
+        """Per-filter score in canonical order (dependency-aware pruning sums it over coupled layers)."""
+        return filter_scores(ops, wrapper.canonical_weight(), self.criterion)
+
 
 class L1FilterPrunerMasker(FilterMasker):
     criterion = "l1"
@@ -51,8 +55,9 @@ class FPGMPrunerMasker(FilterMasker):
 class _FilterPruner(OneShotPruner):
     default_types = ("Conv2D",)
 
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
-        super().__init__(model, config_list, optimizer)
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
 
 
 class L1FilterPruner(_FilterPruner):

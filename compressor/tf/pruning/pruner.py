@@ -202,7 +202,11 @@ class OneShotPruner(TfPruner):
     masker_class: type[WeightMasker] = WeightMasker
     required_keys = ("sparsity",)
 
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None, **masker_kwargs: Any) -> None:
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any) -> None:
+        self.dependency_aware = _check_dependency_args(self, dependency_aware)
+        self._dependency: Any = None
+        self._pending: dict[str, Any] = {}
         super().__init__(model, config_list, optimizer)
         self._calculated: set[int] = set()
         self.set_wrappers_attribute("if_calculated", tf.constant(False))
@@ -237,12 +241,56 @@ class OneShotPruner(TfPruner):
         wrapper.if_calculated = True
         return tf.constant(True)
 
+    # -- dependency-aware pruning (core.dependency; weight criteria, computed eagerly in compress())
+    def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                      by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        if not self.dependency_aware:
+            return []
+        from ...core.dependency import plan_dependency
+        from ..graph import build_graph
+
+        graph, _ = build_graph(model)
+        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__)
+        self._dependency = plan
+        config_of = {info.name: cfg for info, cfg in selected}
+        info_of = {info.name: info for info in layers}
+        extra = []
+        for name in plan.followers:
+            leader = next(layer for layer in plan.group_of(name).layers if layer in config_of)
+            extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
+        return extra
+
+    def _group_masks(self, wrapper: PrunerLayerWrapper) -> dict[str, Any] | None:
+        """Masks of ``wrapper`` from its group's one decision (computed for all members at once)."""
+        from ...core.dependency import dependency_keep
+        from ...core.pruning import expand_filter_mask
+        from ..ops import ops
+        from .masker import filter_result
+
+        name = wrapper.name
+        if name not in self._pending:
+            group = self._dependency.group_of(name)
+            if group is None:
+                return None
+            index = {w.name: i for i, w in enumerate(self.modules_wrapper)}
+            members = [layer for layer in group.layers if layer in index]
+            scored = [layer for layer in members if "follower_of" not in self.modules_wrapper[index[layer]].config]
+            scores = {layer: self.masker.filter_importance(self.modules_wrapper[index[layer]]) for layer in scored}
+            sparsity = max(self.sparsity_for(self.modules_wrapper[index[layer]], index[layer]) for layer in scored)
+            keeps = dependency_keep(ops, group, scores, sparsity, members)
+            for layer in members:
+                w = self.modules_wrapper[index[layer]]
+                mask = expand_filter_mask(ops, keeps[layer], w.canonical_shape())
+                self._pending[layer] = filter_result(w, mask, keeps[layer])
+        return self._pending.pop(name)
+
     def calc_mask(self, wrapper: PrunerLayerWrapper, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         """Eager: the masks once the statistics are ready, then None forever."""
         idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
         if idx in self._calculated or not bool(self.masker.statistics_ready(idx)):
             return None
-        masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
+        grouped = self._dependency is not None and self._dependency.group_of(wrapper.name) is not None
+        masks = self._group_masks(wrapper) if grouped else self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
         if masks is None:
             return None
         wrapper.if_calculated = True
@@ -302,3 +350,16 @@ class OneShotPruner(TfPruner):
             wrapper.if_calculated = idx in self._calculated
         if self._all_calculated():
             self.masker.stop_statistics()
+
+
+def _check_dependency_args(pruner: Any, dependency_aware: Any) -> bool:
+    """Refuse a bad ``dependency_aware`` before anything is traced or wrapped (Keras needs no dummy input:
+    the Functional graph is known)."""
+    what = type(pruner).__name__
+    if not isinstance(dependency_aware, bool):
+        raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
+    if dependency_aware and not hasattr(pruner.masker_class, "filter_importance"):
+        raise ConfigError(f"{what}: dependency_aware=True is supported on TensorFlow for the weight criteria "
+                          f"(L1FilterPruner, L2FilterPruner, FPGMPruner); {pruner.masker_class.__name__} has no "
+                          f"per-filter importance here")
+    return dependency_aware

@@ -102,6 +102,7 @@ class TaylorFOWeightFilterPruner(OneShotPruner):
     masker_class = TaylorFOWeightFilterPrunerMasker
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 statistics_batch_num: int = 1) -> None:
+                 statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None) -> None:
         check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, statistics_batch_num=statistics_batch_num)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
+                         statistics_batch_num=statistics_batch_num)

@@ -105,6 +105,11 @@ class ActivationFilterMasker(WeightMasker):
     def importance(self, wrapper_idx: int) -> Any:
         raise NotImplementedError
 
+    def filter_importance(self, wrapper: nn.Module, wrapper_idx: int) -> Any:
+        """Per-channel importance from the (rank-reduced) statistics, for dependency-aware pruning."""
+        self.reduce_statistics(*self._stats[wrapper_idx])
+        return self.importance(wrapper_idx)
+
     def calc_mask(self, sparsity: float, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         idx = self._index[id(wrapper)] if wrapper_idx is None else wrapper_idx
         if not self.statistics_ready(idx):
@@ -135,11 +140,12 @@ class _ActivationPruner(OneShotPruner):
     default_types = ("Conv2d",)
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 activation: str = "relu", statistics_batch_num: int = 1):
+                 activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,
+                 dummy_input: Any = None):
         check_activation(activation, type(self).__name__)
         check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, activation=activation,
-                         statistics_batch_num=statistics_batch_num)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
+                         activation=activation, statistics_batch_num=statistics_batch_num)
 
 
 class ActivationAPoZRankFilterPruner(_ActivationPruner):

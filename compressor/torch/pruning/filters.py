@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ...core.matching import LayerInfo
-from ...core.pruning import filter_masks, filter_prune_masks
+from ...core.pruning import filter_masks, filter_prune_masks, filter_scores
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
@@ -41,6 +41,10 @@ class FilterMasker(WeightMasker):
                                                wrapper.weight_mask)
         return filter_result(wrapper, weight_mask, keep)
 
+    def filter_importance(self, wrapper: nn.Module, wrapper_idx: int) -> Any:
+        """Per-filter score (dependency-aware pruning sums it over coupled layers)."""
+        return filter_scores(ops, wrapper.weight.detach(), self.criterion)
+
 
 class L1FilterPrunerMasker(FilterMasker):
     criterion = "l1"
@@ -57,8 +61,9 @@ class FPGMPrunerMasker(FilterMasker):
 class _FilterPruner(OneShotPruner):
     default_types = ("Conv2d",)
 
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None):
-        super().__init__(model, config_list, optimizer)
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None):
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
 
 
 class L1FilterPruner(_FilterPruner):

@@ -162,10 +162,77 @@ class OneShotPruner(TorchPruner):
     required_keys = ("sparsity",)
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
-                 **masker_kwargs: Any):
+                 dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any):
+        self.dependency_aware = _check_dependency_args(self, dependency_aware, dummy_input)
+        self._dummy_input = dummy_input
+        self._dependency: Any = None
         super().__init__(model, config_list, optimizer)
+        self._dummy_input = None  # traced already: do not keep the user's tensors alive
         self._calculated: set[int] = set()
         self.masker = self.masker_class(model, self, **masker_kwargs)
+
+    # ---------------------------------------------------------------- dependency-aware pruning
+    def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
+                      layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        if not self.dependency_aware:
+            return []
+        from ...core.dependency import plan_dependency
+        from ..graph import build_graph
+
+        graph, _ = build_graph(model, self._dummy_input)
+        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__)
+        self._dependency = plan
+        config_of = {info.name: cfg for info, cfg in selected}
+        info_of = {info.name: info for info in layers}
+        extra = []
+        for name in plan.followers:
+            group = plan.group_of(name)
+            leader = next(layer for layer in group.layers if layer in config_of)
+            extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
+        return extra
+
+    def _update_groups(self) -> None:
+        """One decision per channel group: summed member scores, the same channels masked in every
+        member (followers included). Groups wait until every scored member's statistics are ready."""
+        from ...core.dependency import dependency_keep
+        from ...core.pruning import expand_filter_mask
+        from ..ops import ops
+
+        index = {name: i for i, name in enumerate(self._wrapper_names)}
+        for group in self._dependency.groups:
+            members = [layer for layer in group.layers if layer in index]
+            todo = [index[layer] for layer in members if index[layer] not in self._calculated]
+            if not todo:
+                continue
+            scored = [layer for layer in members if "follower_of" not in self._wrappers[index[layer]].config]
+            if not all(self.masker.statistics_ready(index[layer]) for layer in scored):
+                continue
+            scores = {layer: self.masker.filter_importance(self._wrappers[index[layer]], index[layer]) for layer in scored}
+            sparsity = max(self.sparsity_for(self._wrappers[index[layer]], index[layer]) for layer in scored)
+            keeps = dependency_keep(ops, group, scores, sparsity, members)
+            for layer in members:
+                w = self._wrappers[index[layer]]
+                keep = keeps[layer]
+                masks = {"weight_mask": expand_filter_mask(ops, keep, tuple(w.weight.shape))}
+                if w.bias_mask is not None:
+                    masks["bias_mask"] = keep
+                w.set_masks(masks)
+                self._calculated.add(index[layer])
+
+    def update_mask(self) -> None:
+        if self._dependency is None:
+            return super().update_mask()
+        self._mask_round += 1
+        self._update_groups()
+        grouped = {layer for g in self._dependency.groups for layer in g.layers}
+        for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
+            if self._wrapper_names[idx] not in grouped:
+                masks = self.calc_mask(wrapper, wrapper_idx=idx)
+                if masks is not None:
+                    wrapper.set_masks(masks)
+        if len(self._calculated) == len(self._wrappers):
+            self.masker.stop_statistics()
+        self.apply_masks()
 
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         super().validate_layer(layer_info, module, config)
@@ -203,3 +270,19 @@ class OneShotPruner(TorchPruner):
         self._calculated = set(state.get("calculated", ()))
         if len(self._calculated) == len(self._wrappers):
             self.masker.stop_statistics()
+
+
+def _check_dependency_args(pruner: Any, dependency_aware: Any, dummy_input: Any) -> bool:
+    """Refuse bad ``dependency_aware`` / ``dummy_input`` before anything is traced or wrapped."""
+    what = type(pruner).__name__
+    if not isinstance(dependency_aware, bool):
+        raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
+    if not dependency_aware:
+        return False
+    if not hasattr(pruner.masker_class, "filter_importance"):
+        raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
+                          f"activation, Taylor FO); {pruner.masker_class.__name__} has no per-filter importance")
+    if dummy_input is None:
+        raise ConfigError(f"{what}: dependency_aware=True needs dummy_input= (a tensor, a tuple of tensors or a "
+                          f"dict of keyword arguments for the model's forward) to trace the channel dependencies")
+    return True

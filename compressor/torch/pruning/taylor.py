@@ -65,6 +65,11 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
     def statistics_ready(self, wrapper_idx: int) -> bool:
         return self._batches[wrapper_idx] >= self.statistics_batch_num
 
+    def filter_importance(self, wrapper: nn.Module, wrapper_idx: int) -> Any:
+        """Accumulated contributions (rank-reduced), for dependency-aware pruning."""
+        self.reduce_statistics(self._contrib[wrapper_idx])
+        return self._contrib[wrapper_idx]
+
     def calc_mask(self, sparsity: float, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         idx = self.pruner._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
         if not self.statistics_ready(idx):
@@ -82,6 +87,7 @@ class TaylorFOWeightFilterPruner(OneShotPruner):
     masker_class = TaylorFOWeightFilterPrunerMasker
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 statistics_batch_num: int = 1):
+                 statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None):
         check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, statistics_batch_num=statistics_batch_num)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
+                         statistics_batch_num=statistics_batch_num)

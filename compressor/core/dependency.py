@@ -1,0 +1,87 @@
+"""Dependency-aware channel pruning, once for both backends.
+
+With ``dependency_aware=True`` a filter pruner prunes coupled layers (outputs meeting at an add, a
+depthwise conv, a norm, a concat, ...) together: the channel groups come from
+:func:`compressor.core.graph.channel_groups`; a group's importance is the sum of its scored members'
+per-channel scores; exactly ``floor(P * sparsity)`` of its ``P`` prunable channels are pruned (the lowest
+summed scores, ties by index); every member, the norms and depthwise convs carrying those channels
+included ("followers", wrapped automatically), gets the same channels masked, weight and bias. So the
+masked model has truly dead channels and :func:`~compressor.core.graph.speedup_plan` can remove them.
+
+Choices: when members ask for different sparsities the group uses the largest; members the config does
+not select are not touched (a warning names them: their channels then stay, so speedup cannot remove the
+group's channels either); groups whose channels reach a model output or an op that cannot be cut are
+not pruned at all (their classes are fixed).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigWarning
+from .graph import (
+    PRODUCERS,
+    ChannelGroup,
+    Graph,
+    channel_groups,
+    class_scores,
+    group_keep_classes,
+    member_keep,
+)
+
+__all__ = ["DependencyPlan", "plan_dependency", "dependency_keep", "FOLLOWER_KINDS"]
+
+#: node kinds that carry a group's channels without producing them; wrapped automatically
+FOLLOWER_KINDS = ("norm", "depthwise")
+
+
+@dataclass
+class DependencyPlan:
+    """Groups with at least one selected member; the follower layers to wrap; warnings issued."""
+
+    groups: list[ChannelGroup]
+    followers: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def group_of(self, layer: str) -> ChannelGroup | None:
+        for g in self.groups:
+            if layer in g.layers:
+                return g
+        return None
+
+
+def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner") -> DependencyPlan:
+    """Which groups the selected layers belong to and which followers must be masked with them."""
+    chosen = set(selected)
+    groups, followers, notes = [], [], []
+    for g in channel_groups(graph):
+        if not chosen.intersection(g.layers):
+            continue
+        groups.append(g)
+        for layer, kind, _ in g.members:
+            if layer in chosen:
+                continue
+            if kind in FOLLOWER_KINDS:
+                if layer not in followers:
+                    followers.append(layer)
+            elif kind in PRODUCERS:
+                notes.append(f"{what}: layer {layer!r} shares channels with {sorted(chosen.intersection(g.layers))} "
+                             f"but is not selected by the config; it keeps all its channels, so the group's "
+                             f"pruned channels cannot be removed by speedup. Select it too")
+        if len(g.fixed) == g.n:
+            notes.append(f"{what}: the channels of {sorted(chosen.intersection(g.layers))} reach a model output or "
+                         f"an op that cannot be cut; dependency-aware pruning leaves them unpruned")
+    for n in notes:
+        warnings.warn(n, ConfigWarning, stacklevel=3)
+    return DependencyPlan(groups=groups, followers=followers, warnings=notes)
+
+
+def dependency_keep(ops: Any, group: ChannelGroup, member_scores: dict[str, Any], sparsity: float,
+                    layers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Per-channel keep-masks of the group's ``layers`` (default: every member) from summed scores."""
+    keep = group_keep_classes(ops, class_scores(ops, group, member_scores), group, sparsity)
+    names = group.layers if layers is None else layers
+    return {name: member_keep(ops, keep, group, name) for name in names}
