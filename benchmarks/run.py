@@ -41,6 +41,7 @@ ROOT = HERE.parent
 SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "torch_prune": "torch",
     "torch_quant": "torch",
+    "torch_speedup": "torch",
     "tf_prune": "tensorflow",
     "tf_quant": "tensorflow",
 }

@@ -146,6 +146,7 @@ class _Builder:
         self.mod_out: dict[Any, tuple[dict[str, Any], int]] = {}
         self.layer_modules: dict[str, nn.Module] = {}
         self.calls: dict[str, int] = {}
+        self.pad_values: dict[int, tuple[Any, float]] = {}  # id(grad_fn) -> (grad_fn, constant pad value)
 
     # -------------------------------------------------------------- helpers
     def unique(self, base: str) -> str:
@@ -316,8 +317,10 @@ class _Builder:
         if op == "ConstantPadNdBackward0":
             pad = list(getattr(fn, "_saved_pad", []))
             touched = {len(in_shape) - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
-            # the pad value is not recorded: a pad is not trusted to keep zero channels zero
-            return other() if axis in touched else same("activation", zero_preserving=False)
+            # autograd does not keep the pad value: the trace records it (_PadValues); unknown = not trusted
+            seen = self.pad_values.get(id(fn))
+            zero = seen is not None and seen[0] is fn and seen[1] == 0
+            return other() if axis in touched else same("activation", zero_preserving=zero)
         if op in _BINARY:
             return self.binary(fn, op, name, operands, out_shape)
         if op == "CatBackward0":
@@ -489,6 +492,28 @@ def _prepare_inputs(dummy_input: Any) -> tuple[tuple, dict, list[tuple[str, torc
     return args, kwargs, [(n, t) for n, t in named if torch.is_tensor(t) and t.requires_grad]
 
 
+class _PadValues(torch.overrides.TorchFunctionMode):
+    """Records the value of every constant pad of the traced forward (``F.pad`` / ``constant_pad_nd``),
+    keyed by the result's grad_fn, since the autograd graph does not keep it: a zero pad keeps a zero
+    channel zero (HF MobileNetV2's TF-style padding), any other value does not."""
+
+    def __init__(self, out: dict[int, tuple[Any, float]]):
+        super().__init__()
+        self.out = out
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in (torch.nn.functional.pad, torch.constant_pad_nd) and isinstance(result, torch.Tensor):
+            mode = kwargs.get("mode", args[2] if len(args) > 2 and func is torch.nn.functional.pad else "constant")
+            value = kwargs.get("value", args[3] if len(args) > 3 and func is torch.nn.functional.pad
+                               else (args[2] if len(args) > 2 and func is torch.constant_pad_nd else 0.0))
+            fn = result.grad_fn
+            if mode == "constant" and fn is not None:
+                self.out[id(fn)] = (fn, float(0.0 if value is None else value))
+        return result
+
+
 def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn.Module]]:
     """The channel graph of ``model`` on ``dummy_input`` (a tensor, a tuple of positional tensors or a
     dict of keyword tensors), and ``{layer path: innermost leaf module}`` for every layer node.
@@ -539,7 +564,7 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
         for p in grads:
             if p.is_floating_point():
                 p.requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), _PadValues(b.pad_values):
             output = model(*args, **kwargs)
         outs = _tensors(output)
         ends = []
