@@ -44,6 +44,7 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "torch_speedup": "torch",
     "tf_prune": "tensorflow",
     "tf_quant": "tensorflow",
+    "tf_speedup": "tensorflow",
 }
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0", "PYTHONHASHSEED": "0"}
 
