@@ -57,8 +57,34 @@ def test_groups_share_channels_and_norms_follow():
     assert [small.get_layer(n).filters for n in ("stem", "conv1", "conv2", "head")] == [3, 2, 3, 3]
 
 
-def test_data_criteria_are_refused_with_dependency_aware():
+@pytest.mark.parametrize("cls", [ctf.ActivationMeanRankFilterPruner, ctf.ActivationAPoZRankFilterPruner,
+                                 ctf.TaylorFOWeightFilterPruner])
+def test_data_criteria_decide_per_group_inside_fit(cls):
+    model = block(1)
+    opt = keras.optimizers.SGD(0.0)
+    model.compile(opt, "mse")
+    p = cls(model, [{"sparsity": 0.5, "op_types": ["Conv2D"]}], opt, statistics_batch_num=2, dependency_aware=True)
+    p.compress()
+    assert all(np.asarray(w.weight_mask).all() for w in p.get_modules_wrapper())  # waits for statistics
+    rng = np.random.default_rng(2)
+    model.fit(rng.standard_normal((4, 8, 8, 3)).astype("float32"), rng.standard_normal((4, 2)).astype("float32"),
+              batch_size=1, epochs=1, verbose=0)
+    p.update_epoch(1)
+    assert p._all_calculated()
+    np.testing.assert_array_equal(kept(p, "stem"), kept(p, "conv2"))
+    np.testing.assert_array_equal(kept(p, "conv2"), kept(p, "bn2"))
+    np.testing.assert_array_equal(kept(p, "conv1"), kept(p, "bn1"))
+    assert kept(p, "stem").sum() == 3 and kept(p, "conv1").sum() == 2
+    x = rng.standard_normal((2, 8, 8, 3)).astype("float32")
+    ref = np.asarray(model(x, training=False))
+    out = np.asarray(ctf.speedup_model(p)(x, training=False))
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_bad_dependency_argument_leaves_the_model_untouched():
     model = block()
-    with pytest.raises(ConfigError, match="weight criteria"):
-        ctf.ActivationAPoZRankFilterPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2D"]}], dependency_aware=True)
-    assert not any(hasattr(layer, "_compressor_pruner") for layer in model.layers)
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(ConfigError, match="must be True or False"):
+        ctf.L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2D"]}], dependency_aware="yes")
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights))
+    assert not any(k.startswith("_compressor_") for layer in model.layers for k in vars(layer))

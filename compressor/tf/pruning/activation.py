@@ -103,6 +103,10 @@ class ActivationFilterMasker(WeightMasker):
     def importance(self, wrapper: Any) -> Any:
         raise NotImplementedError
 
+    def filter_importance(self, wrapper: Any) -> Any:
+        """Per-channel importance (dependency-aware pruning sums it over coupled layers)."""
+        return self.importance(wrapper)
+
     def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         return importance_filter_result(wrapper, self.importance(wrapper), sparsity)
 

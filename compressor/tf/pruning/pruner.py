@@ -206,7 +206,7 @@ class OneShotPruner(TfPruner):
                  dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any) -> None:
         self.dependency_aware = _check_dependency_args(self, dependency_aware)
         self._dependency: Any = None
-        self._pending: dict[str, Any] = {}
+        self._pending: dict[int, Any] = {}
         super().__init__(model, config_list, optimizer)
         self._calculated: set[int] = set()
         self.set_wrappers_attribute("if_calculated", tf.constant(False))
@@ -260,29 +260,74 @@ class OneShotPruner(TfPruner):
             extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
         return extra
 
-    def _group_masks(self, wrapper: PrunerLayerWrapper) -> dict[str, Any] | None:
-        """Masks of ``wrapper`` from its group's one decision (computed for all members at once)."""
+    def _group_members(self, group: Any) -> tuple[list[int], list[int]]:
+        """(indices of the group's wrapped members, indices of those the config selected: the scored ones)."""
+        index = {w.name: i for i, w in enumerate(self.modules_wrapper)}
+        members = [index[layer] for layer in group.layers if layer in index]
+        return members, [i for i in members if "follower_of" not in self.modules_wrapper[i].config]
+
+    def _group_decision(self, group: Any) -> dict[int, dict[str, Any]]:
+        """Masks (Keras layout) of every wrapped member of ``group`` from one decision over summed scores
+        (graph-safe: called eagerly or inside the traced step)."""
         from ...core.dependency import dependency_keep
         from ...core.pruning import expand_filter_mask
         from ..ops import ops
         from .masker import filter_result
 
-        name = wrapper.name
-        if name not in self._pending:
-            group = self._dependency.group_of(name)
-            if group is None:
+        members, scored = self._group_members(group)
+        wrappers = self.modules_wrapper
+        scores = {wrappers[i].name: self.masker.filter_importance(wrappers[i]) for i in scored}
+        sparsity = max(self.sparsity_for(wrappers[i], i) for i in scored)
+        keeps = dependency_keep(ops, group, scores, sparsity, [wrappers[i].name for i in members])
+        out = {}
+        for i in members:
+            w = wrappers[i]
+            keep = keeps[w.name]
+            out[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
+        return out
+
+    def _group_ready(self, group: Any) -> Any:
+        """Whether every scored member's statistics are ready: a bool, or a bool tensor in-graph."""
+        ready: Any = True
+        for i in self._group_members(group)[1]:
+            r = self.masker.statistics_ready(i)
+            if r is False:
+                return False
+            ready = r if ready is True else tf.logical_and(ready, r)
+        return ready
+
+    def _group_masks(self, wrapper: PrunerLayerWrapper, idx: int) -> dict[str, Any] | None:
+        """Eager: ``wrapper``'s masks from its group's decision, once all scored members are ready."""
+        if idx not in self._pending:
+            group = self._dependency.group_of(wrapper.name)
+            if not bool(self._group_ready(group)):
                 return None
-            index = {w.name: i for i, w in enumerate(self.modules_wrapper)}
-            members = [layer for layer in group.layers if layer in index]
-            scored = [layer for layer in members if "follower_of" not in self.modules_wrapper[index[layer]].config]
-            scores = {layer: self.masker.filter_importance(self.modules_wrapper[index[layer]]) for layer in scored}
-            sparsity = max(self.sparsity_for(self.modules_wrapper[index[layer]], index[layer]) for layer in scored)
-            keeps = dependency_keep(ops, group, scores, sparsity, members)
-            for layer in members:
-                w = self.modules_wrapper[index[layer]]
-                mask = expand_filter_mask(ops, keeps[layer], w.canonical_shape())
-                self._pending[layer] = filter_result(w, mask, keeps[layer])
-        return self._pending.pop(name)
+            self._pending.update(self._group_decision(group))
+        return self._pending.pop(idx)
+
+    def _update_groups_in_step(self) -> None:
+        """In-graph: each group not yet masked gets its masks once its statistics are ready (tf.cond)."""
+        for group in self._dependency.groups:
+            members, scored = self._group_members(group)
+            if not scored or all(i in self._calculated for i in members):
+                continue
+            if not all(self.modules_wrapper[i].ready for i in members):
+                continue
+            ready = self._group_ready(group)
+            if ready is False:
+                continue
+            lead = self.modules_wrapper[scored[0]]
+
+            def compute(group: Any = group) -> Any:
+                for i, masks in self._group_decision(group).items():
+                    w = self.modules_wrapper[i]
+                    w.set_masks(masks)
+                    w.apply_masks()
+                    w.if_calculated = True
+                return tf.constant(True)
+
+            tf.cond(tf.logical_and(tf.convert_to_tensor(ready), tf.logical_not(lead.if_calculated)), compute,
+                    lambda: tf.constant(False))
 
     def calc_mask(self, wrapper: PrunerLayerWrapper, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         """Eager: the masks once the statistics are ready, then None forever."""
@@ -290,7 +335,8 @@ class OneShotPruner(TfPruner):
         if idx in self._calculated or not bool(self.masker.statistics_ready(idx)):
             return None
         grouped = self._dependency is not None and self._dependency.group_of(wrapper.name) is not None
-        masks = self._group_masks(wrapper) if grouped else self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
+        masks = (self._group_masks(wrapper, idx) if grouped
+                 else self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx))
         if masks is None:
             return None
         wrapper.if_calculated = True
@@ -316,8 +362,12 @@ class OneShotPruner(TfPruner):
         if not tf.inside_function():
             super().update_mask()
             return
+        grouped: set[int] = set()
+        if self._dependency is not None:
+            self._update_groups_in_step()
+            grouped = {i for g in self._dependency.groups for i in self._group_members(g)[0]}
         for idx, wrapper in enumerate(self.modules_wrapper):
-            if idx in self._calculated or not wrapper.ready:
+            if idx in self._calculated or not wrapper.ready or idx in grouped:
                 continue
             ready = self.masker.statistics_ready(idx)
             if ready is False:
@@ -359,7 +409,6 @@ def _check_dependency_args(pruner: Any, dependency_aware: Any) -> bool:
     if not isinstance(dependency_aware, bool):
         raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
     if dependency_aware and not hasattr(pruner.masker_class, "filter_importance"):
-        raise ConfigError(f"{what}: dependency_aware=True is supported on TensorFlow for the weight criteria "
-                          f"(L1FilterPruner, L2FilterPruner, FPGMPruner); {pruner.masker_class.__name__} has no "
-                          f"per-filter importance here")
+        raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
+                          f"activation, Taylor FO); {pruner.masker_class.__name__} has no per-filter importance")
     return dependency_aware

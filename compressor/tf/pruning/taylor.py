@@ -91,6 +91,10 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
     def statistics_ready(self, wrapper_idx: int) -> Any:
         return batches_ready(self.pruner.get_modules_wrapper()[wrapper_idx], "taylor_batches", self.statistics_batch_num)
 
+    def filter_importance(self, wrapper: Any) -> Any:
+        """Accumulated contributions (dependency-aware pruning sums them over coupled layers)."""
+        return tf.convert_to_tensor(wrapper.taylor_contribution)
+
     def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         return importance_filter_result(wrapper, tf.convert_to_tensor(wrapper.taylor_contribution), sparsity)
 
