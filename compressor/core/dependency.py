@@ -31,8 +31,9 @@ from .graph import (
     group_keep_classes,
     member_keep,
 )
+from .pruning import prune_count, smallest_k_mask
 
-__all__ = ["DependencyPlan", "plan_dependency", "dependency_keep", "FOLLOWER_KINDS"]
+__all__ = ["DependencyPlan", "plan_dependency", "dependency_keep", "global_dependency_keep", "FOLLOWER_KINDS"]
 
 #: node kinds that carry a group's channels without producing them; wrapped automatically
 FOLLOWER_KINDS = ("norm", "depthwise")
@@ -53,8 +54,12 @@ class DependencyPlan:
         return None
 
 
-def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner") -> DependencyPlan:
-    """Which groups the selected layers belong to and which followers must be masked with them."""
+def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner",
+                    producers_needed: bool = True) -> DependencyPlan:
+    """Which groups the selected layers belong to and which followers must be masked with them.
+
+    ``producers_needed=False`` when masking the group's norms alone makes its channels zero (network
+    slimming selects the norms): unselected convs are then no reason for a warning."""
     chosen = set(selected)
     groups, followers, notes = [], [], []
     for g in channel_groups(graph):
@@ -67,7 +72,7 @@ def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner")
             if kind in FOLLOWER_KINDS:
                 if layer not in followers:
                     followers.append(layer)
-            elif kind in PRODUCERS:
+            elif kind in PRODUCERS and producers_needed:
                 notes.append(f"{what}: layer {layer!r} shares channels with {sorted(chosen.intersection(g.layers))} "
                              f"but is not selected by the config; it keeps all its channels, so the group's "
                              f"pruned channels cannot be removed by speedup. Select it too")
@@ -85,3 +90,29 @@ def dependency_keep(ops: Any, group: ChannelGroup, member_scores: dict[str, Any]
     keep = group_keep_classes(ops, class_scores(ops, group, member_scores), group, sparsity)
     names = group.layers if layers is None else layers
     return {name: member_keep(ops, keep, group, name) for name in names}
+
+
+def global_dependency_keep(ops: Any, groups: Sequence[ChannelGroup], member_scores: dict[str, Any], sparsity: float,
+                           layers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Network slimming over groups: ONE ranking of every group's summed class scores, the
+    ``floor(P * sparsity)`` lowest of all ``P`` prunable classes pruned (ties by group order, then class
+    index); per-channel keep-masks of ``layers`` (default: every member of every group)."""
+    totals, sizes, prunable = [], [], 0
+    for g in groups:
+        s = class_scores(ops, g, member_scores)
+        if g.fixed:
+            fixed = set(g.fixed)
+            s = s + ops.asarray([float("inf") if i in fixed else 0.0 for i in range(g.n)], like=s)
+        totals.append(s)
+        sizes.append(g.n)
+        prunable += g.n - len(g.fixed)
+    if not totals:
+        return {}
+    keep = smallest_k_mask(ops, ops.concat(totals, axis=0), prune_count(prunable, sparsity))
+    wanted = None if layers is None else set(layers)
+    out = {}
+    for g, k in zip(groups, ops.split(keep, sizes, 0)):
+        for name in g.layers:
+            if wanted is None or name in wanted:
+                out[name] = member_keep(ops, k, g, name)
+    return out

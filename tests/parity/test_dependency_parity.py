@@ -133,3 +133,28 @@ def test_speedup_removes_the_group_on_both_backends():
     assert small_k.get_layer("conv1").filters == 4 and small_k.get_layer("conv3").filters == 3
     assert small_k.get_layer("bn2").get_weights()[0].shape == (4,)
     assert cth.count_flops_params(small_t, torch.from_numpy(x))[:2] == ctf.count_flops_params(small_k)[:2]
+
+
+def test_slim_ranks_coupled_norms_together_on_both_backends():
+    tm, km, x = twins(2)
+    g = np.abs(tm.bn1.weight.detach().numpy()) + np.abs(tm.bn2.weight.detach().numpy())
+    expected = np.ones(8, bool)
+    expected[np.argsort(g, kind="stable")[:4]] = False
+    config = [{"sparsity": 0.5, "op_types": ["BatchNorm2d"]}]
+    tp = cth.SlimPruner(tm, config, dependency_aware=True, dummy_input=torch.from_numpy(x))
+    tp.compress()
+    kp = ctf.SlimPruner(km, config, dependency_aware=True)
+    kp.compress()
+    for layer in ("bn1", "bn2"):
+        np.testing.assert_array_equal(torch_keep(tp, layer), expected, err_msg=layer)
+        np.testing.assert_array_equal(tf_keep(kp, layer), expected, err_msg=layer)
+    with torch.no_grad():
+        ref = tm(torch.from_numpy(x)).numpy()
+    small_t = cth.speedup_model(tp, torch.from_numpy(x))
+    small_k = ctf.speedup_model(kp)
+    assert small_t.conv1.out_channels == small_t.conv2.out_channels == 4
+    assert small_k.get_layer("conv2").filters == 4
+    with torch.no_grad():
+        assert np.abs(small_t(torch.from_numpy(x)).numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    out_k = np.asarray(small_k(x.transpose(0, 2, 3, 1), training=False))
+    np.testing.assert_allclose(out_k, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -250,7 +250,8 @@ class OneShotPruner(TfPruner):
         from ..graph import build_graph
 
         graph, _ = build_graph(model)
-        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__)
+        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__,
+                               producers_needed=self._group_producers_needed)
         self._dependency = plan
         config_of = {info.name: cfg for info, cfg in selected}
         info_of = {info.name: info for info in layers}
@@ -259,6 +260,9 @@ class OneShotPruner(TfPruner):
             leader = next(layer for layer in plan.group_of(name).layers if layer in config_of)
             extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
         return extra
+
+    #: False when masking a group's norms alone zeroes its channels (SlimPruner selects the norms)
+    _group_producers_needed = True
 
     def _group_members(self, group: Any) -> tuple[list[int], list[int]]:
         """(indices of the group's wrapped members, indices of those the config selected: the scored ones)."""

@@ -1,7 +1,8 @@
 """SlimPruner: network slimming (Liu et al. 2017) on BatchNormalization scale factors.
 
 One global threshold over ``|gamma|`` of all selected BatchNormalization layers (core ``slim_masks``); a
-pruned channel has gamma AND beta masked, so it outputs exactly 0. Train with an L1 penalty on gamma
+pruned channel has gamma AND beta masked, so it outputs exactly 0. With ``dependency_aware=True`` norms whose
+channels meet (residual adds) are ranked together by their summed ``|gamma|`` and pruned alike. Train with an L1 penalty on gamma
 first (:meth:`SlimPruner.l1_penalty`, e.g. ``model.add_loss``) so the scale factors become sparse.
 """
 
@@ -58,6 +59,10 @@ class SlimPrunerMasker(WeightMasker):
         mask = self._cache[idx]
         return {"weight_mask": mask, "bias_mask": mask}
 
+    def filter_importance(self, wrapper: Any) -> Any:
+        """``|gamma|`` per channel (dependency-aware slimming sums it over a group's norms)."""
+        return ops.abs(wrapper.canonical_weight())
+
 
 class SlimPruner(OneShotPruner):
     """Prune the BN channels with the smallest ``|gamma|`` over all selected layers at once.
@@ -68,9 +73,30 @@ class SlimPruner(OneShotPruner):
     default_types = BN_TYPES
     masker_class = SlimPrunerMasker
 
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
-        super().__init__(model, config_list, optimizer)
+    _group_producers_needed = False
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
         self.sparsity = first_active(self.config_list, "sparsity")
+
+    def _group_masks(self, wrapper: Any, idx: int) -> dict[str, Any] | None:
+        """Dependency-aware slimming: one global ranking of every group's summed ``|gamma|`` (eager)."""
+        from ...core.dependency import global_dependency_keep
+        from ...core.pruning import expand_filter_mask
+        from .masker import filter_result
+
+        if idx not in self._pending:
+            groups = self._dependency.groups
+            wrappers = self.modules_wrapper
+            scored = {i for g in groups for i in self._group_members(g)[1]}
+            scores = {wrappers[i].name: self.masker.filter_importance(wrappers[i]) for i in scored}
+            keeps = global_dependency_keep(ops, groups, scores, self.sparsity)
+            for i in {i for g in groups for i in self._group_members(g)[0]}:
+                w = wrappers[i]
+                keep = keeps[w.name]
+                self._pending[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
+        return self._pending.pop(idx)
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         check_common_sparsity(config_list)

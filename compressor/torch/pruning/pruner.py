@@ -180,7 +180,8 @@ class OneShotPruner(TorchPruner):
         from ..graph import build_graph
 
         graph, _ = build_graph(model, self._dummy_input)
-        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__)
+        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__,
+                               producers_needed=self._group_producers_needed)
         self._dependency = plan
         config_of = {info.name: cfg for info, cfg in selected}
         info_of = {info.name: info for info in layers}
@@ -191,25 +192,40 @@ class OneShotPruner(TorchPruner):
             extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
         return extra
 
+    #: False when masking a group's norms alone zeroes its channels (SlimPruner selects the norms)
+    _group_producers_needed = True
+
+    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str]]]) -> dict[str, Any]:
+        """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members)``: one
+        decision per group (SlimPruner overrides it with one global ranking)."""
+        from ...core.dependency import dependency_keep
+        from ..ops import ops
+
+        out: dict[str, Any] = {}
+        for group, scores, sparsity, members in todo:
+            out.update(dependency_keep(ops, group, scores, sparsity, members))
+        return out
+
     def _update_groups(self) -> None:
         """One decision per channel group: summed member scores, the same channels masked in every
         member (followers included). Groups wait until every scored member's statistics are ready."""
-        from ...core.dependency import dependency_keep
         from ...core.pruning import expand_filter_mask
         from ..ops import ops
 
         index = {name: i for i, name in enumerate(self._wrapper_names)}
+        todo = []
         for group in self._dependency.groups:
             members = [layer for layer in group.layers if layer in index]
-            todo = [index[layer] for layer in members if index[layer] not in self._calculated]
-            if not todo:
+            if all(index[layer] in self._calculated for layer in members):
                 continue
             scored = [layer for layer in members if "follower_of" not in self._wrappers[index[layer]].config]
-            if not all(self.masker.statistics_ready(index[layer]) for layer in scored):
+            if not scored or not all(self.masker.statistics_ready(index[layer]) for layer in scored):
                 continue
             scores = {layer: self.masker.filter_importance(self._wrappers[index[layer]], index[layer]) for layer in scored}
             sparsity = max(self.sparsity_for(self._wrappers[index[layer]], index[layer]) for layer in scored)
-            keeps = dependency_keep(ops, group, scores, sparsity, members)
+            todo.append((group, scores, sparsity, members))
+        keeps = self._decide_groups(todo) if todo else {}
+        for _group, _scores, _sparsity, members in todo:
             for layer in members:
                 w = self._wrappers[index[layer]]
                 keep = keeps[layer]

@@ -1,7 +1,9 @@
 """SlimPruner: network slimming (Liu et al. 2017) on BatchNorm scale factors.
 
 One global threshold over ``|gamma|`` of all selected BatchNorm layers (core ``slim_masks``); a pruned
-channel has gamma AND beta masked, so it outputs exactly 0. Train with an L1 penalty on gamma first
+channel has gamma AND beta masked, so it outputs exactly 0. With ``dependency_aware=True`` norms whose
+channels meet (residual adds) are ranked together by their summed ``|gamma|`` (still one global
+threshold) and pruned alike, so speedup can remove the channels. Train with an L1 penalty on gamma first
 (:meth:`SlimPruner.l1_penalty`) so the scale factors become sparse.
 """
 
@@ -56,6 +58,10 @@ class SlimPrunerMasker(WeightMasker):
         mask = self._cache[idx]
         return {"weight_mask": mask, "bias_mask": mask}
 
+    def filter_importance(self, wrapper: nn.Module, wrapper_idx: int) -> Any:
+        """``|gamma|`` per channel (dependency-aware slimming sums it over a group's norms)."""
+        return wrapper.weight.detach().abs()
+
 
 class SlimPruner(OneShotPruner):
     """Prune the BatchNorm channels with the smallest ``|gamma|`` over all selected layers at once.
@@ -66,9 +72,19 @@ class SlimPruner(OneShotPruner):
     default_types = BN_TYPES
     masker_class = SlimPrunerMasker
 
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None):
-        super().__init__(model, config_list, optimizer)
+    _group_producers_needed = False
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None):
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
         self.sparsity = first_active(self.config_list, "sparsity")
+
+    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str]]]) -> dict[str, Any]:
+        """Dependency-aware slimming: one global ranking of the groups' summed ``|gamma|``."""
+        from ...core.dependency import global_dependency_keep
+
+        scores = {k: v for _, s, _, _ in todo for k, v in s.items()}
+        return global_dependency_keep(ops, [g for g, *_ in todo], scores, self.sparsity)
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         check_common_sparsity(config_list)
