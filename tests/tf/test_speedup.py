@@ -385,7 +385,11 @@ LOADER = textwrap.dedent("""
     d = sys.argv[1]
     x = np.load(d + "/x.npy")
     out = keras.models.load_model(d + "/small.keras").predict(x, verbose=0).tolist()
-    print(json.dumps({"out": out, "compressor": any(m.split(".")[0] == "compressor" for m in sys.modules)}))
+    import tensorflow as tf
+    loaded = tf.saved_model.load(d + "/small_savedmodel")  # keep a reference: it owns the variables
+    served = loaded.serve(tf.constant(x)).numpy().tolist()
+    print(json.dumps({"out": out, "served": served,
+                      "compressor": any(m.split(".")[0] == "compressor" for m in sys.modules)}))
 """)
 
 
@@ -396,6 +400,7 @@ def test_result_saves_reloads_without_compressor_tflite_and_trains(tmp_path):
     small = speedup_model(model)
     ref = np.asarray(small(x, training=False))
     small.save(tmp_path / "small.keras")
+    small.export(str(tmp_path / "small_savedmodel"), verbose=False)  # SavedModel
     np.save(tmp_path / "x.npy", x)
     proc = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
@@ -403,6 +408,7 @@ def test_result_saves_reloads_without_compressor_tflite_and_trains(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["compressor"] is False
     assert_same(ref, res["out"])
+    assert_same(ref, res["served"])
     # TFLite
     interp = tf.lite.Interpreter(model_content=tf.lite.TFLiteConverter.from_keras_model(small).convert())
     inp = interp.get_input_details()[0]
