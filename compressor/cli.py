@@ -2,7 +2,7 @@
 
 ``compressor list`` (backends and algorithms, incl. plugins), ``compressor check CONFIG.yaml`` (validate a
 config file, print it normalised), ``compressor report MODEL_FILE`` (per-layer sparsity / bits of an
-exported model), ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is
+exported model; ``--flops``: MACs and params dense vs. after speedup), ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is
 one readable line on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
 nor tensorflow.
 """
@@ -165,12 +165,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
         masks = report.read_masks(args.masks)
     calibration = report.read_calibration(args.calibration) if args.calibration is not None else None
     rows = report.layer_stats(weights, masks, calibration)
+    flops = None
+    if args.flops or args.input_shape is not None or args.model_fn is not None:
+        shape = report.parse_input_shape(args.input_shape) if args.input_shape is not None else None
+        flops = report.file_flops(args.model, args.masks, shape, args.model_fn)
     if args.plot is not None:
         report.plot(rows, args.plot)
     if args.json:
-        print(json.dumps(report.as_dicts(rows), indent=2))
+        data: Any = report.as_dicts(rows)
+        if flops is not None:
+            data = {"layers": data, "flops": flops}
+        print(json.dumps(data, indent=2))
     else:
         print(report.format_table(rows))
+        if flops is not None:
+            from .core.report import format_flops
+
+            print(format_flops(flops))
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
@@ -217,7 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--masks", metavar="MASKS", help="mask file from export_model (.pt or .npz)")
     rp.add_argument("--calibration", metavar="FILE", help="calibration file from a quantizer's export_model")
     rp.add_argument("--plot", metavar="OUT.png", help="draw per-layer sparsity with matplotlib")
-    rp.add_argument("--json", action="store_true", help="machine-readable output")
+    rp.add_argument("--flops", action="store_true",
+                    help="also MACs per sample and params, dense vs. after structured speedup (on a copy); "
+                         "torch files need --model-fn and --input-shape")
+    rp.add_argument("--input-shape", metavar="SHAPE",
+                    help="torch: input shape with the batch dimension, e.g. 1,3,32,32 (implies --flops)")
+    rp.add_argument("--model-fn", metavar="MODULE:CALLABLE",
+                    help="torch: a callable that builds the model the state_dict belongs to (implies --flops)")
+    rp.add_argument("--json", action="store_true",
+                    help="machine-readable output (with --flops: {'layers': [...], 'flops': {...}})")
     rp.set_defaults(func=_cmd_report)
 
     demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)

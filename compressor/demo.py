@@ -2,10 +2,14 @@
 
 Per backend: train a small CNN (scikit-learn's bundled 8x8 digits by default; MNIST with ``--data mnist
 --data-dir DIR``), then from the same dense weights (a) prune it gradually to 80 % with ``AGPPruner``
-while fine-tuning and (b) quantize it to int8 with ``QAT_Quantizer`` while fine-tuning. The table gives
-test accuracy (dense / pruned / quantized), the sparsity of the EXPORTED pruned weights, the model size
-(dense float32 vs. the extra bool masks vs. an int8 export) and the training-step time of the compressed
-models relative to the dense one, measured interleaved in the same run. Seeds are fixed.
+while fine-tuning, (b) quantize it to int8 with ``QAT_Quantizer`` while fine-tuning and (c) prune 50 % of
+the channels of conv1, conv2 and fc1 with a dependency-aware ``L1FilterPruner``, fine-tune briefly and
+remove the pruned channels with ``speedup_model`` (structured + speedup). The table gives test accuracy,
+the sparsity of the EXPORTED pruned weights, parameters and MACs per sample (``count_flops_params``),
+model bytes (dense float32 vs. the extra bool masks vs. an int8 export vs. the smaller float32 model),
+the size of each saved file, and the inference (test set, one batch) and training-step times relative
+to the dense model, measured interleaved in the same run. Only the structured column is really smaller
+and faster: masks keep every dense shape. Seeds are fixed.
 
 The per-backend training code is a small "harness" (:class:`TorchHarness`, :class:`TfHarness`) that the
 examples (``examples/``) reuse with their own models. Importing this module imports neither framework.
@@ -36,6 +40,9 @@ BACKENDS = ("torch", "tf")
 FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
 SPARSITY = 0.8
 LAYERS = ("conv1", "conv2", "fc1", "fc2")
+#: channel sparsity of the structured variant (the classifier fc2 keeps its outputs)
+STRUCT_SPARSITY = 0.5
+STRUCT_LAYERS = ("conv1", "conv2", "fc1")
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Schedule:
     prune_epochs: int  # AGP fine-tuning epochs (the ramp ends at ``agp_end_epoch``, the rest recovers)
     agp_end_epoch: int
     quant_epochs: int
+    struct_epochs: int = 2  # fine-tuning epochs after one-shot filter pruning, before speedup
     batch_size: int = 32
     lr: float = 2e-3
     finetune_lr: float = 5e-4
@@ -53,14 +61,17 @@ class Schedule:
     n_test: int | None = None
     timing_rounds: int = 5
     timing_steps: int = 10
+    infer_rounds: int = 10  # inference timings of the test set per model (interleaved, after a warm-up)
 
 
 SCHEDULES: dict[tuple[str, bool], Schedule] = {
-    ("digits", False): Schedule(dense_epochs=20, prune_epochs=15, agp_end_epoch=8, quant_epochs=4),
-    ("digits", True): Schedule(dense_epochs=8, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, timing_rounds=3),
-    ("mnist", False): Schedule(dense_epochs=3, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, batch_size=128),
-    ("mnist", True): Schedule(dense_epochs=2, prune_epochs=3, agp_end_epoch=2, quant_epochs=1, batch_size=64,
-                              n_train=6000, n_test=2000, timing_rounds=3),
+    ("digits", False): Schedule(dense_epochs=20, prune_epochs=15, agp_end_epoch=8, quant_epochs=4, struct_epochs=5),
+    ("digits", True): Schedule(dense_epochs=8, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, struct_epochs=2,
+                               timing_rounds=3, infer_rounds=5),
+    ("mnist", False): Schedule(dense_epochs=3, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, struct_epochs=1,
+                               batch_size=128),
+    ("mnist", True): Schedule(dense_epochs=2, prune_epochs=3, agp_end_epoch=2, quant_epochs=1, struct_epochs=1,
+                              batch_size=64, n_train=6000, n_test=2000, timing_rounds=3, infer_rounds=5),
 }
 
 
@@ -68,6 +79,11 @@ def agp_config(s: Schedule) -> list[dict[str, Any]]:
     """AGP from 0 to 80 % over ``agp_end_epoch`` epochs on every conv/dense layer (same list for both backends)."""
     return [{"initial_sparsity": 0.0, "final_sparsity": SPARSITY, "start_epoch": 0, "end_epoch": s.agp_end_epoch,
              "frequency": 1, "op_types": ["default"]}]
+
+
+def struct_config() -> list[dict[str, Any]]:
+    """Dependency-aware filter pruning: half the channels of the convs and of the hidden dense layer."""
+    return [{"sparsity": STRUCT_SPARSITY, "op_names": list(STRUCT_LAYERS)}]
 
 
 #: int8 weights and activations (layer outputs) everywhere; the first layer also quantizes its input.
@@ -95,6 +111,19 @@ class BackendResult:
     step_dense: float  # median train-step seconds
     step_pruned: float
     step_quant: float
+    acc_struct: float = 0.0  # structured (dependency-aware L1 filter pruning) + speedup
+    step_struct: float = 0.0
+    struct_bytes: int = 0  # float32 parameters of the sped-up model
+    struct_channels: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (before, after)
+    # per variant ('dense', 'pruned', 'quant', 'struct'): count_flops_params numbers, saved file bytes and
+    # median inference seconds on the whole test set as one batch
+    params: dict[str, int] = field(default_factory=dict)
+    macs: dict[str, int] = field(default_factory=dict)
+    file_bytes: dict[str, int] = field(default_factory=dict)
+    infer: dict[str, float] = field(default_factory=dict)
+    infer_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    n_infer: int = 0  # images per inference batch
+    file_format: str = ""  # what file_bytes measured ('state_dict .pt', '.keras')
     step_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: float = 0.0
     description: str = ""
@@ -107,29 +136,65 @@ class BackendResult:
     def quant_overhead(self) -> float:
         return self.step_quant / self.step_dense
 
+    @property
+    def struct_overhead(self) -> float:
+        return self.step_struct / self.step_dense
+
+    def infer_ratio(self, variant: str) -> float:
+        return self.infer[variant] / self.infer["dense"]
+
     def table(self) -> str:
         """The per-backend result table (plain text)."""
         ms = 1e3
+        variants = ("dense", "pruned", "quant", "struct")
+        has_struct = bool(self.params.get("struct"))
+
+        def per(values: dict[str, Any], fmt: Callable[[str, Any], str]) -> list[str]:
+            return [fmt(v, values[v]) if v in values else "-" for v in variants]
+
+        def rel(v: str, n: int, base: dict[str, int]) -> str:
+            return f"{n:,}" if v == "dense" else f"{n:,} ({n / base['dense']:.2f}x)"
+
         rows = [
-            ("", "dense", f"pruned (AGP {SPARSITY:.0%})", "quantized (QAT int8)"),
-            ("test accuracy", _pct(self.acc_dense), _pct(self.acc_pruned), _pct(self.acc_quant)),
-            ("weight sparsity (exported)", "-", _pct(self.sparsity), "-"),
-            ("model bytes", f"{self.dense_bytes:,} fp32", f"+{self.mask_bytes:,} bool masks",
-             f"{self.int8_bytes:,} int8 export"),
-            ("train step, median", f"{self.step_dense * ms:.2f} ms", f"{self.step_pruned * ms:.2f} ms "
-             f"({self.pruned_overhead:.2f}x)", f"{self.step_quant * ms:.2f} ms ({self.quant_overhead:.2f}x)"),
+            ("", "dense", f"pruned (AGP {SPARSITY:.0%})", "quantized (QAT int8)",
+             f"structured ({STRUCT_SPARSITY:.0%} ch.) + speedup"),
+            ("test accuracy", _pct(self.acc_dense), _pct(self.acc_pruned), _pct(self.acc_quant),
+             _pct(self.acc_struct) if has_struct else "-"),
+            ("weight sparsity (exported)", "-", _pct(self.sparsity), "-", "-"),
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        if self.params:
+            rows.append(("params", *per(self.params, lambda v, n: rel(v, n, self.params))))
+        if self.macs:
+            rows.append(("MACs / sample", *per(self.macs, lambda v, n: rel(v, n, self.macs))))
+        rows.append(("model bytes", f"{self.dense_bytes:,} fp32", f"+{self.mask_bytes:,} bool masks",
+                     f"{self.int8_bytes:,} int8 export", f"{self.struct_bytes:,} fp32" if has_struct else "-"))
+        if self.file_bytes:
+            rows.append((f"saved file ({self.file_format})", *per(self.file_bytes, lambda v, n: f"{n:,} B")))
+        if self.infer:
+            rows.append((f"inference ({self.n_infer} images), median", *per(
+                self.infer, lambda v, t: f"{t * ms:.2f} ms" + ("" if v == "dense" else f" ({self.infer_ratio(v):.2f}x)"))))
+        rows.append(("train step, median", f"{self.step_dense * ms:.2f} ms",
+                     f"{self.step_pruned * ms:.2f} ms ({self.pruned_overhead:.2f}x)",
+                     f"{self.step_quant * ms:.2f} ms ({self.quant_overhead:.2f}x)",
+                     f"{self.step_struct * ms:.2f} ms ({self.struct_overhead:.2f}x)" if self.step_struct else "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"== {self.backend}: {self.description} ({self.seconds:.1f} s) =="]
         for r in rows:
             lines.append("  " + "   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         per_layer = ", ".join(f"{k} {_pct(v)}" for k, v in self.layer_sparsity.items())
-        lines.append(f"  per-layer sparsity: {per_layer}")
+        lines.append(f"  per-layer sparsity (AGP): {per_layer}")
+        if self.struct_channels:
+            chans = ", ".join(f"{k} {a}->{b}" for k, (a, b) in self.struct_channels.items())
+            lines.append(f"  structured channels kept: {chans}")
+        if self.infer_ranges:
+            spread = ", ".join(f"{k} {lo * ms:.2f}-{hi * ms:.2f}" for k, (lo, hi) in self.infer_ranges.items())
+            lines.append(f"  inference min-max (ms, interleaved rounds): {spread}")
         if self.step_ranges:
             spread = ", ".join(f"{k} {lo * ms:.2f}-{hi * ms:.2f}" for k, (lo, hi) in self.step_ranges.items())
             lines.append(f"  train step min-max (ms, interleaved rounds): {spread}")
-        lines.append("  (masks speed nothing up by themselves: the exported dense file is as large as before; "
-                     "store it sparse or prune filters to shrink it)")
+        lines.append("  (only the structured column is really smaller and faster: speedup_model removed its pruned "
+                     "channels; AGP masks keep every dense shape, so its file and MACs are the dense ones, and "
+                     "QAT shrinks only the int8 export)")
         return "\n".join(lines)
 
 
@@ -313,6 +378,55 @@ class TorchHarness:
         """Export through the quantizer; returns the calibration config (layer -> bits, scales, ...)."""
         return quantizer.export_model(os.path.join(directory, "quant.pt"), os.path.join(directory, "calib.pt"))
 
+    #: file names export_pruned / export_quantized write, and the suffix of :meth:`save`
+    pruned_file, quant_file, suffix, file_format = "pruned.pt", "quant.pt", ".pt", "state_dict .pt"
+
+    def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray) -> Any:
+        """Dependency-aware L1 filter pruner of :func:`struct_config` (traced on one sample of ``x``)."""
+        return self.backend.L1FilterPruner(model, struct_config(), optimizer, dependency_aware=True,
+                                           dummy_input=self.to_input(x[:1]))
+
+    def speedup(self, pruner: Any, x: np.ndarray) -> Any:
+        """A smaller, unwrapped copy of the pruner's model without its pruned channels."""
+        return self.backend.speedup_model(pruner, self.to_input(x[:1]))
+
+    def flops(self, model: Any, x: np.ndarray) -> tuple[int, int]:
+        """(MACs per sample, parameters) of ``model`` (``count_flops_params``)."""
+        macs, params, _ = self.backend.count_flops_params(model, self.to_input(x[:1]))
+        return macs, params
+
+    def out_channels(self, model: Any, layer: str) -> int:
+        m = model.get_submodule(layer)
+        m = getattr(m, "module", m)  # a pruner's wrapper
+        return int(getattr(m, "out_channels", None) or m.out_features)
+
+    def save(self, model: Any, path: str) -> int:
+        """Save the state_dict; returns the file's bytes."""
+        self.torch.save(model.state_dict(), path)
+        return os.path.getsize(path)
+
+    def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
+        """Seconds of one eval forward of all of ``x`` (one batch) per model, interleaved round by round
+        (the first round is a discarded warm-up)."""
+        torch = self.torch
+        xb = self.to_input(x)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times: list[list[float]] = [[] for _ in models]
+        for m in models:
+            m.eval()
+        with torch.no_grad():
+            for r in range(rounds + 1):
+                for i, m in enumerate(models):
+                    sync()
+                    t0 = time.perf_counter()
+                    m(xb)
+                    sync()
+                    if r:
+                        times[i].append(time.perf_counter() - t0)
+        for m in models:
+            m.train()
+        return times
+
 
 class TfHarness:
     """The same helpers for Keras 3 models (NHWC), trained with ``model.fit`` and the compressor's callback."""
@@ -403,7 +517,7 @@ class TfHarness:
         return [float(v) for v in hist.history.get("loss", [])]
 
     def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> float:
-        with self.tf.device(self.device):
+        with self.tf.device(self.device), self._quiet():
             logits = model.predict(self.to_input(x), batch_size=batch_size, verbose=0)
         return float((np.argmax(logits, axis=1) == y).mean())
 
@@ -455,6 +569,54 @@ class TfHarness:
 
     def export_quantized(self, quantizer: Any, model: Any, directory: str) -> dict[str, dict[str, Any]]:
         return quantizer.export_model(os.path.join(directory, "quant.keras"), os.path.join(directory, "calib.json"))
+
+    pruned_file, quant_file, suffix, file_format = "pruned.keras", "quant.keras", ".keras", ".keras"
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Any:
+        """No 'tf.function retracing' warnings: every demo model traces its own predict function once."""
+        logger = self.tf.get_logger()
+        level = logger.level
+        logger.setLevel("ERROR")
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+    def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray) -> Any:
+        return self.backend.L1FilterPruner(model, struct_config(), optimizer, dependency_aware=True)
+
+    def speedup(self, pruner: Any, x: np.ndarray) -> Any:
+        """A NEW plain Keras model without the pruner's pruned channels (uncompiled)."""
+        return self.backend.speedup_model(pruner)
+
+    def flops(self, model: Any, x: np.ndarray) -> tuple[int, int]:
+        macs, params, _ = self.backend.count_flops_params(model)
+        return macs, params
+
+    def out_channels(self, model: Any, layer: str) -> int:
+        lay = model.get_layer(layer)
+        lay = getattr(lay, "layer", lay)  # a pruner's wrapper
+        return int(getattr(lay, "filters", None) or lay.units)
+
+    def save(self, model: Any, path: str) -> int:
+        """Save an uncompiled copy as ``.keras`` (no optimizer state); returns the file's bytes."""
+        self.copy(model).save(path)
+        return os.path.getsize(path)
+
+    def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
+        """Seconds of ``predict_on_batch`` on all of ``x`` per model, interleaved (first round: warm-up,
+        which also traces the predict function)."""
+        xb = self.to_input(x)
+        times: list[list[float]] = [[] for _ in models]
+        with self.tf.device(self.device), self._quiet():
+            for r in range(rounds + 1):
+                for i, m in enumerate(models):
+                    t0 = time.perf_counter()
+                    m.predict_on_batch(xb)
+                    if r:
+                        times[i].append(time.perf_counter() - t0)
+        return times
 
 
 def get_harness(backend: str, device: str = "cpu") -> TorchHarness | TfHarness:
@@ -546,15 +708,40 @@ def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | N
     acc_quant = h.evaluate(quant_model, ds.x_test, ds.y_test)
     log(f"[{backend}] quantized accuracy {_pct(acc_quant)}")
 
+    # structured: dependency-aware filter pruning (one shot), a short fine-tune with the masks held, then
+    # speedup_model removes the pruned channels (its outputs equal the masked model's)
+    struct_masked = h.copy(dense)
+    sopt = h.optimizer(struct_masked, s.finetune_lr)
+    spruner = h.struct_pruner(struct_masked, sopt, ds.x_test)
+    struct_masked = spruner.compress()
+    h.fit(struct_masked, sopt, ds.x_train, ds.y_train, s.struct_epochs, s.batch_size, seed + 3, compressor=spruner,
+          desc="structured", progress=progress)
+    acc_masked = h.evaluate(struct_masked, ds.x_test, ds.y_test)
+    struct = h.speedup(spruner, ds.x_test)
+    acc_struct = h.evaluate(struct, ds.x_test, ds.y_test)
+    log(f"[{backend}] structured accuracy {_pct(acc_struct)} after speedup ({_pct(acc_masked)} masked)")
+    struct_opt = h.optimizer(struct, s.finetune_lr)  # for the step timing (tf: compiles the new model)
+    channels = {k: (h.out_channels(dense, k), h.out_channels(struct, k)) for k in STRUCT_LAYERS}
+
     params = h.param_count(dense)
+    flops = {"dense": h.flops(dense, ds.x_test), "pruned": h.flops(pruned_model, ds.x_test),
+             "quant": h.flops(quant_model, ds.x_test), "struct": h.flops(struct, ds.x_test)}
     with tempfile.TemporaryDirectory() as tmp:
         exported = h.export_pruned(pruner, pruned_model, tmp)
         calibration = h.export_quantized(quantizer, quant_model, tmp)
+        files = {"dense": h.save(dense, os.path.join(tmp, "dense" + h.suffix)),
+                 "pruned": os.path.getsize(os.path.join(tmp, h.pruned_file)),
+                 "quant": os.path.getsize(os.path.join(tmp, h.quant_file)),
+                 "struct": h.save(struct, os.path.join(tmp, "structured" + h.suffix))}
     sparsity, per_layer = _sparsity({k: exported[k] for k in LAYERS if k in exported})
 
-    # step time, interleaved; after the accuracies, since timing trains the models a little further
-    t_dense, t_pruned, t_quant = h.time_steps([(dense, opt), (pruned_model, popt), (quant_model, qopt)],
-                                              ds.x_train, ds.y_train, s.batch_size, s.timing_rounds, s.timing_steps)
+    # inference on the test set as one batch, interleaved; then the step time, also interleaved (after the
+    # accuracies, since timing trains the models a little further)
+    names = ("dense", "pruned", "quant", "struct")
+    infer = h.infer_times([dense, pruned_model, quant_model, struct], ds.x_test, s.infer_rounds)
+    t_dense, t_pruned, t_quant, t_struct = h.time_steps(
+        [(dense, opt), (pruned_model, popt), (quant_model, qopt), (struct, struct_opt)],
+        ds.x_train, ds.y_train, s.batch_size, s.timing_rounds, s.timing_steps)
     med = statistics.median
     n_train, n_test = len(ds.x_train), len(ds.x_test)
     hh, ww = ds.image_shape
@@ -563,14 +750,20 @@ def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | N
         sparsity=sparsity, layer_sparsity=per_layer, dense_bytes=4 * sum(params.values()),
         mask_bytes=h.mask_bytes(pruner), int8_bytes=int8_export_bytes(params, calibration),
         step_dense=med(t_dense), step_pruned=med(t_pruned), step_quant=med(t_quant),
-        step_ranges={k: (min(v), max(v)) for k, v in (("dense", t_dense), ("pruned", t_pruned), ("quant", t_quant))},
+        acc_struct=acc_struct, step_struct=med(t_struct), struct_bytes=4 * flops["struct"][1],
+        struct_channels=channels, params={k: p for k, (_, p) in flops.items()},
+        macs={k: m for k, (m, _) in flops.items()}, file_bytes=files,
+        infer={k: med(v) for k, v in zip(names, infer)}, infer_ranges={k: (min(v), max(v)) for k, v in zip(names, infer)},
+        n_infer=len(ds.x_test), file_format=h.file_format,
+        step_ranges={k: (min(v), max(v)) for k, v in (("dense", t_dense), ("pruned", t_pruned), ("quant", t_quant),
+                                                       ("struct", t_struct))},
         seconds=time.perf_counter() - t_start,
         description=f"small CNN on {ds.name} {hh}x{ww} ({n_train} train / {n_test} test images)",
     )
 
 
 def save_plot(results: Sequence[BackendResult], path: str) -> None:
-    """Per-layer sparsity and the three accuracies of each backend, side by side, as an image."""
+    """Per-layer sparsity and the four accuracies of each backend, side by side, as an image."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -583,14 +776,14 @@ def save_plot(results: Sequence[BackendResult], path: str) -> None:
         xs = np.arange(len(names)) + i * width
         axes[0].bar(xs, [100 * r.layer_sparsity[n] for n in names], width, label=r.backend)
         axes[0].set_xticks(np.arange(len(names)) + width * (len(results) - 1) / 2, names)
-        accs = [r.acc_dense, r.acc_pruned, r.acc_quant]
-        axes[1].bar(np.arange(3) + i * width, [100 * a for a in accs], width, label=r.backend)
+        accs = [r.acc_dense, r.acc_pruned, r.acc_quant, r.acc_struct]
+        axes[1].bar(np.arange(4) + i * width, [100 * a for a in accs], width, label=r.backend)
     axes[0].axhline(100 * SPARSITY, color="gray", linestyle="--", linewidth=1)
     axes[0].set_ylim(0, 115)
     axes[0].set_ylabel("sparsity (%)")
     axes[0].set_title("per-layer sparsity after AGP")
-    axes[1].set_xticks(np.arange(3) + width * (len(results) - 1) / 2, ["dense", "pruned", "QAT int8"])
-    low = min((min(r.acc_dense, r.acc_pruned, r.acc_quant) for r in results), default=0.9)
+    axes[1].set_xticks(np.arange(4) + width * (len(results) - 1) / 2, ["dense", "pruned", "QAT int8", "structured"])
+    low = min((min(r.acc_dense, r.acc_pruned, r.acc_quant, r.acc_struct) for r in results), default=0.9)
     axes[1].set_ylim(max(0.0, 100 * low - 5), 101)
     axes[1].set_ylabel("test accuracy (%)")
     axes[1].set_title("accuracy")
@@ -623,8 +816,10 @@ def run_demo(backends: Sequence[str], data: str = "digits", data_dir: str | None
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compressor demo", description=(
-        "Train a small CNN, then prune it with AGP to 80 % and quantize it with QAT int8 while fine-tuning, on "
-        "every installed backend; print accuracy, sparsity, model size and train-step overhead per backend."))
+        "Train a small CNN, then prune it with AGP to 80 %, quantize it with QAT int8 while fine-tuning, and "
+        "prune 50 % of its channels (dependency-aware L1 filters) and remove them with speedup_model, on every "
+        "installed backend; print accuracy, sparsity, params, MACs, model and file sizes, inference and "
+        "train-step time per backend."))
     p.add_argument("--backend", choices=("torch", "tf", "all"), default="all",
                    help="which backend to run (default: every installed one)")
     p.add_argument("--data", choices=("digits", "mnist"), default="digits",

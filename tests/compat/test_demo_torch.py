@@ -12,6 +12,10 @@ from compressor import cli, demo
 
 # weights per layer of the demo CNN on 8x8 digits
 LAYER_SIZES = {"conv1": 16 * 1 * 9, "conv2": 32 * 16 * 9, "fc1": 512 * 64, "fc2": 64 * 10}
+# structured + speedup keeps 8 / 16 / 32 channels of conv1 / conv2 / fc1 (fc1 sees 16 * 4 * 4 inputs)
+STRUCT_PARAMS = (8 * 9 + 8) + (16 * 8 * 9 + 16) + (256 * 32 + 32) + (32 * 10 + 10)
+DENSE_MACS = 16 * 9 * 64 + 32 * 144 * 64 + 512 * 64 + 64 * 10
+STRUCT_MACS = 8 * 9 * 64 + 16 * 72 * 64 + 256 * 32 + 32 * 10
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,23 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         cli.main(["demo", "--backend", "jax"])
     assert info.value.code == 2
+
+
+def test_structured_speedup_column_is_really_smaller(quick_run):
+    (r,), text, _ = quick_run
+    dense_params = sum(LAYER_SIZES.values()) + 16 + 32 + 64 + 10
+    assert r.params == {"dense": dense_params, "pruned": dense_params, "quant": dense_params, "struct": STRUCT_PARAMS}
+    assert r.macs == {"dense": DENSE_MACS, "pruned": DENSE_MACS, "quant": DENSE_MACS, "struct": STRUCT_MACS}
+    assert r.struct_channels == {"conv1": (16, 8), "conv2": (32, 16), "fc1": (64, 32)}
+    assert r.struct_bytes == 4 * STRUCT_PARAMS
+    assert set(r.file_bytes) == {"dense", "pruned", "quant", "struct"}
+    assert r.file_bytes["struct"] < 0.5 * r.file_bytes["dense"]
+    assert r.acc_struct > 0.80
+    assert set(r.infer) == {"dense", "pruned", "quant", "struct"} and all(0 < t < 5.0 for t in r.infer.values())
+    assert 0 < r.step_struct < 5.0
+    assert "structured (50% ch.) + speedup" in text
+    assert f"{STRUCT_PARAMS:,} ({STRUCT_PARAMS / dense_params:.2f}x)" in text
+    assert f"{STRUCT_MACS:,} ({STRUCT_MACS / DENSE_MACS:.2f}x)" in text
+    assert demo._pct(r.acc_struct) in text and f"{r.file_bytes['struct']:,} B" in text
+    assert "structured channels kept: conv1 16->8, conv2 32->16, fc1 64->32" in text
+    assert "masks speed nothing up" not in text
