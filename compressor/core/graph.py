@@ -392,12 +392,15 @@ class ChannelGroup:
 
     ``members``: ``(layer, node kind, class index of each of the layer's output channels)``: producers
     (conv/linear/attention) and followers (norms, depthwise convs) whose channels are the group's.
-    ``n`` classes, of which ``fixed`` (indices) may never be pruned.
+    ``n`` classes, of which ``fixed`` (indices) may never be pruned. ``unit``: classes are pruned in
+    aligned blocks of ``unit`` consecutive classes (an attention group: one block per head, ``unit`` =
+    ``head_dim``; 1 otherwise).
     """
 
     members: list[tuple[str, str, list[int]]]
     n: int
     fixed: list[int]
+    unit: int = 1
 
     @property
     def layers(self) -> list[str]:
@@ -415,6 +418,10 @@ def channel_groups(graph: Graph) -> list[ChannelGroup]:
     # classes -> group via union of classes that share a producer (a layer's channels belong together)
     uf = _UnionFind(graph.n_slots)
     owners: list[tuple[Node, list[int]]] = []
+    head_dim: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.kind == "attention" and n.layer is not None:
+            head_dim[n.layer] = int(n.attrs.get("head_dim", 1))
     for n in graph.nodes:
         if n.layer is None or n.kind not in PRODUCERS + ("norm", "depthwise"):
             continue
@@ -443,7 +450,16 @@ def channel_groups(graph: Graph) -> list[ChannelGroup]:
     out = []
     for root in order:
         members, index = groups[root]
-        out.append(ChannelGroup(members=members, n=len(index), fixed=sorted(i for c, i in index.items() if c in fixed)))
+        fx = sorted(i for c, i in index.items() if c in fixed)
+        unit = 1
+        if any(kind == "attention" for _, kind, _ in members):
+            # heads: only a group made of one attention layer's context channels, in order, is prunable
+            layers = {layer for layer, _, _ in members}
+            if len(layers) == 1 and all(kind == "attention" and _is_identity(ix, len(index)) for _, kind, ix in members):
+                unit = head_dim[members[0][0]]
+            else:
+                fx = list(range(len(index)))
+        out.append(ChannelGroup(members=members, n=len(index), fixed=fx, unit=unit))
     return out
 
 
@@ -490,12 +506,37 @@ def group_keep_classes(ops: Any, scores: Any, group: ChannelGroup, sparsity: flo
     from .pruning import prune_count, smallest_k_mask
 
     n = group.n
+    u = int(getattr(group, "unit", 1))
+    if u > 1:
+        return _block_keep(ops, scores, group, sparsity, u)
     prunable = n - len(group.fixed)
     k = prune_count(prunable, sparsity) if prunable >= 2 else 0
     if group.fixed:
         big = ops.asarray([float("inf") if i in set(group.fixed) else 0.0 for i in range(n)], like=scores)
         scores = scores + big
     return smallest_k_mask(ops, scores, k)
+
+
+def _block_keep(ops: Any, scores: Any, group: ChannelGroup, sparsity: float, u: int) -> Any:
+    """:func:`group_keep_classes` in aligned blocks of ``u`` classes (attention heads): a block's score
+    is the sum of its classes' scores; ``floor(B * sparsity)`` of the ``B`` prunable blocks go."""
+    from .pruning import prune_count, smallest_k_mask
+
+    n = group.n
+    if n % u:
+        raise ValueError(f"group of {group.layers}: {n} classes are not whole blocks of {u}")
+    b = n // u
+    fixed = {c // u for c in group.fixed}
+    to_block = [[1.0 if c // u == k else 0.0 for c in range(n)] for k in range(b)]
+    bs = ops.reshape(ops.matmul(ops.asarray(to_block, like=scores), ops.reshape(scores, (-1, 1))), (-1,))
+    prunable = b - len(fixed)
+    k = prune_count(prunable, sparsity) if prunable >= 2 else 0
+    if fixed:
+        bs = bs + ops.asarray([float("inf") if i in fixed else 0.0 for i in range(b)], like=bs)
+    keep_b = ops.cast(smallest_k_mask(ops, bs, k), "float32")
+    back = [[1.0 if c // u == k2 else 0.0 for k2 in range(b)] for c in range(n)]
+    keep = ops.matmul(ops.asarray(back, like=keep_b), ops.reshape(keep_b, (-1, 1)))
+    return ops.greater(ops.reshape(keep, (-1,)), 0.5)
 
 
 # ---------------------------------------------------------------------------------- counting

@@ -260,6 +260,37 @@ class _Builder:
                 names[_key(t)] = nm
         return [names[_key(t)] for t in fmodel.outputs]
 
+    # -- attention -------------------------------------------------------------------------------------------
+    def attention(self, op: Any, name: str, path: str, ins: list[str], in_shapes: list[Any], shape: Any,
+                  params: int) -> str | None:
+        """MultiHeadAttention as an ``attention`` node (its context: ``heads x value_dim`` channels, a head
+        dead when its value kernel and bias are zero) followed by an internal ``linear`` node (the output
+        projection; no layer of its own: its output channels are never cut). Query, value and key must
+        be one tensor (self-attention) for its input channels to be cut; otherwise they stay."""
+        parts = _mha_parts(op)
+        if parts is None or len(shape) < 3 or any(len(s) != len(shape) for s in in_shapes[:1]):
+            return None
+        h, dv = int(op._num_heads), int(parts["value"][0].shape[2])
+        cin = int(in_shapes[0][-1])
+        if parts["query"][0].shape[0] != cin:
+            return None
+        vk, vb = parts["value"]
+        dead = _dead_filters(vk.reshape(vk.shape[0], h * dv), None if vb is None else vb.reshape(-1))
+        seq = int(shape[-2]) if shape[-2] is not None else 1
+        positions = _prod(shape[1:-1])
+        dk = int(parts["query"][0].shape[2])
+        macs = (linear_macs(cin, h * dk, positions) * 2 + linear_macs(int(vk.shape[0]), h * dv, positions)
+                + seq * positions * h * (dk + dv))
+        first = ins[0]
+        node = self.add(Node(name, "attention", [first], h * dv, layer=path, op=type(op).__name__,
+                             attrs={"heads": h, "head_dim": dv, "dead": dead}, params=params, macs=macs))
+        rest = [i for i in ins[1:]]
+        if any(i != first for i in rest):  # cross attention or a mask: every input keeps its channels
+            self.add(Node(self.name(f"{name}:inputs"), "other", list(ins), 1, op=type(op).__name__))
+        out_dim = int(shape[-1])
+        return self.add(Node(self.name(f"{name}:output"), "linear", [node], out_dim, op=f"{type(op).__name__}(output)",
+                             macs=linear_macs(h * dv, out_dim, positions)))
+
     # -- one call -------------------------------------------------------------------------------------------
     def translate(self, kn: Any, ins: list[str]) -> list[str]:
         op = kn.operation
@@ -285,6 +316,10 @@ class _Builder:
         node = Node(name, "other", list(ins), c, layer=path, op=cls, params=params)
         if not isinstance(op, keras.layers.Layer) or any(_channels(s) == 0 for s in in_shapes) or c == 0:
             return [self.add(node)]
+        if isinstance(op, keras.layers.MultiHeadAttention) and path is not None:
+            out = self.attention(op, name, path, ins, in_shapes, shape, params)
+            if out is not None:
+                return [out]
         fused = None
         cf = getattr(op, "data_format", "channels_last") == "channels_first"
         positions = _prod(shape[1:-1])
@@ -394,6 +429,28 @@ class _Builder:
             if act is not None:
                 out = self.add(act)
         return [out]
+
+
+def _mha_parts(op: Any) -> dict[str, Any] | None:
+    """Weights of a built MultiHeadAttention whose heads speedup can cut (no gate, bias on every
+    projection or on none, 3-d head kernels), as numpy arrays; None otherwise."""
+    if not op.built or getattr(op, "_use_gate", False) or not hasattr(op, "_output_dense"):
+        return None
+    parts: dict[str, Any] = {}
+    for key, sub in (("query", "_query_dense"), ("key", "_key_dense"), ("value", "_value_dense"),
+                     ("output", "_output_dense")):
+        dense = getattr(op, sub, None)
+        if dense is None or type(dense).__name__ != "EinsumDense":
+            return None
+        kernel = _np(dense.kernel)
+        bias = _np(dense.bias) if getattr(dense, "bias", None) is not None else None
+        parts[key] = (kernel, bias)
+    h = int(op._num_heads)
+    if any(parts[k][0].ndim != 3 or parts[k][0].shape[1] != h for k in ("query", "key", "value")):
+        return None
+    if parts["output"][0].ndim != 3 or parts["output"][0].shape[:2] != parts["value"][0].shape[1:]:
+        return None
+    return parts
 
 
 def build_graph(model: Any) -> tuple[Graph, dict[str, Any]]:

@@ -237,6 +237,30 @@ def _slice_reshape(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], l
     return {"target_shape": tuple(target)}, layer.get_weights()
 
 
+def _slice_mha(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """MultiHeadAttention: kept heads (``entry['heads']``, from the context channels kept) on the heads
+    axis of the query / key / value kernels ``[in, heads, dim]`` and biases ``[heads, dim]`` and of the
+    output kernel ``[heads, dim, out]``; kept input features (``entry['in']``) on the input axis of the
+    query / key / value kernels. Returns the config changes and the weights of each sub-layer (by name)."""
+    h = int(layer._num_heads)
+    heads = entry.get("heads")
+    hk = _idx(heads, h)
+    subs: dict[str, list[Any]] = {}
+    for sub in (layer._query_dense, layer._key_dense, layer._value_dense):
+        kernel, *bias = sub.get_weights()
+        kernel = np.take(kernel, hk, axis=1)
+        if entry.get("in") is not None:
+            kernel = np.take(kernel, _idx(entry["in"], kernel.shape[0]), axis=0)
+        subs[sub.name] = [kernel, *[np.take(b, hk, axis=0) for b in bias]]
+    out = layer._output_dense
+    kernel, *bias = out.get_weights()
+    subs[out.name] = [np.take(kernel, hk, axis=0), *bias]
+    cfg: dict[str, Any] = {"num_heads": len(hk)}
+    if layer.get_config().get("output_shape") is None:
+        cfg["output_shape"] = int(kernel.shape[-1])  # the output width no longer follows the query's
+    return cfg, subs
+
+
 #: class name -> slicer(layer, {'out': kept, 'in': kept}) -> (config changes, new weights)
 SLICERS = {
     **{c: _slice_conv for c in _CONV},
@@ -310,6 +334,10 @@ def speedup_model(model_or_pruner: Any, masks: Any = None, strict: bool = True,
     for path, entry in plan.layer_keep().items():
         layer = layers[path]
         cls = type(layer).__name__
+        if isinstance(layer, keras.layers.MultiHeadAttention) and "heads" in entry:
+            changes[path], subs = _slice_mha(layer, entry)
+            weights.update({f"{path}/{sub}": w for sub, w in subs.items()})
+            continue
         slicer = SLICERS.get(cls)
         if slicer is None:
             if layer.weights:

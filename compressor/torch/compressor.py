@@ -84,6 +84,7 @@ class Compressor:
 
         layers, modules = self._enumerate_layers(model)
         selected = match_layers(layers, self.config_list, self.default_types, what=what)
+        selected = self._substitute_layers(selected, layers, modules)
         for layer, config in selected:
             module = modules[layer.name]
             if layer.name == "":
@@ -151,6 +152,13 @@ class Compressor:
 
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         """Hook for subclasses: raise ConfigError if ``module`` cannot be compressed with ``config``."""
+
+    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                           modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Hook for subclasses: the layers actually wrapped for the config's selection (e.g. a pruner
+        selecting attention modules wraps their value projections). Called before anything is
+        validated or changed; may raise ConfigError."""
+        return selected
 
     def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
                       layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:

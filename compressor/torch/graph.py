@@ -24,7 +24,7 @@ from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
 from .compressor import innermost_module, is_wrapper
 
-__all__ = ["build_graph", "module_kind"]
+__all__ = ["build_graph", "module_kind", "attention_spec"]
 
 # activations by grad_fn name: zero_preserving (f(0) == 0)
 _ACTIVATIONS = {
@@ -63,6 +63,53 @@ def module_kind(module: nn.Module) -> tuple[str, dict[str, Any]]:
     return "other", {}
 
 
+#: (query, key, value, output projection or None) child names of the attention modules recognised
+_ATTENTION_CHILDREN = (("query", "key", "value", None), ("q_proj", "k_proj", "v_proj", "o_proj"),
+                       ("q_proj", "k_proj", "v_proj", "out_proj"))
+
+
+def attention_spec(module: nn.Module) -> dict[str, Any] | None:
+    """Heads of a self-attention module speedup can cut, or None.
+
+    Recognised (HF transformers style, any class): ``query``/``key``/``value`` nn.Linear children with
+    ``num_attention_heads`` and ``attention_head_size`` (BertSelfAttention, ...: the output is the
+    context, ``heads * head_dim`` features, the output projection is another module), or
+    ``q_proj``/``k_proj``/``v_proj`` + ``o_proj``/``out_proj`` nn.Linear children with
+    ``num_attention_heads`` (or ``num_heads``) and ``head_dim`` (ViTAttention, ...: the output
+    projection is inside). Query, key and value must all have ``heads * head_dim`` outputs (no grouped
+    key/value heads) and cross-attention modules are left alone. ``torch.nn.MultiheadAttention`` is not
+    recognised (its fused in-projection stays an ``other`` layer).
+
+    Returns ``{'q', 'k', 'v', 'o'}`` (child names; ``'o'`` None when the projection is outside),
+    ``heads``, ``head_dim``, and ``heads_attr`` / ``dim_attr`` (the attribute names read)."""
+    m = innermost_module(module)
+    if isinstance(m, (nn.Linear, nn.MultiheadAttention)) or "Cross" in type(m).__name__ \
+            or getattr(m, "is_cross_attention", False):
+        return None
+    children = m._modules
+    for q, k, v, o in _ATTENTION_CHILDREN:
+        if q not in children or k not in children or v not in children or (o is not None and o not in children):
+            continue
+        if o is None:
+            heads_attr, dim_attr = "num_attention_heads", "attention_head_size"
+        else:
+            heads_attr = "num_attention_heads" if hasattr(m, "num_attention_heads") else "num_heads"
+            dim_attr = "head_dim"
+        h, d = getattr(m, heads_attr, None), getattr(m, dim_attr, None)
+        if not isinstance(h, int) or not isinstance(d, int) or h < 1 or d < 1:
+            return None
+        lins = [innermost_module(children[c]) for c in (q, k, v) + ((o,) if o else ())]
+        if not all(type(x) is nn.Linear for x in lins):
+            return None
+        if any(x.out_features != h * d for x in lins[:3]) or len({x.in_features for x in lins[:3]}) != 1:
+            return None
+        if o is not None and lins[3].in_features != h * d:
+            return None
+        return {"q": q, "k": k, "v": v, "o": o, "heads": h, "head_dim": d,
+                "heads_attr": heads_attr, "dim_attr": dim_attr}
+    return None
+
+
 def _is_hf_conv1d(module: nn.Module) -> bool:
     t = type(module)
     return t.__name__ == "Conv1D" and t.__module__.startswith("transformers") and hasattr(module, "nf")
@@ -89,6 +136,8 @@ def _prod(xs: Iterable[int]) -> int:
 # ---------------------------------------------------------------------------------- zero facts
 @torch.no_grad()
 def _facts(kind: str, m: nn.Module) -> dict[str, Any]:
+    if kind == "attention":  # context channel j is zero when value output j is (a zero row, zero bias)
+        return _facts("linear", innermost_module(m._modules[attention_spec(m)["v"]]))
     if kind in ("conv", "depthwise", "linear", "embedding"):
         w = m.weight.detach()
         if kind == "embedding":
@@ -228,8 +277,55 @@ class _Builder:
         return self.add(self.unique(f"{rec['node']}:{idx}"), "other", [rec["node"]], shape,
                         self.default_axis(shape), op=rec["op"])
 
+    def make_attention(self, rec: dict[str, Any], spec: dict[str, Any]) -> bool:
+        """An attention module as one ``attention`` node (+ a ``linear`` node for an inner output
+        projection); False when its input is not what it should be (it is then an ``other`` layer)."""
+        path, leaf = rec["path"], rec["leaf"]
+        ins = [self.done.get(k) if k is not None else None for k in rec["in_keys"]]
+        graph_ins = [i for i in ins if i is not None]
+        first = ins[0] if ins else None
+        out_shape = tuple(rec["out_shapes"][0])
+        h, d = spec["heads"], spec["head_dim"]
+        q = innermost_module(leaf._modules[spec["q"]])
+        if first is None or len(out_shape) < 2 or self.calls.get(path):
+            return False
+        shape, axis = self.info[first]
+        if axis != len(shape) - 1 or shape[-1] != q.in_features:
+            return False
+        o = innermost_module(leaf._modules[spec["o"]]) if spec["o"] else None
+        width = o.out_features if o is not None else h * d
+        if out_shape[-1] != width:
+            return False
+        self.calls[path] = 1
+        ctx_shape = (*out_shape[:-1], h * d)
+        positions = _prod(ctx_shape[1:-1]) if len(ctx_shape) > 2 else 1
+        seq = int(ctx_shape[-2]) if len(ctx_shape) > 2 else 1
+        params = sum(p.numel() for c in (spec["q"], spec["k"], spec["v"]) for p in leaf._modules[c].parameters())
+        macs = 3 * linear_macs(q.in_features, h * d, positions) + 2 * seq * positions * h * d
+        base = path if path else "model"
+        name = self.unique(base)
+        self.layer_modules[path] = leaf
+        node = self.add(name, "attention", [first], ctx_shape, len(ctx_shape) - 1, layer=path,
+                        op=type(leaf).__name__, attrs={"heads": h, "head_dim": d, **_facts("attention", leaf)},
+                        params=params, macs=macs)
+        extra = [i for i in graph_ins if i != first]
+        if extra:  # e.g. a mask that needs grad: its channels stay (never sliced)
+            self.add(self.unique(f"{name}:inputs"), "other", extra, (1,), None, op=type(leaf).__name__)
+        if o is not None:
+            opath = f"{path}.{spec['o']}" if path else spec["o"]
+            self.layer_modules[opath] = o
+            node = self.add(self.unique(opath), "linear", [node], out_shape, len(out_shape) - 1, layer=opath,
+                            op=type(o).__name__, attrs=_facts("linear", o),
+                            params=sum(p.numel() for p in o.parameters()),
+                            macs=linear_macs(o.in_features, o.out_features, positions))
+        rec["node"] = node
+        return True
+
     def make_layer(self, rec: dict[str, Any]) -> None:
         path, leaf = rec["path"], rec["leaf"]
+        spec = attention_spec(leaf)
+        if spec is not None and self.make_attention(rec, spec):
+            return
         kind, attrs = module_kind(leaf)
         ins = [self.done.get(k) if k is not None else None for k in rec["in_keys"]]
         graph_ins = [i for i in ins if i is not None]
@@ -464,7 +560,10 @@ def _layers_to_hook(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, m in model.named_modules():
         if any(path.startswith(p + ".") for p in inside):
             continue
-        if is_wrapper(m):
+        if attention_spec(m) is not None:  # one node: its projections are not traced one by one
+            out.append((path, m))
+            inside.append(path)
+        elif is_wrapper(m):
             out.append((path, m))
             inside.append(path)
         elif not m._modules and (m._parameters or isinstance(m, nn.modules.batchnorm._BatchNorm)):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
-from .graph import _is_hf_conv1d, build_graph
+from .graph import _is_hf_conv1d, attention_spec, build_graph
 
 __all__ = ["speedup_model", "count_flops_params", "speedup_report", "SpeedupReport"]
 
@@ -138,7 +138,36 @@ def _slice_embedding(m: nn.Embedding, out: list[int] | None, inp: list[int] | No
         m.embedding_dim = len(out)
 
 
+def _slice_attention(m: nn.Module, out: list[int] | None, inp: list[int] | None) -> None:
+    """An attention module (:func:`~compressor.torch.graph.attention_spec`): ``out`` = kept context
+    channels (whole heads), so query / key / value keep the rows of the kept heads; ``inp`` = kept
+    input features (their columns). The head count attributes follow; an inner output projection is a
+    layer of its own (its input columns are sliced by the Linear slicer)."""
+    from .compressor import innermost_module
+
+    spec = attention_spec(m)
+    h, d = spec["heads"], spec["head_dim"]
+    heads = None
+    if out is not None:
+        heads = sorted({j // d for j in out})
+        if [hh * d + t for hh in heads for t in range(d)] != list(out):
+            raise ModelError(f"speedup: {type(m).__name__} can lose whole heads only")
+    for c in (spec["q"], spec["k"], spec["v"]):
+        _slice_linear(innermost_module(m._modules[c]), out, inp)
+    if heads is not None:
+        setattr(m, spec["heads_attr"], len(heads))
+        if hasattr(m, "all_head_size"):
+            m.all_head_size = len(heads) * d
+        if hasattr(m, "num_key_value_heads") and isinstance(m.num_key_value_heads, int):
+            m.num_key_value_heads = len(heads)
+        pruned = getattr(m, "pruned_heads", None)
+        if isinstance(pruned, set):
+            pruned.update(hh for hh in range(h) if hh not in heads)
+
+
 def _slicer(module: nn.Module) -> Callable[[Any, Any, Any], None] | None:
+    if attention_spec(module) is not None:
+        return _slice_attention
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         return _slice_conv
     if isinstance(module, nn.Linear):
@@ -154,6 +183,11 @@ def _slicer(module: nn.Module) -> Callable[[Any, Any, Any], None] | None:
 
 def _sizes(module: nn.Module) -> tuple[int, int]:
     """(out channels, in channels) of a sliceable layer."""
+    spec = attention_spec(module)
+    if spec is not None:
+        q = getattr(module, spec["q"])
+        q = getattr(q, "module", q)
+        return q.out_features, q.in_features
     if isinstance(module, nn.modules.conv._ConvNd):
         return module.out_channels, module.in_channels
     if isinstance(module, nn.Linear):
@@ -282,6 +316,14 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
                               "out": (co, len(out)) if out is not None else None,
                               "in": (ci, len(inp)) if inp is not None else None})
     report.macs_after, report.params_after, _ = count_flops_params(model, dummy_input)
-    report.notes.append("fine-grained (unstructured) zeros that are not whole channels were left in the weights")
+    zeros, where = 0, 0
+    for module in {id(m): m for m in leaves.values()}.values():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() > 1:
+            z = int((w == 0).sum())
+            zeros, where = zeros + z, where + (z > 0)
+    if zeros:
+        report.notes.append(f"fine-grained (unstructured) masks left in place: {zeros} zero weight(s) remain in "
+                            f"{where} layer(s); they save neither memory nor time in dense kernels")
     _REPORTS[model] = report
     return model

@@ -42,6 +42,8 @@ def zero_groups(model: nn.Module, x, every: int = 2) -> int:
         prunable = [i for i in range(g.n) if i not in g.fixed]
         prune = set(prunable[::every]) if len(prunable) >= 2 else set()
         total += len(prune)
+        if g.unit > 1:  # attention heads: see tests/torch/test_speedup_attention.py
+            continue
         for layer, _kind, index in g.members:
             for j, c in enumerate(index):
                 if c in prune:
@@ -138,7 +140,7 @@ def test_cnn_flatten_linear_exact_channels_outputs_and_counts():
     assert rep.params_before == params0 and rep.params_after == params1 and rep.macs_after == macs1
     assert rep.removed_classes == 3
     assert {r["layer"]: r["out"] for r in rep.layers}["conv1"] == (8, 6)
-    assert "fine-grained" in str(rep)
+    assert "fine-grained" not in str(rep)  # only whole channels were zero
 
 
 def test_save_load_onnx_and_training_after_speedup(tmp_path):
@@ -448,7 +450,7 @@ def test_hf_bert_ffn_neurons():
     hf_check(m, {"input_ids": ids, "attention_mask": torch.ones(2, 7, dtype=torch.long)}, min_drop=0.05)
     layer = m.encoder.layer[0]
     assert layer.intermediate.dense.out_features == 16 and layer.output.dense.in_features == 16
-    assert layer.attention.self.query.out_features == 16  # attention heads are not cut
+    assert layer.attention.self.query.out_features == 16  # no head was zeroed: heads are not cut
 
 
 class Padded(nn.Module):
@@ -474,3 +476,16 @@ def test_constant_pad_value_decides_whether_a_dead_channel_goes(value, kept):
     cth.speedup_model(m, x)
     assert m.a.out_channels == kept and m.b.in_channels == kept
     assert_close(run(m, x), ref)
+
+
+def test_fine_grained_zeros_are_left_and_reported():
+    torch.manual_seed(0)
+    m = make_cnn().eval()
+    with torch.no_grad():
+        m.conv2.weight[0, 0, 0, 0] = 0.0
+        m.conv2.weight[1, 2, 1, 1] = 0.0
+    ref = run(m, X)
+    cth.speedup_model(m, X)
+    assert_close(run(m, X), ref)
+    note = next(n for n in cth.speedup_report(m).notes if "fine-grained" in n)
+    assert "2 zero weight(s) remain in 1 layer(s)" in note

@@ -134,11 +134,12 @@ class TorchPruner(Compressor):
 
         load_into_wrapped(self, state)
 
-    def report(self) -> Any:
-        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table."""
+    def report(self, dummy_input: Any = None, strict: bool = False) -> Any:
+        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table. With ``dummy_input``
+        also dense vs after-speedup params and MACs (the speedup runs on a copy)."""
         from .report import sparsity_report
 
-        return sparsity_report(self)
+        return sparsity_report(self, dummy_input=dummy_input, strict=strict)
 
 
 Pruner = TorchPruner
@@ -172,6 +173,39 @@ class OneShotPruner(TorchPruner):
         self.masker = self.masker_class(model, self, **masker_kwargs)
 
     # ---------------------------------------------------------------- dependency-aware pruning
+    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                           modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Attention heads: a selected attention module (``op_types: ['BertSelfAttention']``, see
+        :func:`~compressor.torch.graph.attention_spec`) is pruned by whole heads through its VALUE
+        projection: that Linear is wrapped (config key ``heads_of`` = the attention module) and its rows
+        of the pruned heads masked, weight and bias, so the heads' context is zero and speedup removes
+        them. Needs ``dependency_aware=True`` (the head decision is the attention group's)."""
+        from ..compressor import innermost_module
+        from ..graph import attention_spec
+
+        info_of = {info.name: info for info in layers}
+        heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}
+        for info, cfg in selected:
+            spec = attention_spec(innermost_module(modules[info.name]))
+            if spec is None:
+                continue
+            if not self.dependency_aware:
+                raise ConfigError(
+                    f"{type(self).__name__}: layer {info.name!r} ({info.type}) is an attention module; its heads "
+                    f"are pruned with dependency_aware=True and dummy_input=... (a filter criterion)")
+            value = f"{info.name}.{spec['v']}" if info.name else spec["v"]
+            heads[info.name] = (info_of[value], {**cfg, "heads_of": info.name})
+        if not heads:
+            return selected
+        values = {v[0].name for v in heads.values()}
+        out = []
+        for info, cfg in selected:
+            if info.name in heads:
+                out.append(heads[info.name])
+            elif info.name not in values:
+                out.append((info, cfg))
+        return out
+
     def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
                       layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
         if not self.dependency_aware:
@@ -180,10 +214,10 @@ class OneShotPruner(TorchPruner):
         from ..graph import build_graph
 
         graph, _ = build_graph(model, self._dummy_input)
-        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__,
+        plan = plan_dependency(graph, [cfg.get("heads_of", info.name) for info, cfg in selected], type(self).__name__,
                                producers_needed=self._group_producers_needed)
         self._dependency = plan
-        config_of = {info.name: cfg for info, cfg in selected}
+        config_of = {cfg.get("heads_of", info.name): cfg for info, cfg in selected}
         info_of = {info.name: info for info in layers}
         extra = []
         for name in plan.followers:
@@ -213,6 +247,9 @@ class OneShotPruner(TorchPruner):
         from ..ops import ops
 
         index = {name: i for i, name in enumerate(self._wrapper_names)}
+        for i, w in enumerate(self._wrappers):  # attention heads: the group member is the attention module
+            if "heads_of" in w.config:
+                index[w.config["heads_of"]] = i
         todo = []
         for group in self._dependency.groups:
             members = [layer for layer in group.layers if layer in index]
@@ -242,7 +279,7 @@ class OneShotPruner(TorchPruner):
         self._update_groups()
         grouped = {layer for g in self._dependency.groups for layer in g.layers}
         for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
-            if self._wrapper_names[idx] not in grouped:
+            if wrapper.config.get("heads_of", self._wrapper_names[idx]) not in grouped:
                 masks = self.calc_mask(wrapper, wrapper_idx=idx)
                 if masks is not None:
                     wrapper.set_masks(masks)
