@@ -36,7 +36,7 @@ def pruned():
 def test_report_with_flops_has_exact_macs_and_params():
     model, pruner = pruned()
     before = [np.array(w) for w in model.get_weights()]
-    rep = sparsity_report(pruner, flops=True)
+    rep = pruner.report(flops=True)
     assert {k: rep.flops[k] for k in EXPECTED} == pytest.approx(EXPECTED)
     text = str(rep)
     assert "dense          params 130           MACs/sample 4,176" in text

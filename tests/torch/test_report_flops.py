@@ -43,7 +43,7 @@ def pruned():
 def test_report_with_dummy_input_has_exact_macs_and_params():
     model, pruner = pruned()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    rep = sparsity_report(pruner, dummy_input=X)
+    rep = pruner.report(dummy_input=X)
     assert {k: rep.flops[k] for k in EXPECTED} == pytest.approx(EXPECTED)
     text = str(rep)
     assert "dense          params 130           MACs/sample 4,176" in text

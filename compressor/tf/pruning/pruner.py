@@ -185,12 +185,13 @@ class TfPruner(Compressor):
         self._refresh_ready()
         save_masks(self, mask_path)
 
-    def report(self) -> Any:
-        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table."""
+    def report(self, flops: bool = False, strict: bool = False) -> Any:
+        """Per-layer and total sparsity: a list of dicts whose ``str()`` is a table. With ``flops=True``
+        also dense vs after-speedup params and MACs (the speedup builds a new model; this one is kept)."""
         from .report import sparsity_report
 
         self._refresh_ready()
-        return sparsity_report(self)
+        return sparsity_report(self, flops=flops, strict=strict)
 
 
 Pruner = TfPruner
