@@ -29,6 +29,7 @@ from ..core.graph import count_graph, speedup_plan
 from . import layout
 from .compressor import iter_layers
 from .graph import build_graph, is_graph_model, walkable
+from .pruning.export import zero_masked
 
 __all__ = ["speedup_model", "count_flops_params", "SpeedupReport"]
 
@@ -158,19 +159,7 @@ def _copy(model: Any, masks: dict[str, dict[str, np.ndarray]]) -> Any:
         return src.get_weights()
 
     _set_weights(copy, weights_of)
-    layers = dict(iter_layers(copy))
-    unknown = sorted(set(masks) - set(layers))
-    if unknown:
-        raise ConfigError(f"masks name layers the model does not have: {unknown}")
-    for name, m in masks.items():
-        layer = layers[name]
-        for key, var in (("weight", layout.weight_of(layer)), ("bias", layout.bias_of(layer))):
-            if key not in m:
-                continue
-            if var is None or tuple(var.shape) != m[key].shape:
-                raise ConfigError(f"{key} mask of {name!r} has shape {m[key].shape}, the layer's {key} is "
-                                  f"{None if var is None else tuple(var.shape)}")
-            var.assign(np.where(m[key], keras.ops.convert_to_numpy(var), 0).astype(var.dtype))
+    zero_masked(copy, masks)
     return copy
 
 

@@ -67,22 +67,35 @@ def load_masks(mask_path: str) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-def apply_compression_results(model: Any, mask_path: str) -> dict[str, dict[str, np.ndarray]]:
-    """Zero the weights of ``model`` (a plain or wrapped Keras model) where the saved masks are False."""
-    masks = load_masks(mask_path)
+def zero_masked(model: Any, masks: dict[str, dict[str, Any]], source: str = "masks") -> dict[str, Any]:
+    """Zero the weights of ``model`` where ``masks`` (``{layer: {'weight': bool, 'bias': bool}}``, Keras
+    layout) are False; every name and shape is checked before any weight changes. Returns the model's
+    layers by name."""
     layers = dict(iter_layers(model))
     missing = sorted(set(masks) - set(layers))
     if missing:
-        raise ConfigError(f"mask file {mask_path!r} names layers the model does not have: {missing}")
+        raise ConfigError(f"{source} names layers the model does not have: {missing}")
+    todo = []
     for name, m in masks.items():
         layer = layers[name]
         for key, var in (("weight", layout.weight_of(layer)), ("bias", layout.bias_of(layer))):
             if key not in m:
                 continue
-            if var is None or tuple(var.shape) != m[key].shape:
-                raise ConfigError(f"mask file {mask_path!r}: {key} mask of {name!r} has shape {m[key].shape}, "
-                                  f"the layer's {key} is {None if var is None else tuple(var.shape)}")
-            var.assign(tf.where(tf.constant(m[key]), var, tf.zeros_like(var)))
+            if var is None or tuple(var.shape) != tuple(m[key].shape):
+                raise ConfigError(f"{source}: {key} mask of {name!r} has shape {tuple(m[key].shape)}, the layer's "
+                                  f"{key} is {None if var is None else tuple(var.shape)}")
+            todo.append((var, m[key]))
+    for var, m in todo:
+        var.assign(tf.where(tf.constant(np.asarray(m, bool)), var, tf.zeros_like(var)))
+    return layers
+
+
+def apply_compression_results(model: Any, mask_path: str) -> dict[str, dict[str, np.ndarray]]:
+    """Zero the weights of ``model`` (a plain or wrapped Keras model) where the saved masks are False."""
+    masks = load_masks(mask_path)
+    layers = zero_masked(model, masks, f"mask file {mask_path!r}")
+    for name, m in masks.items():
+        layer = layers[name]
         for w in getattr(layer, "__dict__", {}).values():
             if hasattr(w, "set_masks") and getattr(w, "ready", False):
                 w.set_masks({f"{k}_mask": v for k, v in m.items() if f"{k}_mask" in w.state_variables()})
