@@ -17,7 +17,7 @@ from .schedules import agp_should_update, agp_sparsity
 
 __all__ = [
     "AGP_DEFAULTS", "agp_due_layers", "agp_masker_kwargs", "agp_schedule", "agp_target", "check_agp_algorithm",
-    "check_agp_args", "validate_agp_config",
+    "check_agp_args", "check_agp_dependency", "validate_agp_config", "AGP_FILTER_CRITERIA",
 ]
 
 #: values of the per-entry AGP keys an entry leaves out
@@ -62,6 +62,20 @@ def check_agp_args(pruning_algorithm: Any, allowed: Collection[str], statistics_
     check_agp_algorithm(pruning_algorithm, allowed)
     check_statistics_batch_num(statistics_batch_num, "AGPPruner")
     check_activation(activation, "AGPPruner")
+
+
+#: the criteria that rank whole filters (channels): those that can prune coupled layers together
+AGP_FILTER_CRITERIA = ("l1", "l2", "fpgm", "slim", "apoz", "mean_activation", "taylorfo")
+
+
+def check_agp_dependency(pruning_algorithm: str, dependency_aware: Any) -> bool:
+    """Refuse ``dependency_aware`` that is not a bool, or True with a criterion that does not rank filters."""
+    if not isinstance(dependency_aware, bool):
+        raise ConfigError(f"AGPPruner: dependency_aware must be True or False, got {dependency_aware!r}")
+    if dependency_aware and pruning_algorithm not in AGP_FILTER_CRITERIA:
+        raise ConfigError(f"AGPPruner: dependency_aware=True needs a filter criterion (pruning_algorithm in "
+                          f"{list(AGP_FILTER_CRITERIA)}); {pruning_algorithm!r} prunes single weights, not channels")
+    return dependency_aware
 
 
 def validate_agp_config(config_list: list[dict[str, Any]], pruning_algorithm: str) -> None:

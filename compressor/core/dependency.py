@@ -12,6 +12,10 @@ Choices: when members ask for different sparsities the group uses the largest; m
 not select are not touched (a warning names them: their channels then stay, so speedup cannot remove the
 group's channels either); groups whose channels reach a model output or an op that cannot be cut are
 not pruned at all (their classes are fixed).
+
+Gradual pruning (AGP) repeats the decision at growing sparsities; passing the members' current
+per-channel keep-masks (``kept``) makes it monotone: classes pruned before get the lowest score, so they
+are pruned first and stay pruned.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from .graph import (
 )
 from .pruning import prune_count, smallest_k_mask
 
-__all__ = ["DependencyPlan", "plan_dependency", "dependency_keep", "global_dependency_keep", "FOLLOWER_KINDS"]
+__all__ = ["DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep",
+           "global_dependency_keep", "FOLLOWER_KINDS"]
 
 #: node kinds that carry a group's channels without producing them; wrapped automatically
 FOLLOWER_KINDS = ("norm", "depthwise")
@@ -84,31 +89,73 @@ def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner",
     return DependencyPlan(groups=groups, followers=followers, warnings=notes)
 
 
+def follower_configs(plan: DependencyPlan, config_of: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """``(follower layer, config)`` of every follower of ``plan`` to wrap: the config of the first
+    selected member of its group (``config_of``: selected layer -> config) plus ``follower_of`` = that
+    member. Both backends' dependency-aware pruners wrap these besides the config's layers."""
+    out = []
+    for name in plan.followers:
+        group = plan.group_of(name)
+        leader = next(layer for layer in group.layers if layer in config_of)
+        out.append((name, {**config_of[leader], "follower_of": leader}))
+    return out
+
+
+def class_kept(ops: Any, group: ChannelGroup, member_kept: dict[str, Any] | None) -> Any:
+    """Per-class bool of ``group``: False where some member's channel of that class is already pruned.
+    ``member_kept`` maps members to their current per-channel keep-masks (see
+    :func:`compressor.core.pruning.filter_keep_from_mask`); None when no member is given."""
+    pruned = {name: ops.cast(ops.logical_not(k), "float32") for name, k in (member_kept or {}).items()
+              if name in group.layers}
+    if not pruned:
+        return None
+    return ops.logical_not(ops.greater(class_scores(ops, group, pruned), 0.5))
+
+
+def _lowest_first(ops: Any, scores: Any, kept: Any) -> Any:
+    """``scores`` with the classes not ``kept`` below every score (finite: fixed classes may add inf)."""
+    if kept is None:
+        return scores
+    lo = ops.min(scores)
+    return ops.where(kept, scores, ops.reshape(lo - ops.abs(lo) - 1.0, (1,)) + ops.zeros_like(scores))
+
+
 def dependency_keep(ops: Any, group: ChannelGroup, member_scores: dict[str, Any], sparsity: float,
-                    layers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Per-channel keep-masks of the group's ``layers`` (default: every member) from summed scores."""
-    keep = group_keep_classes(ops, class_scores(ops, group, member_scores), group, sparsity)
+                    layers: Sequence[str] | None = None, kept: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per-channel keep-masks of the group's ``layers`` (default: every member) from summed scores.
+
+    ``kept``: the members' current per-channel keep-masks; classes pruned in any of them are pruned
+    first (monotone gradual pruning: at a sparsity at least the previous one they stay pruned)."""
+    scores = _lowest_first(ops, class_scores(ops, group, member_scores), class_kept(ops, group, kept))
+    keep = group_keep_classes(ops, scores, group, sparsity)
     names = group.layers if layers is None else layers
     return {name: member_keep(ops, keep, group, name) for name in names}
 
 
 def global_dependency_keep(ops: Any, groups: Sequence[ChannelGroup], member_scores: dict[str, Any], sparsity: float,
-                           layers: Sequence[str] | None = None) -> dict[str, Any]:
+                           layers: Sequence[str] | None = None, kept: dict[str, Any] | None = None) -> dict[str, Any]:
     """Network slimming over groups: ONE ranking of every group's summed class scores, the
     ``floor(P * sparsity)`` lowest of all ``P`` prunable classes pruned (ties by group order, then class
-    index); per-channel keep-masks of ``layers`` (default: every member of every group)."""
-    totals, sizes, prunable = [], [], 0
+    index); per-channel keep-masks of ``layers`` (default: every member of every group). ``kept``: as in
+    :func:`dependency_keep` (classes already pruned anywhere go first)."""
+    totals, sizes, fixed_all, kept_all, prunable = [], [], [], [], 0
     for g in groups:
         s = class_scores(ops, g, member_scores)
-        if g.fixed:
-            fixed = set(g.fixed)
-            s = s + ops.asarray([float("inf") if i in fixed else 0.0 for i in range(g.n)], like=s)
+        k = class_kept(ops, g, kept)
         totals.append(s)
+        kept_all.append(ops.ones_like(s, "bool") if k is None else k)
+        fixed = set(g.fixed)
+        fixed_all.extend(float("inf") if i in fixed else 0.0 for i in range(g.n))
         sizes.append(g.n)
         prunable += g.n - len(g.fixed)
     if not totals:
         return {}
-    keep = smallest_k_mask(ops, ops.concat(totals, axis=0), prune_count(prunable, sparsity))
+    scores = ops.concat(totals, axis=0)
+    if kept is not None:
+        scores = _lowest_first(ops, scores, ops.concat(kept_all, axis=0))
+    if any(fixed_all):
+        scores = scores + ops.asarray(fixed_all, like=scores)
+    keep = smallest_k_mask(ops, scores, prune_count(prunable, sparsity))
     wanted = None if layers is None else set(layers)
     out = {}
     for g, k in zip(groups, ops.split(keep, sizes, 0)):

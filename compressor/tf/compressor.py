@@ -328,6 +328,7 @@ class Compressor:
         by_name = {path: layer for path, layer in layers}
         infos = [LayerInfo(path, type(layer).__name__, {"layer": layer}) for path, layer in layers]
         selected = match_layers(infos, self.config_list, self.default_types, what=type(self).__name__)
+        selected = self._substitute_layers(selected, infos, by_name)
         for info, config in selected:
             layer = by_name[info.name]
             if self.wrapper_attr in vars(layer):
@@ -359,6 +360,13 @@ class Compressor:
 
     def validate_layer(self, layer_info: LayerInfo, layer: keras.layers.Layer, config: dict[str, Any]) -> None:
         """Refuse a selected layer by raising ConfigError (called before any mutation)."""
+
+    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                           by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """The layers actually wrapped for the config's selection (e.g. a pruner selecting
+        MultiHeadAttention layers wraps their value projections). Called before anything is validated
+        or changed; may raise ConfigError."""
+        return selected
 
     def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
                       by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:

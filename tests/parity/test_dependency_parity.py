@@ -14,7 +14,7 @@ from torch import nn
 import compressor.tf as ctf
 import compressor.torch as cth
 from compressor.core.ops import NumpyOps
-from compressor.core.pruning import filter_scores
+from compressor.core.pruning import filter_scores, prune_count
 
 pytestmark = [pytest.mark.torch, pytest.mark.tf]
 NP = NumpyOps()
@@ -158,3 +158,40 @@ def test_slim_ranks_coupled_norms_together_on_both_backends():
         assert np.abs(small_t(torch.from_numpy(x)).numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
     out_k = np.asarray(small_k(x.transpose(0, 2, 3, 1), training=False))
     np.testing.assert_allclose(out_k, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_agp_dependency_aware_same_masks_over_the_schedule():
+    """AGP (l1, dependency-aware): the same channels on both backends at every schedule epoch, equal to the
+    numpy expectation from summed scores with the channels pruned before going first; new weights are
+    assigned between epochs, the pruned filters the LARGEST, so monotonicity comes from the decision."""
+    tm, km, x = twins(3)
+    config = [{"final_sparsity": 0.75, "start_epoch": 0, "end_epoch": 4, "frequency": 1, "op_types": ["Conv2d"]}]
+    kconfig = [{**config[0], "op_types": ["Conv2D"]}]
+    tp = cth.AGPPruner(tm, config, pruning_algorithm="l1", dependency_aware=True, dummy_input=torch.from_numpy(x))
+    kp = ctf.AGPPruner(km, kconfig, pruning_algorithm="l1", dependency_aware=True)
+    tp.compress()
+    kp.compress()
+    rng = np.random.default_rng(7)
+    expected = np.ones(8, bool)
+    for epoch in range(5):
+        weights = {name: quarters(rng, *getattr(tm, name).module.weight.shape) for name in ("conv1", "conv2", "conv3")}
+        for name in ("conv1", "conv2"):
+            weights[name][~expected] = 8.0
+        with torch.no_grad():
+            for name, w in weights.items():
+                getattr(tm, name).module.weight.copy_(torch.from_numpy(w))
+        for name, w in weights.items():
+            km.get_layer(name).kernel.assign(w.transpose(2, 3, 1, 0))
+        tp.update_epoch(epoch)
+        kp.update_epoch(epoch)
+        if epoch < 4:  # schedule epochs 0..3: the expectation, monotone under the previous decision
+            scores = np.abs(weights["conv1"]).sum((1, 2, 3)) + np.abs(weights["conv2"]).sum((1, 2, 3))
+            scores[~expected] = -1.0
+            k = prune_count(8, tp.target_sparsity(0))
+            expected = np.ones(8, bool)
+            expected[np.argsort(scores, kind="stable")[:k]] = False
+        for layer in ("conv1", "bn1", "conv2", "bn2", "conv3"):
+            np.testing.assert_array_equal(torch_keep(tp, layer), tf_keep(kp, layer), err_msg=f"{epoch} {layer}")
+        for layer in ("conv1", "bn1", "conv2", "bn2"):
+            np.testing.assert_array_equal(torch_keep(tp, layer), expected, err_msg=f"{epoch} {layer}")
+    assert int((~expected).sum()) == 6

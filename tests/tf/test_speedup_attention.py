@@ -126,3 +126,93 @@ def test_partial_head_and_cross_attention_keep_heads():
     new = ctf.speedup_model(m)
     assert new.get_layer("xatt").get_config()["num_heads"] == 3
     assert_same(ref, new.predict(xs, verbose=0))
+
+
+# ---------------------------------------------------------------------------------- pruning heads with a pruner
+def expected_heads(mha, sparsity, criterion):
+    """Pruned heads from numpy: per context channel the L1 / L2 norm of its value-kernel column, summed
+    per head; floor(H * sparsity) lowest heads (ties by index)."""
+    k = mha._value_dense.kernel.numpy()  # [hidden, heads, head_dim]
+    per_channel = np.abs(k).sum(0) if criterion == "l1" else np.sqrt((k ** 2).sum(0))
+    head = per_channel.sum(1)
+    return sorted(np.argsort(head, kind="stable")[: int(len(head) * sparsity)].tolist())
+
+
+@pytest.mark.parametrize("cls,criterion", [("L1FilterPruner", "l1"), ("L2FilterPruner", "l2")])
+def test_filter_pruner_prunes_whole_heads(cls, criterion, tmp_path):
+    model = encoder()
+    mha = model.get_layer("mha")
+    want = expected_heads(mha, 0.5, criterion)
+    pruner = getattr(ctf, cls)(model, [{"sparsity": 0.5, "op_types": ["MultiHeadAttention"]}], dependency_aware=True)
+    [w] = pruner.get_modules_wrapper()
+    assert (w.name, w.type, w.config["heads_of"]) == ("mha/value", "EinsumDense", "mha")
+    pruner.compress()
+    kept = w.weight_mask.numpy().all(axis=(0, 2))
+    assert sorted(np.flatnonzero(~kept).tolist()) == want and len(want) == 2
+    assert not w.weight_mask.numpy()[:, want].any() and w.weight_mask.numpy()[:, kept].all()
+    assert (w.bias_mask.numpy().all(axis=1) == kept).all() and not w.bias_mask.numpy()[want].any()
+    v = mha._value_dense
+    assert not v.kernel.numpy()[:, want].any() and not v.bias.numpy()[want].any()
+    ref = model.predict(X, verbose=0)
+    new, report = ctf.speedup_model(pruner, return_report=True)
+    assert new.get_layer("mha").get_config()["num_heads"] == 2 and report.removed == 16
+    assert_same(ref, new.predict(X, verbose=0))
+    # the exported masks name the value sub-layer; speedup of the plain model from them
+    mask_path = str(tmp_path / "masks.npz")
+    pruner.export_model(str(tmp_path / "m.keras"), mask_path=mask_path)
+    with np.load(mask_path) as data:
+        assert sorted(data.files) == ["mha/value", "mha/value:bias"]
+    plain = encoder()
+    new2 = ctf.speedup_model(plain, masks=mask_path)
+    assert new2.get_layer("mha").get_config()["num_heads"] == 2
+    assert_same(ref, new2.predict(X, verbose=0))
+
+
+def test_heads_per_layer_and_sparsity_floor():
+    keras.utils.set_random_seed(3)
+    x = keras.Input((5, 24))
+    a = L.MultiHeadAttention(6, 4, name="a1")
+    b = L.MultiHeadAttention(3, 8, name="a2")
+    y = L.Add()([x, a(x, x)])
+    y = L.Add()([y, b(y, y)])
+    model = keras.Model(x, L.Dense(4, name="head")(y))
+    want = {"a1": expected_heads(a, 0.4, "l1"), "a2": expected_heads(b, 0.4, "l1")}
+    assert [len(want["a1"]), len(want["a2"])] == [2, 1]  # floor(6 * 0.4), floor(3 * 0.4)
+    pruner = ctf.L1FilterPruner(model, [{"sparsity": 0.4, "op_types": ["MultiHeadAttention"]}], dependency_aware=True)
+    pruner.compress()
+    for w in pruner.get_modules_wrapper():
+        pruned = np.flatnonzero(~w.weight_mask.numpy().all(axis=(0, 2))).tolist()
+        assert pruned == want[w.config["heads_of"]]
+    xs = np.random.default_rng(0).standard_normal((2, 5, 24)).astype("float32")
+    ref = model.predict(xs, verbose=0)
+    new = ctf.speedup_model(pruner)
+    assert [new.get_layer(n).get_config()["num_heads"] for n in ("a1", "a2")] == [4, 2]
+    assert_same(ref, new.predict(xs, verbose=0))
+
+
+def test_heads_need_dependency_aware():
+    from compressor.core.errors import ConfigError
+    from compressor.tf.compressor import iter_layers
+
+    model = encoder()
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(ConfigError, match="dependency_aware=True"):
+        ctf.L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["MultiHeadAttention"]}])
+    with pytest.raises(ConfigError, match="dependency_aware=True"):
+        ctf.LevelPruner(model, [{"sparsity": 0.5, "op_types": ["MultiHeadAttention"]}])
+    assert not any(k.startswith("_compressor_") for _, layer in iter_layers(model) for k in vars(layer))
+    assert all((a == w.numpy()).all() for a, w in zip(before, model.weights))
+
+
+def test_pruned_heads_stay_zero_through_fit():
+    model = encoder()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    pruner = ctf.L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["MultiHeadAttention"]}],
+                                optimizer=model.optimizer, dependency_aware=True)
+    pruner.compress()
+    pruned = np.flatnonzero(~pruner.get_modules_wrapper()[0].weight_mask.numpy().all(axis=(0, 2)))
+    model.fit(X, np.ones((3, 6, 32), "float32"), epochs=2, verbose=0)
+    v = model.get_layer("mha")._value_dense
+    assert not v.kernel.numpy()[:, pruned].any() and not v.bias.numpy()[pruned].any()
+    assert v.kernel.numpy().any()
+    assert ctf.speedup_model(pruner).get_layer("mha").get_config()["num_heads"] == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import compressor.torch as cth
 from compressor.core.errors import ConfigError
@@ -14,7 +15,7 @@ from compressor.torch.graph import attention_spec, build_graph
 
 pytestmark = pytest.mark.torch
 
-tr = pytest.importorskip("transformers")
+import transformers as tr  # noqa: E402  (a test dependency of the torch env)
 
 
 def bert():
@@ -128,3 +129,24 @@ def test_selecting_attention_needs_dependency_aware():
     m, _ = bert()
     with pytest.raises(ConfigError, match="dependency_aware=True"):
         cth.L1FilterPruner(m, [{"sparsity": 0.5, "op_types": ["BertSelfAttention"]}])
+
+
+def test_heads_that_the_trace_cannot_cut_are_refused_before_any_change():
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    class Raw(nn.Module):  # attention straight on the model input: its channel axis is not the features
+        def __init__(self):
+            super().__init__()
+            self.att = BertSelfAttention(tr.BertConfig(hidden_size=16, num_attention_heads=4))
+
+        def forward(self, x):
+            return self.att(x)[0]
+
+    torch.manual_seed(0)
+    m = Raw().eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ConfigError, match="heads of 'att' cannot be pruned"):
+        cth.L1FilterPruner(m, [{"sparsity": 0.5, "op_types": ["BertSelfAttention"]}], dependency_aware=True,
+                           dummy_input=torch.randn(2, 5, 16))
+    assert type(m.att.value) is nn.Linear
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())

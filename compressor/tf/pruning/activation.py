@@ -84,6 +84,8 @@ class ActivationFilterMasker(WeightMasker):
         if id(wrapper) not in self._index or "act_batches" not in wrapper.state_variables():
             return
         out = tf.cast(tf.stop_gradient(output), tf.float32)
+        if "heads_of" in wrapper.config:  # attention value [..., heads, head_dim]: one channel per context feature
+            out = tf.reshape(out, tf.concat([tf.shape(out)[:-2], [out.shape[-2] * out.shape[-1]]], 0))
         axis = layout.channel_axis(wrapper.layer)
         stats = activation_stats(ops, out, axis, self.activation)
         if self.pruner.sync_ranks:  # the global batch's statistics on every replica (outside the cond)

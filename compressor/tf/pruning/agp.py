@@ -10,6 +10,13 @@ per-layer ``agp_pending`` variable; the epoch's target sparsity is a trace-time 
 ``update_epoch`` retraces the model's ``fit``/``predict`` functions on such epochs (retrace a custom
 ``tf.function`` loop yourself). Masks are monotone.
 
+``dependency_aware=True`` (filter criteria; the Functional graph gives the coupling, ``dummy_input`` is
+not needed): coupled layers (:mod:`compressor.core.dependency`) get one decision per group on every
+schedule update, at the epoch's target sparsity (summed member scores; slim: one global ranking over the
+groups), channels pruned at earlier updates first; norms and depthwise convs carrying the channels are
+masked with them. Weight criteria decide eagerly at ``update_epoch``; data criteria in-graph, one
+``tf.cond`` per group.
+
 Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
 """
 
@@ -26,10 +33,12 @@ from ...core.agp import (
     agp_schedule,
     agp_target,
     check_agp_args,
+    check_agp_dependency,
     validate_agp_config,
 )
 from ...core.matching import LayerInfo
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
+from .dependency import DependencyAwareMixin
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
 from .level import LevelPrunerMasker
 from .masker import WeightMasker
@@ -52,12 +61,17 @@ AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
 }
 
 
-class AGPPruner(TfPruner):
+class AGPPruner(DependencyAwareMixin, TfPruner):
     """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu") -> None:
+                 pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
+                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
         check_agp_args(pruning_algorithm, AGP_CRITERIA, statistics_batch_num, activation)
+        self.dependency_aware = check_agp_dependency(pruning_algorithm, dependency_aware)
+        self._dependency: Any = None
+        self._group_producers_needed = pruning_algorithm != "slim"
+        self._rank_globally = pruning_algorithm == "slim"
         self.pruning_algorithm = pruning_algorithm
         self.masks_bias = pruning_algorithm != "level"
         self._masker_class, self.default_types = AGP_CRITERIA[pruning_algorithm]
@@ -125,10 +139,55 @@ class AGPPruner(TfPruner):
         idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
         if idx not in self._pending or not bool(self.masker.statistics_ready(idx)):
             return None
+        if self._dependency is not None and idx in self._grouped_indices():
+            return None  # decided with its group (update_mask)
         masks = self.masker.calc_mask(self.target_sparsity(idx), wrapper, idx)
         wrapper.agp_pending = False
         self._done(idx)
         return masks
+
+    # ------------------------------------------------------------ dependency-aware groups
+    def _due_groups(self) -> list[Any]:
+        """Groups with a member whose masks are due (pending) at this schedule update."""
+        return [g for g in self._dependency.groups if any(i in self._pending for i in self._group_members(g)[0])]
+
+    def _set_group_masks(self, decision: dict[int, dict[str, Any]]) -> None:
+        for i, masks in decision.items():
+            w = self.modules_wrapper[i]
+            w.set_masks(masks)
+            w.apply_masks()
+            w.agp_pending = False
+
+    def update_mask(self) -> None:
+        """Dependency-aware and eager: one monotone decision per due group whose statistics are ready
+        (slim: one over all of them), at the epoch's target; then the layers outside groups."""
+        if self._dependency is not None and not tf.inside_function():
+            due = [g for g in self._due_groups() if bool(self._group_ready(g))]
+            batches = [due] if self._rank_globally and due else [[g] for g in due]
+            for groups in batches:
+                decision = self._group_decision(groups, self.target_sparsity, monotone=True)
+                self._set_group_masks(decision)
+                for i in decision:
+                    self._done(i)
+        super().update_mask()
+
+    def _update_groups_in_step(self) -> None:
+        """In-graph: each due group gets its monotone decision once its statistics are ready (``tf.cond``
+        on the readiness and its members' ``agp_pending``; slim: one cond over all due groups)."""
+        due = [(g, self._group_ready(g)) for g in self._due_groups()]
+        due = [(g, r) for g, r in due if r is not False]
+        batches = [due] if self._rank_globally and due else [[d] for d in due]
+        for batch in batches:
+            groups = [g for g, _ in batch]
+            ready = [tf.convert_to_tensor(r) for _, r in batch]
+            pending = [self.modules_wrapper[i].agp_pending for g in groups for i in self._group_members(g)[0]]
+            cond = tf.logical_and(tf.reduce_all(tf.stack(ready)), tf.reduce_any(tf.stack(pending)))
+
+            def compute(groups: list[Any] = groups) -> Any:
+                self._set_group_masks(self._group_decision(groups, self.target_sparsity, monotone=True))
+                return tf.constant(True)
+
+            tf.cond(cond, compute, lambda: tf.constant(False))
 
     def _gradients_hook(self, pairs: list[tuple[Any, Any]]) -> None:
         if self._pending:
@@ -140,7 +199,13 @@ class AGPPruner(TfPruner):
         if not tf.inside_function():
             self.update_mask()
             return
+        grouped: set[int] = set()
+        if self._dependency is not None:
+            self._update_groups_in_step()
+            grouped = self._grouped_indices()
         for idx in sorted(self._pending):
+            if idx in grouped:
+                continue
             wrapper = self.modules_wrapper[idx]
             ready = self.masker.statistics_ready(idx)
             if not wrapper.ready or ready is False:

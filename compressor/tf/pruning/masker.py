@@ -74,7 +74,10 @@ def check_filter_layer(layer_info: LayerInfo, layer: Any, what: str) -> None:
 
 def filter_result(wrapper: Any, weight_mask_canonical: Any, filter_keep: Any) -> dict[str, Any]:
     """Masks dict (Keras layout) for a filter decision: the bias follows its filter."""
-    return filter_masks(wrapper.from_canonical(weight_mask_canonical), filter_keep, wrapper.bias_mask is not None)
+    masks = filter_masks(wrapper.from_canonical(weight_mask_canonical), filter_keep, wrapper.bias_mask is not None)
+    if "bias_mask" in masks and "heads_of" in wrapper.config:  # value bias [heads, head_dim]
+        masks["bias_mask"] = wrapper.from_canonical(masks["bias_mask"], like=wrapper.bias)
+    return masks
 
 
 def importance_filter_result(wrapper: Any, scores: Any, sparsity: float) -> dict[str, Any]:

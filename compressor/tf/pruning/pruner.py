@@ -24,6 +24,7 @@ from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from .. import layout
 from ..compressor import Compressor
+from .dependency import DependencyAwareMixin
 from .masker import WeightMasker
 from .wrapper import PrunerLayerWrapper
 
@@ -197,7 +198,7 @@ class TfPruner(Compressor):
 Pruner = TfPruner
 
 
-class OneShotPruner(TfPruner):
+class OneShotPruner(DependencyAwareMixin, TfPruner):
     """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
 
     masker_class: type[WeightMasker] = WeightMasker
@@ -215,7 +216,8 @@ class OneShotPruner(TfPruner):
 
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
         super().validate_layer(layer_info, layer, config)
-        self.masker_class.check_layer(layer_info, layer)
+        if "heads_of" not in config:  # an attention value projection: filters = context channels
+            self.masker_class.check_layer(layer_info, layer)
 
     def sparsity_for(self, wrapper: PrunerLayerWrapper, wrapper_idx: int) -> float:
         return wrapper.config["sparsity"]
@@ -243,68 +245,48 @@ class OneShotPruner(TfPruner):
         return tf.constant(True)
 
     # -- dependency-aware pruning (core.dependency; weight criteria, computed eagerly in compress())
-    def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
-                      by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
-        if not self.dependency_aware:
-            return []
-        from ...core.dependency import plan_dependency
-        from ..graph import build_graph
+    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                           by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Attention heads (mirror of torch): a selected ``MultiHeadAttention`` is pruned by whole heads
+        through its VALUE projection: that EinsumDense sub-layer (``'<mha>/value'``) is wrapped (config key
+        ``heads_of`` = the attention layer's path) and the kernel columns ``[:, head, :]`` and bias rows of
+        the pruned heads masked, so the heads' context is zero and speedup removes them. Needs
+        ``dependency_aware=True`` (the head decision is the attention group's: core block pruning in
+        units of ``head_dim``) and a built layer."""
+        import keras
 
-        graph, _ = build_graph(model)
-        plan = plan_dependency(graph, [info.name for info, _ in selected], type(self).__name__,
-                               producers_needed=self._group_producers_needed)
-        self._dependency = plan
-        config_of = {info.name: cfg for info, cfg in selected}
+        heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}
         info_of = {info.name: info for info in layers}
-        extra = []
-        for name in plan.followers:
-            leader = next(layer for layer in plan.group_of(name).layers if layer in config_of)
-            extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
-        return extra
-
-    #: False when masking a group's norms alone zeroes its channels (SlimPruner selects the norms)
-    _group_producers_needed = True
-
-    def _group_members(self, group: Any) -> tuple[list[int], list[int]]:
-        """(indices of the group's wrapped members, indices of those the config selected: the scored ones)."""
-        index = {w.name: i for i, w in enumerate(self.modules_wrapper)}
-        members = [index[layer] for layer in group.layers if layer in index]
-        return members, [i for i in members if "follower_of" not in self.modules_wrapper[i].config]
-
-    def _group_decision(self, group: Any) -> dict[int, dict[str, Any]]:
-        """Masks (Keras layout) of every wrapped member of ``group`` from one decision over summed scores
-        (graph-safe: called eagerly or inside the traced step)."""
-        from ...core.dependency import dependency_keep
-        from ...core.pruning import expand_filter_mask
-        from ..ops import ops
-        from .masker import filter_result
-
-        members, scored = self._group_members(group)
-        wrappers = self.modules_wrapper
-        scores = {wrappers[i].name: self.masker.filter_importance(wrappers[i]) for i in scored}
-        sparsity = max(self.sparsity_for(wrappers[i], i) for i in scored)
-        keeps = dependency_keep(ops, group, scores, sparsity, [wrappers[i].name for i in members])
-        out = {}
-        for i in members:
-            w = wrappers[i]
-            keep = keeps[w.name]
-            out[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
+        for info, cfg in selected:
+            layer = by_name[info.name]
+            if not isinstance(layer, keras.layers.MultiHeadAttention):
+                continue
+            what = f"{type(self).__name__}: layer {info.name!r} ({info.type})"
+            if not self.dependency_aware:
+                raise ConfigError(f"{what} is an attention layer; its heads are pruned with dependency_aware=True "
+                                  f"(a filter criterion)")
+            dense = getattr(layer, "_value_dense", None) if layer.built else None
+            value = next((p for p in info_of if p.startswith(info.name + "/") and by_name[p] is dense), None)
+            if dense is None or value is None or layout.weight_of(dense) is None or len(dense.kernel.shape) != 3:
+                raise ConfigError(f"{what}: its heads are pruned through its value projection, a built EinsumDense "
+                                  f"with a [input, heads, head_dim] kernel; build the model first (call it on "
+                                  f"data or keras.Input)")
+            heads[info.name] = (info_of[value], {**cfg, "heads_of": info.name})
+        if not heads:
+            return selected
+        values = {v[0].name for v in heads.values()}
+        out = []
+        for info, cfg in selected:
+            if info.name in heads:
+                out.append(heads[info.name])
+            elif info.name not in values:
+                out.append((info, cfg))
         return out
-
-    def _group_ready(self, group: Any) -> Any:
-        """Whether every scored member's statistics are ready: a bool, or a bool tensor in-graph."""
-        ready: Any = True
-        for i in self._group_members(group)[1]:
-            r = self.masker.statistics_ready(i)
-            if r is False:
-                return False
-            ready = r if ready is True else tf.logical_and(ready, r)
-        return ready
 
     def _group_masks(self, wrapper: PrunerLayerWrapper, idx: int) -> dict[str, Any] | None:
         """Eager: ``wrapper``'s masks from its group's decision, once all scored members are ready."""
         if idx not in self._pending:
-            group = self._dependency.group_of(wrapper.name)
+            group = self._dependency.group_of(self._member(wrapper.config, wrapper.name))
             if not bool(self._group_ready(group)):
                 return None
             self._pending.update(self._group_decision(group))
@@ -339,7 +321,8 @@ class OneShotPruner(TfPruner):
         idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx
         if idx in self._calculated or not bool(self.masker.statistics_ready(idx)):
             return None
-        grouped = self._dependency is not None and self._dependency.group_of(wrapper.name) is not None
+        grouped = (self._dependency is not None
+                   and self._dependency.group_of(self._member(wrapper.config, wrapper.name)) is not None)
         masks = (self._group_masks(wrapper, idx) if grouped
                  else self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx))
         if masks is None:

@@ -80,22 +80,12 @@ class SlimPruner(OneShotPruner):
         super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
         self.sparsity = first_active(self.config_list, "sparsity")
 
+    _rank_globally = True
+
     def _group_masks(self, wrapper: Any, idx: int) -> dict[str, Any] | None:
         """Dependency-aware slimming: one global ranking of every group's summed ``|gamma|`` (eager)."""
-        from ...core.dependency import global_dependency_keep
-        from ...core.pruning import expand_filter_mask
-        from .masker import filter_result
-
         if idx not in self._pending:
-            groups = self._dependency.groups
-            wrappers = self.modules_wrapper
-            scored = {i for g in groups for i in self._group_members(g)[1]}
-            scores = {wrappers[i].name: self.masker.filter_importance(wrappers[i]) for i in scored}
-            keeps = global_dependency_keep(ops, groups, scores, self.sparsity)
-            for i in {i for g in groups for i in self._group_members(g)[0]}:
-                w = wrappers[i]
-                keep = keeps[w.name]
-                self._pending[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
+            self._pending.update(self._group_decision(self._dependency.groups))
         return self._pending.pop(idx)
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:

@@ -118,17 +118,23 @@ class PrunerLayerWrapper(LayerWrapper):
             raw.assign(tf.where(mask, raw, tf.zeros_like(raw)))
 
     # -- canonical views for core math -----------------------------------------------------------------
+    @property
+    def layout_type(self) -> str:
+        """The layer type core's layout is chosen by: the layer's, or :data:`~compressor.tf.layout.HEADS_VALUE`
+        for a MultiHeadAttention value projection pruned by heads (config key ``heads_of``)."""
+        return layout.HEADS_VALUE if "heads_of" in self.config else self.type
+
     def canonical(self, x: Any) -> Any:
         """A Keras-layout tensor of this layer's weight shape in core's layout (output channels first)."""
-        return layout.to_canonical(self.type, tf.convert_to_tensor(x))
+        return layout.to_canonical(self.layout_type, tf.convert_to_tensor(x))
 
     def from_canonical(self, x: Any, like: Any = None) -> Any:
         """Back from core's layout to the Keras layout of ``like`` (default: the main weight)."""
-        return layout.from_canonical(self.type, x, (self.weight if like is None else like).shape)
+        return layout.from_canonical(self.layout_type, x, (self.weight if like is None else like).shape)
 
     def canonical_shape(self) -> tuple[int, ...]:
         """Shape of the main weight in core's layout (static; no read of the weight)."""
-        return layout.canonical_shape(self.type, self.weight.shape)
+        return layout.canonical_shape(self.layout_type, self.weight.shape)
 
     def canonical_weight(self) -> Any:
         """The current main weight, in core's layout, without gradient."""

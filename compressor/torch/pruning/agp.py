@@ -6,6 +6,11 @@ epochs, up to the last ramp epoch). Weight criteria (level, l1, l2, fpgm, slim) 
 ``update_epoch``; data criteria (apoz, mean_activation, taylorfo) collect ``statistics_batch_num``
 batches after that epoch starts and recompute in the optimizer hook. Masks are monotone.
 
+``dependency_aware=True`` (filter criteria; needs ``dummy_input=``, as the one-shot filter pruners):
+coupled layers (:mod:`compressor.core.dependency`) get one decision per group on every schedule update,
+at the epoch's target sparsity (summed member scores; slim: one global ranking over the groups), channels
+pruned at earlier updates first; norms and depthwise convs carrying the channels are masked with them.
+
 Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
 """
 
@@ -22,6 +27,7 @@ from ...core.agp import (
     agp_schedule,
     agp_target,
     check_agp_args,
+    check_agp_dependency,
     validate_agp_config,
 )
 from ...core.matching import LayerInfo
@@ -29,7 +35,7 @@ from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRank
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
 from .level import LevelPrunerMasker
 from .masker import WeightMasker
-from .pruner import TorchPruner
+from .pruner import DependencyAwareMixin, TorchPruner
 from .slim import BN_TYPES, SlimPrunerMasker
 from .taylor import TaylorFOWeightFilterPrunerMasker
 
@@ -48,15 +54,21 @@ AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
 }
 
 
-class AGPPruner(TorchPruner):
+class AGPPruner(DependencyAwareMixin, TorchPruner):
     """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu"):
+                 pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
+                 dependency_aware: bool = False, dummy_input: Any = None):
         check_agp_args(pruning_algorithm, AGP_CRITERIA, statistics_batch_num, activation)
+        check_agp_dependency(pruning_algorithm, dependency_aware)
         self.pruning_algorithm = pruning_algorithm
         self._masker_class, self.default_types = AGP_CRITERIA[pruning_algorithm]
+        self._group_producers_needed = pruning_algorithm != "slim"
+        self._rank_globally = pruning_algorithm == "slim"
+        self._init_dependency(dependency_aware, dummy_input, self._masker_class)
         super().__init__(model, config_list, optimizer)
+        self._dummy_input = None  # traced already: do not keep the user's tensors alive
         kwargs = agp_masker_kwargs(pruning_algorithm, activation, statistics_batch_num)
         self.masker = self._masker_class(model, self, **kwargs)
         self._scheduled_epoch: int | None = None
@@ -97,6 +109,23 @@ class AGPPruner(TorchPruner):
         self._schedule_epoch(self.current_epoch)
         if self._pending and not self.masker.needs_data:
             self.update_mask()
+
+    def update_mask(self) -> None:
+        """Dependency-aware: one decision per due group (monotone), then the layers outside groups."""
+        if self._dependency is None:
+            return super().update_mask()
+        self._mask_round += 1
+        self._pending.difference_update(self._group_round(lambda i: i in self._pending, self.target_sparsity,
+                                                          monotone=True))
+        grouped = self._grouped_indices()
+        for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
+            if idx not in grouped:
+                masks = self.calc_mask(wrapper, wrapper_idx=idx)
+                if masks is not None:
+                    wrapper.set_masks(masks)
+        if not self._pending:
+            self.masker.stop_statistics()
+        self.apply_masks()
 
     def calc_mask(self, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         idx = self._wrapper_index(wrapper) if wrapper_idx is None else wrapper_idx

@@ -23,7 +23,7 @@ from ..compressor import Compressor
 from .masker import WeightMasker
 from .wrapper import PrunerModuleWrapper
 
-__all__ = ["TorchPruner", "Pruner", "OneShotPruner"]
+__all__ = ["TorchPruner", "Pruner", "OneShotPruner", "DependencyAwareMixin"]
 
 
 _ACCEPTS_IDX: dict[Any, bool] = {}
@@ -156,23 +156,24 @@ def check_not_sharded(tensors: list[torch.Tensor], what: str) -> None:
         )
 
 
-class OneShotPruner(TorchPruner):
-    """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
+class DependencyAwareMixin:
+    """Dependency-aware channel pruning (:mod:`compressor.core.dependency`) for a :class:`TorchPruner`
+    with a filter masker (``self.masker``): traces ``dummy_input`` once, wraps the followers (norms,
+    depthwise convs: config key ``follower_of``) and the value projections of selected attention modules
+    (``heads_of``), and makes one decision per channel group (:meth:`_group_round`). Used by
+    :class:`OneShotPruner` and :class:`~compressor.torch.pruning.agp.AGPPruner`."""
 
-    masker_class: type[WeightMasker] = WeightMasker
-    required_keys = ("sparsity",)
+    #: False when masking a group's norms alone zeroes its channels (slimming selects the norms)
+    _group_producers_needed = True
+    #: True: one global ranking over every group (network slimming) instead of one decision per group
+    _rank_globally = False
 
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
-                 dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any):
-        self.dependency_aware = _check_dependency_args(self, dependency_aware, dummy_input)
+    def _init_dependency(self, dependency_aware: Any, dummy_input: Any, masker_class: Any = None) -> None:
+        """Check the arguments (before anything is traced or wrapped) and keep ``dummy_input`` for the trace."""
+        self.dependency_aware = _check_dependency_args(self, dependency_aware, dummy_input, masker_class)
         self._dummy_input = dummy_input
         self._dependency: Any = None
-        super().__init__(model, config_list, optimizer)
-        self._dummy_input = None  # traced already: do not keep the user's tensors alive
-        self._calculated: set[int] = set()
-        self.masker = self.masker_class(model, self, **masker_kwargs)
 
-    # ---------------------------------------------------------------- dependency-aware pruning
     def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
                            modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
         """Attention heads: a selected attention module (``op_types: ['BertSelfAttention']``, see
@@ -210,59 +211,79 @@ class OneShotPruner(TorchPruner):
                       layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
         if not self.dependency_aware:
             return []
-        from ...core.dependency import plan_dependency
+        from ...core.dependency import follower_configs, plan_dependency
         from ..graph import build_graph
 
         graph, _ = build_graph(model, self._dummy_input)
         plan = plan_dependency(graph, [cfg.get("heads_of", info.name) for info, cfg in selected], type(self).__name__,
                                producers_needed=self._group_producers_needed)
+        for _info, cfg in selected:
+            group = plan.group_of(cfg["heads_of"]) if "heads_of" in cfg else None
+            if "heads_of" in cfg and (group is None or group.unit <= 1):
+                raise ConfigError(
+                    f"{type(self).__name__}: the heads of {cfg['heads_of']!r} cannot be pruned: on dummy_input the "
+                    f"trace does not see it as one attention block whose heads speedup can cut (its input must "
+                    f"come from a layer, its context must feed a projection)")
         self._dependency = plan
-        config_of = {cfg.get("heads_of", info.name): cfg for info, cfg in selected}
         info_of = {info.name: info for info in layers}
-        extra = []
-        for name in plan.followers:
-            group = plan.group_of(name)
-            leader = next(layer for layer in group.layers if layer in config_of)
-            extra.append((info_of[name], {**config_of[leader], "follower_of": leader}))
-        return extra
+        config_of = {cfg.get("heads_of", info.name): cfg for info, cfg in selected}
+        return [(info_of[name], cfg) for name, cfg in follower_configs(plan, config_of)]
 
-    #: False when masking a group's norms alone zeroes its channels (SlimPruner selects the norms)
-    _group_producers_needed = True
-
-    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str]]]) -> dict[str, Any]:
-        """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members)``: one
-        decision per group (SlimPruner overrides it with one global ranking)."""
-        from ...core.dependency import dependency_keep
-        from ..ops import ops
-
-        out: dict[str, Any] = {}
-        for group, scores, sparsity, members in todo:
-            out.update(dependency_keep(ops, group, scores, sparsity, members))
-        return out
-
-    def _update_groups(self) -> None:
-        """One decision per channel group: summed member scores, the same channels masked in every
-        member (followers included). Groups wait until every scored member's statistics are ready."""
-        from ...core.pruning import expand_filter_mask
-        from ..ops import ops
-
+    def _member_index(self) -> dict[str, int]:
+        """Group member name -> wrapper index (an attention module's member is its value projection)."""
         index = {name: i for i, name in enumerate(self._wrapper_names)}
-        for i, w in enumerate(self._wrappers):  # attention heads: the group member is the attention module
+        for i, w in enumerate(self._wrappers):
             if "heads_of" in w.config:
                 index[w.config["heads_of"]] = i
+        return index
+
+    def _grouped_indices(self) -> set[int]:
+        """Wrapper indices of every group member (the rest are masked layer by layer)."""
+        index = self._member_index()
+        return {index[layer] for g in self._dependency.groups for layer in g.layers if layer in index}
+
+    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str], Any]]) -> dict[str, Any]:
+        """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members, kept)``:
+        one decision per group, or one global ranking (``_rank_globally``)."""
+        from ...core.dependency import dependency_keep, global_dependency_keep
+        from ..ops import ops
+
+        if self._rank_globally:
+            scores = {k: v for _, s, _, _, _ in todo for k, v in s.items()}
+            kept = None
+            if any(k is not None for *_, k in todo):
+                kept = {name: v for *_, k in todo for name, v in (k or {}).items()}
+            return global_dependency_keep(ops, [g for g, *_ in todo], scores, max(t[2] for t in todo), kept=kept)
+        out: dict[str, Any] = {}
+        for group, scores, sparsity, members, kept in todo:
+            out.update(dependency_keep(ops, group, scores, sparsity, members, kept=kept))
+        return out
+
+    def _group_round(self, due: Any, sparsity_of: Any, monotone: bool = False) -> list[int]:
+        """One decision per channel group with a member ``due(wrapper_idx)``, once every scored member's
+        statistics are ready: summed member scores at the largest ``sparsity_of(wrapper_idx)`` of its
+        scored members, the same channels masked in every member (followers included). ``monotone``:
+        channels the members have pruned already go first. Returns the wrapper indices masked."""
+        from ...core.pruning import expand_filter_mask, filter_keep_from_mask
+        from ..ops import ops
+
+        index = self._member_index()
         todo = []
         for group in self._dependency.groups:
             members = [layer for layer in group.layers if layer in index]
-            if all(index[layer] in self._calculated for layer in members):
+            if not any(due(index[layer]) for layer in members):
                 continue
             scored = [layer for layer in members if "follower_of" not in self._wrappers[index[layer]].config]
             if not scored or not all(self.masker.statistics_ready(index[layer]) for layer in scored):
                 continue
             scores = {layer: self.masker.filter_importance(self._wrappers[index[layer]], index[layer]) for layer in scored}
-            sparsity = max(self.sparsity_for(self._wrappers[index[layer]], index[layer]) for layer in scored)
-            todo.append((group, scores, sparsity, members))
+            sparsity = max(sparsity_of(index[layer]) for layer in scored)
+            kept = ({layer: filter_keep_from_mask(ops, self._wrappers[index[layer]].weight_mask) for layer in members}
+                    if monotone else None)
+            todo.append((group, scores, sparsity, members, kept))
         keeps = self._decide_groups(todo) if todo else {}
-        for _group, _scores, _sparsity, members in todo:
+        done = []
+        for _group, _scores, _sparsity, members, _kept in todo:
             for layer in members:
                 w = self._wrappers[index[layer]]
                 keep = keeps[layer]
@@ -270,16 +291,38 @@ class OneShotPruner(TorchPruner):
                 if w.bias_mask is not None:
                     masks["bias_mask"] = keep
                 w.set_masks(masks)
-                self._calculated.add(index[layer])
+                done.append(index[layer])
+        return done
+
+
+class OneShotPruner(DependencyAwareMixin, TorchPruner):
+    """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
+
+    masker_class: type[WeightMasker] = WeightMasker
+    required_keys = ("sparsity",)
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
+                 dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any):
+        self._init_dependency(dependency_aware, dummy_input)
+        super().__init__(model, config_list, optimizer)
+        self._dummy_input = None  # traced already: do not keep the user's tensors alive
+        self._calculated: set[int] = set()
+        self.masker = self.masker_class(model, self, **masker_kwargs)
+
+    def _update_groups(self) -> None:
+        """One decision per channel group not decided yet (groups wait until every scored member's
+        statistics are ready)."""
+        self._calculated.update(self._group_round(lambda i: i not in self._calculated,
+                                                  lambda i: self.sparsity_for(self._wrappers[i], i)))
 
     def update_mask(self) -> None:
         if self._dependency is None:
             return super().update_mask()
         self._mask_round += 1
         self._update_groups()
-        grouped = {layer for g in self._dependency.groups for layer in g.layers}
+        grouped = self._grouped_indices()
         for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
-            if wrapper.config.get("heads_of", self._wrapper_names[idx]) not in grouped:
+            if idx not in grouped:
                 masks = self.calc_mask(wrapper, wrapper_idx=idx)
                 if masks is not None:
                     wrapper.set_masks(masks)
@@ -325,16 +368,18 @@ class OneShotPruner(TorchPruner):
             self.masker.stop_statistics()
 
 
-def _check_dependency_args(pruner: Any, dependency_aware: Any, dummy_input: Any) -> bool:
-    """Refuse bad ``dependency_aware`` / ``dummy_input`` before anything is traced or wrapped."""
+def _check_dependency_args(pruner: Any, dependency_aware: Any, dummy_input: Any, masker_class: Any = None) -> bool:
+    """Refuse bad ``dependency_aware`` / ``dummy_input`` before anything is traced or wrapped
+    (``masker_class``: the criterion, default ``pruner.masker_class``)."""
     what = type(pruner).__name__
+    masker_class = pruner.masker_class if masker_class is None else masker_class
     if not isinstance(dependency_aware, bool):
         raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
     if not dependency_aware:
         return False
-    if not hasattr(pruner.masker_class, "filter_importance"):
+    if not hasattr(masker_class, "filter_importance"):
         raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
-                          f"activation, Taylor FO); {pruner.masker_class.__name__} has no per-filter importance")
+                          f"activation, Taylor FO); {masker_class.__name__} has no per-filter importance")
     if dummy_input is None:
         raise ConfigError(f"{what}: dependency_aware=True needs dummy_input= (a tensor, a tuple of tensors or a "
                           f"dict of keyword arguments for the model's forward) to trace the channel dependencies")

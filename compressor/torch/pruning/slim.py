@@ -73,18 +73,12 @@ class SlimPruner(OneShotPruner):
     masker_class = SlimPrunerMasker
 
     _group_producers_needed = False
+    _rank_globally = True  # dependency-aware: one global ranking of the groups' summed |gamma|
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
                  dependency_aware: bool = False, dummy_input: Any = None):
         super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
         self.sparsity = first_active(self.config_list, "sparsity")
-
-    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str]]]) -> dict[str, Any]:
-        """Dependency-aware slimming: one global ranking of the groups' summed ``|gamma|``."""
-        from ...core.dependency import global_dependency_keep
-
-        scores = {k: v for _, s, _, _ in todo for k, v in s.items()}
-        return global_dependency_keep(ops, [g for g, *_ in todo], scores, self.sparsity)
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         check_common_sparsity(config_list)

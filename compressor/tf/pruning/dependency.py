@@ -1,0 +1,121 @@
+"""Dependency-aware channel pruning for Keras pruners (:mod:`compressor.core.dependency`), as a mixin.
+
+:class:`DependencyAwareMixin` gives a :class:`~compressor.tf.pruning.pruner.TfPruner` with a filter masker
+(``self.masker``, ``filter_importance(wrapper)``) what a dependency-aware pruner needs besides its own
+clock: the followers (norms, depthwise convs carrying a group's channels, config key ``follower_of``)
+wrapped from the Functional graph, the group members of a channel group, whether a group's statistics are
+ready (a bool, or a bool tensor in-graph) and one group decision (graph-safe: eager or inside the traced
+step), optionally monotone (channels the members have pruned already go first) and, for network
+slimming, one global ranking over groups. :class:`~compressor.tf.pruning.agp.AGPPruner` uses it.
+
+A wrapper whose config has ``heads_of`` stands for that attention layer in the channel graph (its value
+projection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ...core.errors import ConfigError
+from ...core.matching import LayerInfo
+
+__all__ = ["DependencyAwareMixin"]
+
+
+class DependencyAwareMixin:
+    """Channel groups for a Keras pruner; set ``dependency_aware`` and ``_dependency = None`` before
+    ``TfPruner.__init__`` (which calls :meth:`_extra_layers`)."""
+
+    #: False when masking a group's norms alone zeroes its channels (slimming selects the norms)
+    _group_producers_needed = True
+    #: True: one global ranking over every group (network slimming) instead of one decision per group
+    _rank_globally = False
+
+    @staticmethod
+    def _member(config: dict[str, Any], name: str) -> str:
+        """A wrapped layer's name in the channel graph: the attention layer for a value projection."""
+        return config.get("heads_of", name)
+
+    def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                      by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        if not self.dependency_aware:
+            return []
+        from ...core.dependency import follower_configs, plan_dependency
+        from ..graph import build_graph
+
+        graph, _ = build_graph(model)
+        names = [self._member(cfg, info.name) for info, cfg in selected]
+        plan = plan_dependency(graph, names, type(self).__name__, producers_needed=self._group_producers_needed)
+        for _info, cfg in selected:
+            if "heads_of" in cfg and plan.group_of(cfg["heads_of"]) is None:
+                raise ConfigError(f"{type(self).__name__}: the heads of {cfg['heads_of']!r} cannot be pruned: speedup "
+                                  f"cannot cut them (a gated attention, or projections without one bias layout)")
+        self._dependency = plan
+        info_of = {info.name: info for info in layers}
+        config_of = {self._member(cfg, info.name): cfg for info, cfg in selected}
+        return [(info_of[name], cfg) for name, cfg in follower_configs(plan, config_of)]
+
+    def _group_members(self, group: Any) -> tuple[list[int], list[int]]:
+        """(indices of the group's wrapped members, indices of those the config selected: the scored ones)."""
+        index = {self._member(w.config, w.name): i for i, w in enumerate(self.modules_wrapper)}
+        members = [index[layer] for layer in group.layers if layer in index]
+        return members, [i for i in members if "follower_of" not in self.modules_wrapper[i].config]
+
+    def _grouped_indices(self) -> set[int]:
+        """Wrapper indices of every group member (the rest are masked layer by layer)."""
+        return {i for g in self._dependency.groups for i in self._group_members(g)[0]}
+
+    def _group_ready(self, group: Any) -> Any:
+        """Whether every scored member is built and its statistics are ready: a bool, or a bool tensor in-graph."""
+        import tensorflow as tf
+
+        members, scored = self._group_members(group)
+        if not scored or not all(self.modules_wrapper[i].ready for i in members):
+            return False
+        ready: Any = True
+        for i in scored:
+            r = self.masker.statistics_ready(i)
+            if r is False:
+                return False
+            ready = r if ready is True else tf.logical_and(ready, r)
+        return ready
+
+    def _group_decision(self, groups: Any, sparsity_of: Callable[[int], float] | None = None,
+                        monotone: bool = False) -> dict[int, dict[str, Any]]:
+        """Masks (Keras layout) of every wrapped member of ``groups`` (one group or several) from one
+        decision per group over summed member scores at the largest ``sparsity_of(wrapper_idx)`` of its
+        scored members (default: ``self.sparsity_for``), or one global ranking over all of them
+        (``_rank_globally``). ``monotone``: channels the members have pruned already go first.
+        Graph-safe: called eagerly or inside the traced step."""
+        from ...core.dependency import dependency_keep, global_dependency_keep
+        from ...core.pruning import expand_filter_mask, filter_keep_from_mask
+        from ..ops import ops
+        from .masker import filter_result
+
+        groups = [groups] if not isinstance(groups, Sequence) else list(groups)
+        wrappers = self.modules_wrapper
+        if sparsity_of is None:
+            sparsity_of = lambda i: self.sparsity_for(wrappers[i], i)  # noqa: E731
+        name = {i: self._member(w.config, w.name) for i, w in enumerate(wrappers)}
+        plans = []
+        for group in groups:
+            members, scored = self._group_members(group)
+            scores = {name[i]: self.masker.filter_importance(wrappers[i]) for i in scored}
+            kept = {name[i]: filter_keep_from_mask(ops, wrappers[i].canonical_mask()) for i in members} if monotone else None
+            plans.append((group, members, scores, max(sparsity_of(i) for i in scored), kept))
+        if self._rank_globally:
+            keeps = global_dependency_keep(ops, groups, {k: v for p in plans for k, v in p[2].items()},
+                                           max(p[3] for p in plans),
+                                           kept={k: v for p in plans for k, v in p[4].items()} if monotone else None)
+        else:
+            keeps = {}
+            for group, members, scores, sparsity, kept in plans:
+                keeps.update(dependency_keep(ops, group, scores, sparsity, [name[i] for i in members], kept=kept))
+        out = {}
+        for _group, members, *_ in plans:
+            for i in members:
+                w = wrappers[i]
+                keep = keeps[name[i]]
+                out[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
+        return out
