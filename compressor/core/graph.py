@@ -342,6 +342,11 @@ def speedup_plan(graph: Graph, strict: bool = True) -> SpeedupPlan:
         produced_dead.update(cls[b + j] for j in range(n.channels) if dead[j])
     removable = {c for c in n_cls if c in consumed and c not in consumed_nonzero and c in produced_dead}
     notes: list[str] = []
+    live = (produced_dead & consumed_nonzero) - fixed
+    if live:
+        notes.append(f"kept {len(live)} channel(s) whose filters are pruned but which are not zero where they are "
+                     f"used (a norm's bias after the conv, or another branch of a residual add still writes "
+                     f"them); prune with dependency_aware=True so coupled layers and norms are masked together")
     blocked = removable & fixed
     if blocked:
         blockers = graph.blockers()

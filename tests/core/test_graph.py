@@ -229,3 +229,11 @@ def test_bad_graphs_are_refused():
         Graph([Node("a", "conv", ["b"], 2)])
     with pytest.raises(ModelError, match="cannot give"):
         Graph([Node("x", "input", channels=3), Node("n", "norm", ["x"], 4)]).classes()
+
+
+def test_masked_but_live_channels_are_kept_and_named_in_the_notes():
+    d = [False] * 8
+    d[5] = True
+    plan = speedup_plan(residual(d, False, d))  # the norms do not pass zero: channel 5 lives on
+    assert plan.removed == 0
+    assert plan.notes and plan.notes[0].startswith("kept 1 channel(s) whose filters are pruned")
