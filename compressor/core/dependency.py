@@ -37,7 +37,7 @@ from .graph import (
 )
 from .pruning import prune_count, smallest_k_mask
 
-__all__ = ["DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep",
+__all__ = ["substitute_heads", "DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep",
            "global_dependency_keep", "FOLLOWER_KINDS"]
 
 #: node kinds that carry a group's channels without producing them; wrapped automatically
@@ -162,4 +162,21 @@ def global_dependency_keep(ops: Any, groups: Sequence[ChannelGroup], member_scor
         for name in g.layers:
             if wanted is None or name in wanted:
                 out[name] = member_keep(ops, k, g, name)
+    return out
+
+
+def substitute_heads(selected: Sequence[tuple[Any, dict[str, Any]]],
+                     heads: dict[str, tuple[Any, dict[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
+    """The selection with every selected attention layer replaced by its value projection
+    (``heads[attention name] = (value layer info, config with 'heads_of')``); a value projection the config
+    also selected on its own is wrapped once, as the attention's."""
+    if not heads:
+        return list(selected)
+    values = {v[0].name for v in heads.values()}
+    out = []
+    for info, cfg in selected:
+        if info.name in heads:
+            out.append(heads[info.name])
+        elif info.name not in values:
+            out.append((info, cfg))
     return out

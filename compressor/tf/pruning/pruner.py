@@ -20,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from .. import layout
@@ -272,16 +273,7 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
                                   f"with a [input, heads, head_dim] kernel; build the model first (call it on "
                                   f"data or keras.Input)")
             heads[info.name] = (info_of[value], {**cfg, "heads_of": info.name})
-        if not heads:
-            return selected
-        values = {v[0].name for v in heads.values()}
-        out = []
-        for info, cfg in selected:
-            if info.name in heads:
-                out.append(heads[info.name])
-            elif info.name not in values:
-                out.append((info, cfg))
-        return out
+        return substitute_heads(selected, heads)
 
     def _group_masks(self, wrapper: PrunerLayerWrapper, idx: int) -> dict[str, Any] | None:
         """Eager: ``wrapper``'s masks from its group's decision, once all scored members are ready."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError, ModelError
 from ...core.matching import LayerInfo
 from ..compressor import Compressor
@@ -196,16 +197,7 @@ class DependencyAwareMixin:
                     f"are pruned with dependency_aware=True and dummy_input=... (a filter criterion)")
             value = f"{info.name}.{spec['v']}" if info.name else spec["v"]
             heads[info.name] = (info_of[value], {**cfg, "heads_of": info.name})
-        if not heads:
-            return selected
-        values = {v[0].name for v in heads.values()}
-        out = []
-        for info, cfg in selected:
-            if info.name in heads:
-                out.append(heads[info.name])
-            elif info.name not in values:
-                out.append((info, cfg))
-        return out
+        return substitute_heads(selected, heads)
 
     def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
                       layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
