@@ -42,6 +42,7 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "torch_prune": "torch",
     "torch_quant": "torch",
     "torch_speedup": "torch",
+    "torch_quant_onnx": "torch",
     "tf_prune": "tensorflow",
     "tf_quant": "tensorflow",
     "tf_speedup": "tensorflow",

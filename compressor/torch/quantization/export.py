@@ -13,6 +13,11 @@
   folds them into constants holding the same values. onnxruntime with graph optimizations disabled
   reproduces the PyTorch outputs; with them (the default) it runs integer kernels between QDQ pairs and
   may differ by about one quantization step.
+* Integer ONNX (``onnx_format='int8'``; the default ``'auto'`` picks it for a QAT_Quantizer whose
+  quantizations are all 8-bit on Conv/Linear layers with quantized weights): int8/uint8 weight
+  initializers + DequantizeLinear, QDQ activations, int32 biases, dynamic batch axis; onnxruntime fuses
+  it into QLinearConv / QGemm / QLinearMatMul (see :mod:`.onnx_qdq`). ``onnx_format='fake_quant'`` keeps
+  the form above (float weights, fixed input shape).
 """
 
 from __future__ import annotations
@@ -77,6 +82,20 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
     """See :meth:`TorchQuantizer.export_model`. The model's train/eval mode is restored afterwards."""
     if onnx_path is not None and input_shape is None and dummy_input is None:
         raise ValueError("export_model: onnx_path needs input_shape (or dummy_input)")
+    fmt = onnx_kwargs.pop("onnx_format", "auto")
+    if fmt not in ("auto", "int8", "fake_quant"):
+        raise ValueError(f"export_model: onnx_format must be 'auto', 'int8' or 'fake_quant', got {fmt!r}")
+    if onnx_path is not None and fmt != "fake_quant":
+        from .onnx_qdq import check_int8_ready, int8_export_problem
+
+        problem = int8_export_problem(quantizer)
+        if problem is None:
+            check_int8_ready(quantizer)  # before anything is written
+            fmt = "int8"
+        elif fmt == "int8":
+            raise ValueError(f"export_model: onnx_format='int8': {problem}")
+        else:
+            fmt = "fake_quant"
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     training = model.training
@@ -103,7 +122,13 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
             if dummy_input is None:
                 dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
                 dummy_input = torch.randn(*input_shape, device=dev)
-            export_onnx(quantizer, exported, onnx_path, dummy_input, **onnx_kwargs)
+            if fmt == "int8":
+                from .onnx_qdq import export_int8_onnx
+
+                quantizer.onnx_int8_summary = export_int8_onnx(quantizer, exported, onnx_path, dummy_input,
+                                                               **onnx_kwargs)
+            else:
+                export_onnx(quantizer, exported, onnx_path, dummy_input, **onnx_kwargs)
     finally:
         model.train(training)
     return calibration

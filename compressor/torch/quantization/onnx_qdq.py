@@ -1,0 +1,370 @@
+"""Integer ONNX export of a QAT-quantized model: int8 weights + QDQ activations that onnxruntime fuses.
+
+:func:`export_int8_onnx` exports the FLOAT model (the wrappers run their layer with the exported,
+already quantized weight and bias; no quantization ops are traced) with a dynamic batch axis, then
+rewrites the graph with the ``onnx`` API from the scales/zero points the quantizer recorded:
+
+* each quantized weight initializer becomes integer codes (int8 for signed grids, uint8 for unsigned)
+  followed by ``DequantizeLinear`` (``axis`` = output-channel axis for per-channel scales): the file holds
+  one byte per weight;
+* each configured input / output quantization becomes ``QuantizeLinear -> DequantizeLinear`` (uint8 or
+  int8, the quantizer's scale and zero point) on the layer's input edge / after the layer;
+* after a grid-preserving op (Relu, MaxPool, Flatten, Reshape, ...) fed by a quantized output, that
+  output's QDQ pair is repeated: the values already lie on that grid, so this changes nothing
+  numerically, but onnxruntime then runs those ops on uint8/int8 (or drops the Relu) and a following
+  layer without input quantization sees a quantized input;
+* the bias of a layer with a quantized input becomes int32 codes with ``scale = input_scale *
+  weight_scale`` and zero point 0 (+ ``DequantizeLinear``), the form onnxruntime's QDQ fusion requires
+  (a float bias keeps Conv in float).
+
+onnxruntime (graph optimisation ``ORT_ENABLE_EXTENDED`` and above, the default is ALL) then replaces
+``DQ -> Conv -> Q`` with ``QLinearConv``, ``DQ -> Gemm (-> Q)`` with ``QGemm``, ``DQ -> MatMul -> Q`` with
+``QLinearMatMul``. Differences to the fake-quant torch model: QuantizeLinear computes ``round(x / s) + zp``
+(the model ``round(x / s + zp)``; ties differ), the int32 bias rounds the bias to ``s_in * s_w``, and the
+integer kernels requantize; outputs agree within about one quantization step.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .wrapper import QuantizerModuleWrapper, quant_axis
+
+__all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx"]
+
+#: ops through which values on a quantization grid stay on the same grid (first input = data)
+GRID_PRESERVING = {"Relu", "MaxPool", "Flatten", "Reshape", "Identity", "Transpose", "Squeeze", "Unsqueeze"}
+#: ops onnxruntime turns into integer kernels when their inputs come from DequantizeLinear
+COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
+
+
+def _containers(qmin: int, qmax: int) -> np.dtype | None:
+    if 0 <= qmin and qmax <= 255:
+        return np.dtype(np.uint8)
+    if -128 <= qmin and qmax <= 127:
+        return np.dtype(np.int8)
+    return None
+
+
+def int8_export_problem(quantizer: Any) -> str | None:
+    """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can)."""
+    from .qat import QAT_Quantizer
+
+    if not isinstance(quantizer, QAT_Quantizer):
+        return f"the integer ONNX form needs QAT_Quantizer (got {type(quantizer).__name__})"
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    if not wrappers:
+        return "no layer is quantized"
+    for w in wrappers:
+        if "weight" not in w.quant_types or w._fn not in ("conv", "linear"):
+            return f"layer {w.name!r}: only Conv/Linear layers with quantized weights map to integer kernels"
+        if not w.quant_active:
+            return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"
+        for t in w.quant_types:
+            qp = w.qparams(t)
+            if qp is None or w.quant_bits.get(t) != 8 or _containers(qp[2], qp[3]) is None:
+                return f"layer {w.name!r}: {t} is not an 8-bit quantization with scale/zero point"
+    return None
+
+
+def check_int8_ready(quantizer: Any) -> None:
+    """Raise ValueError when an activation scale is unknown (no forward pass / calibration yet)."""
+    missing = []
+    for w in quantizer.get_modules_wrapper():
+        for t in w.quant_types:
+            observed = w._buffers.get(f"{t}_observed")
+            if observed is not None and not bool(observed):
+                missing.append(f"{w.name}.{t}")
+    if missing:
+        raise ValueError(
+            "export_model: the integer ONNX export needs the activation scales, but these were never observed: "
+            f"{', '.join(missing)}. Run the model forward in training mode on calibration data (or call "
+            "quantizer.load_calibration_config(...)) before exporting; nothing was written.")
+
+
+def _host_qparams(w: QuantizerModuleWrapper, t: str) -> dict[str, Any]:
+    scale, zp, qmin, qmax = w.qparams(t)
+    s = scale.detach().cpu().double().numpy()
+    z = np.rint(zp.detach().cpu().double().numpy())
+    axis = quant_axis(w.layer, t) if s.ndim > 0 else None
+    return {"scale": s, "zp": z, "qmin": int(qmin), "qmax": int(qmax), "axis": axis,
+            "dtype": _containers(qmin, qmax)}
+
+
+def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                  dummy_input: torch.Tensor, onnx_kwargs: dict[str, Any]) -> bytes:
+    """The model with quantized weight values but no quantization ops, batch axis dynamic."""
+    model = quantizer.bound_model
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    for w in wrappers:
+        w.export_mode = True
+        w._export_weight, w._export_bias = exported[w.name]
+        w._export_plan = {t: "skip" for t in w.quant_types if t != "weight"}
+        w._export_qparams = {t: None for t in w.quant_types}
+    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True}
+    kwargs.update(onnx_kwargs)
+    kwargs.pop("external_data", None)
+    if kwargs.get("dynamo"):
+        if "dynamic_shapes" not in kwargs:
+            kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch")},)
+    else:
+        kwargs.setdefault("input_names", ["input"])
+        kwargs.setdefault("dynamic_axes", {kwargs["input_names"][0]: {0: "batch"}})
+    buf = io.BytesIO()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if kwargs.get("dynamo"):
+                prog = torch.onnx.export(model, (dummy_input,), **kwargs)
+                return prog.model_proto.SerializeToString()
+            torch.onnx.export(model, (dummy_input,), buf, **kwargs)
+    finally:
+        for w in wrappers:
+            w.export_mode = False
+            w._export_weight = w._export_bias = None
+            w._export_plan = w._export_qparams = None
+    return buf.getvalue()
+
+
+class _Graph:
+    """Small helper around a GraphProto: initializers, consumers, node insertion."""
+
+    def __init__(self, model: Any):
+        from onnx import numpy_helper
+
+        self.model = model
+        self.g = model.graph
+        for node in [n for n in self.g.node if n.op_type == "Constant" and len(n.attribute) == 1
+                     and n.attribute[0].name == "value"]:  # constants -> initializers (one place to look)
+            tensor = node.attribute[0].t
+            tensor.name = node.output[0]
+            self.g.initializer.append(tensor)
+            self.g.node.remove(node)
+        self.inits = {i.name: i for i in self.g.initializer}
+        self.arrays = {name: numpy_helper.to_array(i) for name, i in self.inits.items()}
+        self.new_nodes: list[Any] = []
+        self.names: set[str] = set(self.inits) | {o for n in self.g.node for o in n.output}
+
+    def unique(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        self.names.add(name)
+        return name
+
+    def add_init(self, base: str, value: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        name = self.unique(base)
+        self.g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        self.inits[name] = self.g.initializer[-1]
+        return name
+
+    def consumers(self, name: str) -> list[Any]:
+        return [n for n in self.g.node if name in n.input]
+
+    def dq(self, base: str, q_name: str, scale: str, zp: str, axis: int | None) -> str:
+        from onnx import helper
+
+        out = self.unique(base)
+        kw = {} if axis is None else {"axis": axis}
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zp], [out],
+                                               name=self.unique(base + "/DequantizeLinear"), **kw))
+        return out
+
+    def qdq(self, base: str, src: str, qp: dict[str, Any], out: str | None = None) -> str:
+        """``src -> QuantizeLinear -> DequantizeLinear -> out`` (a new name unless given)."""
+        from onnx import helper
+
+        if qp["axis"] is not None:
+            raise ValueError("per-channel activation quantization has no integer ONNX kernel; use a per_tensor scheme")
+        scale = self.add_init(base + ".scale", np.float32(qp["scale"]))
+        zp = self.add_init(base + ".zero_point", qp["zp"].astype(qp["dtype"]))
+        q = self.unique(base + ".quantized")
+        self.new_nodes.append(helper.make_node("QuantizeLinear", [src, scale, zp], [q],
+                                               name=self.unique(base + "/QuantizeLinear")))
+        if out is None:
+            return self.dq(base + ".dequantized", q, scale, zp, None)
+        self.names.add(out)
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [out],
+                                          name=self.unique(base + "/DequantizeLinear")))
+        return out
+
+    def drop_unused_initializers(self) -> None:
+        used = {i for n in list(self.g.node) + self.new_nodes for i in n.input}
+        used |= {o.name for o in self.g.output}
+        keep = [i for i in self.g.initializer if i.name in used]
+        del self.g.initializer[:]
+        self.g.initializer.extend(keep)
+
+    def finish(self) -> None:
+        """Append the new nodes and restore a topological order."""
+        nodes = list(self.g.node) + self.new_nodes
+        ready = {i.name for i in self.g.input} | {i.name for i in self.g.initializer} | {""}
+        ordered, pending = [], nodes
+        while pending:
+            rest = []
+            for n in pending:
+                if all(i in ready for i in n.input):
+                    ordered.append(n)
+                    ready.update(n.output)
+                else:
+                    rest.append(n)
+            if len(rest) == len(pending):
+                raise RuntimeError("int8 ONNX rewrite: the graph has a cycle or a dangling input")
+            pending = rest
+        del self.g.node[:]
+        self.g.node.extend(ordered)
+        self.new_nodes = []
+
+
+def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[str, bool] | None:
+    """The float initializer holding ``weight`` (or its transpose, for MatMul): (name, transposed)."""
+    for transposed in (False, True):
+        want = weight.T if transposed else weight
+        if transposed and weight.ndim != 2:
+            break
+        for name, arr in graph.arrays.items():
+            if name in taken or arr.dtype != np.float32 or arr.shape != want.shape:
+                continue
+            if np.array_equal(arr, want):
+                return name, transposed
+    return None
+
+
+def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                     onnx_path: str | os.PathLike, dummy_input: torch.Tensor, **onnx_kwargs: Any) -> dict[str, Any]:
+    """Write the integer (QDQ, int8 weights) ONNX graph to ``onnx_path``; returns a per-layer summary
+    ``{layer: {'op', 'weight', 'input', 'output', 'bias'}}``. Nothing is left at ``onnx_path`` on error."""
+    import onnx
+
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
+    proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
+    model = onnx.load_from_string(proto)
+    graph = _Graph(model)
+    summary: dict[str, Any] = {}
+    taken: set[str] = set()
+    layers = []  # (wrapper, compute node, weight axis in the initializer)
+    for w in wrappers:
+        weight = exported[w.name][0].detach().cpu().float().numpy()
+        found = _find_weight(graph, weight, taken)
+        if found is None:
+            raise RuntimeError(f"int8 ONNX export: the weight of layer {w.name!r} is not an initializer of the "
+                               f"exported graph")
+        init, transposed = found
+        taken.add(init)
+        nodes = [n for n in graph.consumers(init) if n.op_type in COMPUTE_OPS]
+        if len(nodes) != 1:
+            raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: expected one Conv/Gemm/MatMul using its weight, "
+                               f"found {[n.op_type for n in nodes]}")
+        node = nodes[0]
+        qp = params[w.name]["weight"]
+        axis = qp["axis"]
+        if axis is not None and transposed:
+            axis = 1 - axis
+        layers.append((w, node, init, transposed, axis))
+
+    # 1. outputs (so the input propagation below can find them)
+    out_qdq: dict[str, dict[str, Any]] = {}  # dequantized activation tensor -> its qparams
+    for w, node, *_ in layers:
+        info = summary.setdefault(w.name, {"op": node.op_type})
+        info["output"] = False
+        if "output" not in w.quant_types:
+            continue
+        end = node
+        if node.op_type == "MatMul":  # Linear on >2-D inputs: MatMul + Add(bias)
+            users = graph.consumers(node.output[0])
+            if len(users) == 1 and users[0].op_type == "Add":
+                end = users[0]
+        name = end.output[0]
+        raw = graph.unique(name + ".float")
+        end.output[0] = raw
+        graph.qdq(f"{w.name}.output", raw, params[w.name]["output"], out=name)
+        out_qdq[name] = params[w.name]["output"]
+        info["output"] = True
+
+    # 1b. values stay on a quantized output's grid through Relu/MaxPool/Flatten/...: repeat its QDQ pair
+    # after such ops (exact), so onnxruntime runs them on integers and the next layer sees a DQ input
+    for node in list(graph.g.node):  # topological order
+        if node.op_type not in GRID_PRESERVING or not node.input or node.input[0] not in out_qdq:
+            continue
+        qp, name = out_qdq[node.input[0]], node.output[0]
+        out_qdq[name] = qp
+        if any(n.op_type in ("Relu", "MaxPool") for n in graph.consumers(name)):
+            continue  # only at the end of a Relu/MaxPool run (ORT fuses DQ -> Relu -> MaxPool -> Q best)
+        raw = graph.unique(name + ".float")
+        node.output[0] = raw
+        graph.qdq(name, raw, qp, out=name)
+
+    # 2. weights (int codes + DequantizeLinear), inputs, int32 bias
+    for w, node, init, _transposed, axis in layers:
+        info = summary[w.name]
+        qp = params[w.name]["weight"]
+        weight = graph.arrays[init].astype(np.float64)
+        s, z = qp["scale"], qp["zp"]
+        if axis is not None:
+            shape = [1] * weight.ndim
+            shape[axis] = -1
+            s_b, z_b = s.reshape(shape), z.reshape(shape)
+        else:
+            s_b, z_b = s, z
+        codes = np.clip(np.rint(weight / s_b + z_b), qp["qmin"], qp["qmax"])
+        err = np.max(np.abs((codes - z_b) * s_b - weight)) if weight.size else 0.0
+        if err > 1e-5 * max(1.0, float(np.max(np.abs(weight))) if weight.size else 1.0):
+            raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: the exported weight is not on its recorded grid "
+                               f"(max error {err:.3g}); was the weight scale changed after the last forward?")
+        q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(qp["dtype"]))
+        s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
+        z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(qp["dtype"]))
+        deq = graph.dq(f"{w.name}.weight_dequantized", q_name, s_name, z_name, axis)
+        node.input[1] = deq
+        info["weight"] = f"{qp['dtype'].name}{' per-channel' if axis is not None else ''}"
+
+        # input: configured, or inherited through grid-preserving ops from a quantized output
+        in_qp = params[w.name].get("input")
+        src = node.input[0]
+        if in_qp is None:
+            in_qp = out_qdq.get(src)  # already the output of a DequantizeLinear (step 1 / 1b)
+            info["input"] = "inherited" if in_qp is not None else False
+        else:
+            info["input"] = True
+            node.input[0] = graph.qdq(f"{w.name}.input", src, in_qp)
+
+        # bias
+        info["bias"] = "float" if len(node.input) > 2 and node.input[2] else None
+        if in_qp is not None and info["bias"] and node.input[2] in graph.arrays and node.op_type in ("Conv", "Gemm"):
+            bias = graph.arrays[node.input[2]].astype(np.float64)
+            bscale = float(in_qp["scale"]) * np.asarray(s, dtype=np.float64)
+            bscale32 = bscale.astype(np.float32)
+            bcodes = np.rint(bias / bscale32.astype(np.float64))
+            if bias.ndim == 1 and np.all(np.abs(bcodes) <= 2**31 - 1):
+                b_q = graph.add_init(f"{w.name}.bias_quantized", bcodes.astype(np.int32))
+                b_s = graph.add_init(f"{w.name}.bias_scale", bscale32)
+                b_z = graph.add_init(f"{w.name}.bias_zero_point", np.zeros(bscale32.shape, np.int32))
+                node.input[2] = graph.dq(f"{w.name}.bias_dequantized", b_q, b_s, b_z, 0 if bscale32.ndim else None)
+                info["bias"] = "int32"
+
+    graph.drop_unused_initializers()
+    graph.finish()
+    for vi in list(model.graph.value_info):  # shapes/types of renamed tensors are stale; ORT re-infers them
+        model.graph.value_info.remove(vi)
+    if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
+        raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")
+    model.producer_name = "compressor"
+    onnx.checker.check_model(model)
+    path = os.fspath(onnx_path)
+    tmp = path + ".tmp"
+    try:
+        onnx.save(model, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return summary
