@@ -664,7 +664,13 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
             if p.is_floating_point():
                 p.requires_grad_(True)
         with torch.enable_grad(), _PadValues(b.pad_values):
-            output = model(*args, **kwargs)
+            try:
+                output = model(*args, **kwargs)
+            except Exception as e:
+                shapes = [tuple(t.shape) for _, t in inputs]
+                raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
+                                 f"{shapes}: {e}. Pass an input the model accepts (shape and dtype as in "
+                                 f"training; a tuple for several arguments, a dict for keyword arguments)") from e
         outs = _tensors(output)
         ends = []
         for t in outs:

@@ -126,3 +126,13 @@ def test_criteria_without_filter_scores_refuse_dependency_aware():
 
     with pytest.raises(ConfigError, match="filter criterion"):
         LevelGroups(make(), [{"sparsity": 0.5, "op_types": ["Conv2d"]}], dependency_aware=True, dummy_input=X)
+
+
+def test_a_dummy_input_the_model_rejects_is_a_clear_error_and_changes_nothing():
+    from compressor.core.errors import ModelError
+
+    m = make()
+    with pytest.raises(ModelError, match=r"forward raised RuntimeError on dummy_input \[\(1, 5, 8, 8\)\]"):
+        cth.L1FilterPruner(m, [{"sparsity": 0.5, "op_types": ["Conv2d"]}], dependency_aware=True,
+                           dummy_input=torch.randn(1, 5, 8, 8))
+    assert type(m.stem) is nn.Conv2d and m.training is False
