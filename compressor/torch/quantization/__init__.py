@@ -9,11 +9,12 @@ from .dorefa import DoReFaQuantizer
 from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
+from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TorchQuantizer
 from .wrapper import QuantizerModuleWrapper
 
 __all__ = [
-    "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "QAT_Quantizer", "QuantGrad",
-    "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer",
+    "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
+    "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer",
 ]

@@ -1,0 +1,271 @@
+"""``PtqQuantizer``: post-training (static) quantization, calibrated on a few batches, no training.
+
+A subclass of :class:`~.qat.QAT_Quantizer`, so its wrappers, buffers (``<type>_scale``,
+``<type>_zero_point``, ``tracked_min_<type>``, ``tracked_max_<type>``, ``<type>_observed``), fake
+quantization, BN folding, state_dict and export (integer QDQ ONNX included) are the same. Differences:
+
+* defaults: weights ``'int'`` / ``'per_channel_symmetric'`` (int8 = [-127, 127], one scale per output
+  channel), inputs/outputs ``'uint'`` / ``'per_tensor_affine'``; config keys override them as for QAT;
+* ranges come from :mod:`compressor.core.observers` in :meth:`PtqQuantizer.calibrate`: the model runs in
+  eval mode under ``torch.no_grad()`` in FLOAT (nothing quantized while calibrating), activation observers
+  (``observer``: 'minmax', 'moving_average_minmax', 'percentile', 'mse') record every quantized layer's
+  input/output, each weight is observed once (``weight_observer``, default 'minmax', per channel), then
+  every scale and zero point is computed and only then written into the buffers (frozen);
+* after calibration the weights are fake-quantized with the FROZEN weight scale (QAT recomputes it from
+  the current min/max each forward) and activations with the frozen scales in train and eval mode alike
+  (PTQ never updates ranges; re-run :meth:`calibrate` to recalibrate). Before calibration a quantized
+  forward or an export raises, naming ``calibrate()``;
+* ``bn_fold=True`` (default): QAT's :class:`~.bn_fold.BNFolding` (each Conv2d followed only by a
+  BatchNorm2d; in eval mode it computes ``conv(x, fq(w * f)) + beta + (b - mean) * f`` with
+  ``f = gamma / sqrt(running_var + eps)``); the weight observed is the folded ``w * f``. A model that
+  ``torch.fx`` cannot trace is quantized without folding (with a warning).
+
+State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
+saved after calibration restores a calibrated quantizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core import observers as cobs
+from ...core.errors import ConfigError, ConfigWarning, ModelError
+from .bn_fold import find_conv_bn_pairs, fold_factor
+from .fakequant import fake_quant, ops
+from .qat import QAT_Quantizer
+from .quantizer import builtin_ste
+from .settings import QuantSpec, resolve_spec
+from .wrapper import QuantizerModuleWrapper
+
+__all__ = ["PtqQuantizer"]
+
+#: defaults per quant type when the config does not say: (quant_dtype, quant_scheme)
+PTQ_DEFAULTS = {"weight": ("int", "per_channel_symmetric"), "input": ("uint", "per_tensor_affine"),
+                "output": ("uint", "per_tensor_affine")}
+
+_NO_DATA = "calibrate with at least one batch"
+
+
+class PtqQuantizer(QAT_Quantizer):
+    """Post-training quantization: ``PtqQuantizer(model, config_list).calibrate(loader)``, then evaluate
+    or ``export_model(...)``."""
+
+    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], observer: str = "minmax",
+                 percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
+                 weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None):
+        for what, method in (("observer", observer), ("weight_observer", weight_observer)):
+            if method not in cobs.OBSERVERS:
+                raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
+        # validated here (the core checks), before the model is touched
+        cobs.PercentileObserver(ops, percentile=percentile)
+        cobs.MseObserver(ops, grid_size=grid_size)
+        self.observer = observer
+        self.weight_observer = weight_observer
+        self.percentile = float(percentile)
+        self.grid_size = int(grid_size)
+        self.dummy_input = dummy_input
+        self._calibrating = False
+        self._act_observers: dict[tuple[str, str], cobs.Observer] = {}
+        if bn_fold:
+            try:
+                find_conv_bn_pairs(model)
+            except ConfigError as e:
+                warnings.warn(f"PtqQuantizer: BN folding disabled: {e}", ConfigWarning, stacklevel=2)
+                bn_fold = False
+        super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold))
+
+    # ------------------------------------------------------------------ construction
+    def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
+        what = type(self).__name__
+        return {t: resolve_spec(config, t, layer, name, default_dtype=PTQ_DEFAULTS[t][0],
+                                default_scheme=PTQ_DEFAULTS[t][1], what=what) for t in config["quant_types"]}
+
+    def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
+        super().init_wrapper(wrapper)
+        if "weight" in wrapper.qat_specs:
+            wrapper.register_buffer("weight_observed",
+                                    torch.zeros((), dtype=torch.bool, device=wrapper.weight_scale.device))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def calibrated(self) -> bool:
+        """True when every quantized tensor of every layer has a frozen scale and zero point."""
+        return all(bool(w._buffers[f"{t}_observed"]) for w in self._wrappers for t in w.qat_specs)
+
+    def _require_calibrated(self, wrapper: QuantizerModuleWrapper, t: str) -> None:
+        if not bool(wrapper._buffers[f"{t}_observed"]):
+            raise RuntimeError(f"PtqQuantizer: layer {wrapper.name!r} has no {t} scale yet; call "
+                               f"quantizer.calibrate(data) (a DataLoader or batches of model inputs) before "
+                               f"running or exporting the quantized model")
+
+    # ------------------------------------------------------------------ quantization
+    @builtin_ste
+    def quantize_weight(self, weight: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
+        if self._calibrating:
+            return weight  # float forward while calibrating (weights are observed apart from it)
+        self._require_calibrated(wrapper, "weight")
+        if not wrapper.quant_active:
+            return weight
+        spec = wrapper.qat_specs["weight"]
+        return fake_quant(weight, wrapper.weight_scale, wrapper.weight_zero_point, spec.qmin, spec.qmax, spec.axis)
+
+    def _activation(self, t: str, x: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
+        if self._calibrating:
+            obs = self._act_observers.get((wrapper.name, t))
+            if obs is not None:
+                obs.observe(x.detach())
+            return x
+        self._require_calibrated(wrapper, t)
+        if not wrapper.quant_active:
+            return x
+        spec = wrapper.qat_specs[t]
+        buf = wrapper._buffers
+        return fake_quant(x, buf[f"{t}_scale"], buf[f"{t}_zero_point"], spec.qmin, spec.qmax, spec.axis)
+
+    # ------------------------------------------------------------------ observers
+    def _observer_kwargs(self, method: str) -> dict[str, Any]:
+        if method == "percentile":
+            return {"percentile": self.percentile}
+        if method == "mse":
+            return {"grid_size": self.grid_size}
+        return {}
+
+    def make_observer(self, spec: QuantSpec, method: str) -> cobs.Observer:
+        """The core observer of ``method`` for one tensor's spec (bits, dtype, scheme, channel axis)."""
+        return cobs.OBSERVERS[method].from_spec(ops, spec, **self._observer_kwargs(method))
+
+    def float_weight(self, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
+        """The float weight that gets quantized: ``w * f`` for a BN-folded conv, else the layer's weight."""
+        w = wrapper.weight.detach()
+        if self._bn is not None and self._bn.has(wrapper):
+            w = w * fold_factor(wrapper.bn_module).detach().reshape(-1, *([1] * (w.dim() - 1)))
+        return w
+
+    @contextlib.contextmanager
+    def float_mode(self) -> Iterator[None]:
+        """Run the wrapped model in float (nothing quantized, BN still folded; nothing observed)."""
+        saved = self._calibrating, self._act_observers
+        self._calibrating, self._act_observers = True, {}
+        try:
+            yield
+        finally:
+            self._calibrating, self._act_observers = saved
+
+    # ------------------------------------------------------------------ calibration
+    def _batches(self, data: Any, num_batches: int | None) -> Iterator[tuple[int, Any]]:
+        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, numbers.Integral)
+                                        or num_batches < 1):
+            raise ConfigError(f"PtqQuantizer.calibrate: num_batches must be a positive int or None, got {num_batches!r}")
+        if data is None:
+            raise ConfigError(f"PtqQuantizer.calibrate: no data given; {_NO_DATA} (a DataLoader, an iterable of "
+                              f"tensors or (x, y) tuples, or one tensor)")
+        if torch.is_tensor(data):
+            data = [data]
+        elif not isinstance(data, Iterable):
+            raise ConfigError(f"PtqQuantizer.calibrate: data must be a DataLoader, an iterable of batches or a "
+                              f"tensor, got {type(data).__name__}; {_NO_DATA}")
+        for i, batch in enumerate(data):
+            if num_batches is not None and i >= num_batches:
+                return
+            if isinstance(batch, (tuple, list)):
+                if not batch:
+                    raise ModelError(f"PtqQuantizer.calibrate: batch {i} is an empty {type(batch).__name__}; "
+                                     f"expected {self._expected()}")
+                batch = batch[0]
+            yield i, batch
+
+    def _expected(self) -> str:
+        d = self.dummy_input
+        if torch.is_tensor(d):
+            return f"a model input like dummy_input (shape {tuple(d.shape)}, dtype {d.dtype})"
+        return "a model input tensor (the x of (x, y) batches)"
+
+    def calibrate(self, data: Any, num_batches: int | None = None) -> PtqQuantizer:
+        """Observe ``data`` (DataLoader / iterable of tensors or ``(x, y, ...)`` tuples / one tensor; at most
+        ``num_batches`` batches) in eval mode without gradients, then freeze every scale and zero point.
+
+        ConfigError for no data; ModelError when a batch cannot run through the model; either way the
+        quantizer's buffers are left as they were. The modules' train/eval modes are restored. Returns self.
+        """
+        model = self.bound_model
+        modes = {m: m.training for m in model.modules()}
+        wrappers = list(self._wrappers)
+        self._act_observers = {(w.name, t): self.make_observer(spec, self.observer)
+                               for w in wrappers for t, spec in w.qat_specs.items() if t != "weight"}
+        seen = 0
+        try:
+            model.eval()
+            self._calibrating = True
+            with torch.no_grad():
+                for i, x in self._batches(data, num_batches):
+                    if not torch.is_tensor(x):
+                        raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a {type(x).__name__}, expected "
+                                         f"{self._expected()}")
+                    try:
+                        model(x)
+                    except Exception as e:  # noqa: BLE001  (any failure of the user's model on this batch)
+                        raise ModelError(
+                            f"PtqQuantizer.calibrate: batch {i} (shape {tuple(x.shape)}, dtype {x.dtype}) failed in "
+                            f"the model; expected {self._expected()}: {type(e).__name__}: {e}") from e
+                    seen += 1
+            if seen == 0:
+                raise ConfigError(f"PtqQuantizer.calibrate: the data yielded no batch; {_NO_DATA}")
+            plan = self._plan(wrappers)
+        finally:
+            self._calibrating = False
+            self._act_observers = {}
+            for m, mode in modes.items():
+                m.training = mode
+        with torch.no_grad():
+            for target, value in plan:
+                target.copy_(value)
+        for w in wrappers:
+            w.frozen = True
+        self.calibration_batches = seen
+        return self
+
+    def _plan(self, wrappers: list[QuantizerModuleWrapper]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every ``(buffer, value)`` to write, computed before anything is written."""
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for w in wrappers:
+            buf = w._buffers
+            for t, spec in w.qat_specs.items():
+                if t == "weight":
+                    obs = self.make_observer(spec, self.weight_observer)
+                    obs.observe(self.float_weight(w))
+                else:
+                    obs = self._act_observers[(w.name, t)]
+                    if not obs.calibrated:
+                        raise ModelError(f"PtqQuantizer.calibrate: layer {w.name!r} was never called by the model "
+                                         f"on the calibration data, so its {t} range is unknown")
+                    rmin, rmax = obs.range()
+                    plan += [(buf[f"tracked_min_{t}"], rmin), (buf[f"tracked_max_{t}"], rmax)]
+                scale, zp = obs.qparams()
+                target = buf[f"{t}_scale"]
+                if tuple(scale.shape) != tuple(target.shape):
+                    raise ModelError(f"PtqQuantizer.calibrate: layer {w.name!r}: {t} scale of shape "
+                                     f"{tuple(scale.shape)}, expected {tuple(target.shape)}")
+                plan += [(target, scale), (buf[f"{t}_zero_point"], zp),
+                         (buf[f"{t}_observed"], torch.ones((), dtype=torch.bool))]
+        return plan
+
+    # ------------------------------------------------------------------ export
+    def export_model(self, model_path: str, calibration_path: str | None = None, onnx_path: str | None = None,
+                     input_shape: tuple[int, ...] | None = None, device: torch.device | str | None = None,
+                     **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
+        if not self.calibrated:
+            missing = [f"{w.name}.{t}" for w in self._wrappers for t in w.qat_specs
+                       if not bool(w._buffers[f"{t}_observed"])]
+            raise RuntimeError(f"PtqQuantizer.export_model: not calibrated ({', '.join(missing)} have no scale); "
+                               f"call quantizer.calibrate(data) first; nothing was written")
+        if onnx_path is not None and input_shape is None and "dummy_input" not in onnx_kwargs \
+                and torch.is_tensor(self.dummy_input):
+            onnx_kwargs["dummy_input"] = self.dummy_input
+        return super().export_model(model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
