@@ -19,8 +19,6 @@ def compressor_add_backends(registry: Any) -> None:
 @hookimpl
 def compressor_add_algorithms(registry: Any) -> None:
     register_builtins(registry, "torch", "compressor.torch", implemented=_implemented())
-    # post-training quantization (torch side registered here so the shared name lists stay untouched)
-    registry.register("torch", "PtqQuantizer", "compressor.torch:PtqQuantizer", kind="quantizer")
 
 
 def _implemented() -> set[str] | None:

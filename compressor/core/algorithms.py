@@ -13,7 +13,7 @@ PRUNERS = (
     "TaylorFOWeightFilterPruner",
     "LotteryTicketPruner",
 )
-QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer")
+QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer")
 
 
 def register_builtins(registry, backend: str, module: str, implemented=None) -> None:

@@ -13,12 +13,13 @@ from .export import read_calibration
 from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
+from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TfQuantizer, builtin_autograd, builtin_ste
 from .wrapper import QuantizerLayerWrapper, QuantizerModuleWrapper
 
 __all__ = [
-    "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "QAT_Quantizer", "QuantGrad",
-    "QuantType", "Quantizer", "QuantizerLayerWrapper", "QuantizerModuleWrapper", "TfQuantizer", "builtin_autograd",
+    "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
+    "QuantGrad", "QuantType", "Quantizer", "QuantizerLayerWrapper", "QuantizerModuleWrapper", "TfQuantizer", "builtin_autograd",
     "builtin_ste", "read_calibration",
 ]

@@ -1,0 +1,392 @@
+"""``PtqQuantizer``: post-training quantization (calibration, no training) on Keras 3.
+
+A :class:`~.qat.QAT_Quantizer` whose scales come from calibration instead of training; it reuses QAT's
+wrappers, state variables (``<type>_scale``, ``<type>_zero_point``, ``tracked_min_<type>``,
+``tracked_max_<type>``, ``<type>_observed``), fake quantization, calibration JSON and export.
+
+* Defaults (unless ``quant_dtype`` / ``quant_scheme`` say otherwise): weights per-channel symmetric signed
+  (int8: [-127, 127], one scale per output channel = the last Keras kernel axis), activations
+  per-tensor affine unsigned (uint8: [0, 255]).
+* :meth:`PtqQuantizer.calibrate` runs the model eagerly in inference mode (``training=False``) on
+  calibration batches with quantization OFF (float activations, float weights); each quantized layer's
+  input / output goes through an observer of :mod:`compressor.core.observers` (``observer='minmax'`` |
+  ``'moving_average_minmax'`` | ``'percentile'`` | ``'mse'``); weights are observed once with a min/max
+  observer (their qparams equal QAT's for the same kernel). Everything is computed first, then written
+  into the wrapper state and frozen: from then on every call (also ``training=True``) uses the stored
+  scales and zero points, weights included.
+* ``bn_fold=True``: a ``BatchNormalization`` (channels-last, ``axis=-1``) whose only input is a
+  weight-quantized Dense / Conv1D / Conv2D / Conv3D (channels_last) that has no other consumer is folded
+  into that layer before calibration, in inference form: ``k' = k * gamma / sqrt(var + eps)`` per output
+  channel, ``b' = (b - mean) * gamma / sqrt(var + eps) + beta``; the BN becomes the identity
+  (``gamma=1, mean=0, var=1-eps``, ``beta=0``); a layer without bias keeps the shift in the BN's beta.
+  Training the BN afterwards (moving statistics updates) undoes the folding: PTQ is for inference.
+* Errors leave the model as it was: no batch -> ConfigError; a batch the model refuses -> ModelError
+  naming the expected input shape; export before calibrate -> ConfigError naming ``calibrate()``.
+* :meth:`PtqQuantizer.export_model` adds ``tflite_path``: a full-integer TFLite model (int8 weights and
+  activations; ``inference_input_type`` / ``inference_output_type`` ``tf.int8`` or ``tf.float32``). The
+  converter re-derives activation ranges on a representative dataset, by default the calibration batches
+  (kept, at most ``keep_batches``), with min/max, which equals the ``'minmax'`` observer's ranges; weights
+  hold their (already int8-grid) quantized values, which TFLite re-quantizes per channel losslessly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ...core.errors import ConfigError, ModelError
+from ...core.observers import OBSERVERS, MinMaxObserver, Observer
+from ..ops import ops
+from .fakequant import as_channels, fake_quant
+from .qat import QAT_Quantizer
+from .settings import QuantSpec, resolve_spec
+from .wrapper import QuantizerLayerWrapper
+
+__all__ = ["PtqQuantizer"]
+
+_NO_DATA = "calibrate with at least one batch"
+_FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
+
+
+class PtqQuantizer(QAT_Quantizer):
+    """Post-training quantization: ``PtqQuantizer(model, config_list).calibrate(data)``."""
+
+    handles_start_step = False
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 observer: str = "minmax", percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True,
+                 ema_decay: float = 0.99, batch_size: int = 32, keep_batches: int = 16) -> None:
+        if observer not in OBSERVERS:
+            raise ConfigError(f"PtqQuantizer: unknown observer {observer!r}; allowed: {sorted(OBSERVERS)}")
+        kw: dict[str, Any] = {}
+        if observer == "percentile":
+            kw["percentile"] = percentile
+        elif observer == "mse":
+            kw["grid_size"] = grid_size
+        elif observer == "moving_average_minmax":
+            kw["decay"] = ema_decay
+        OBSERVERS[observer](ops, **kw)  # checks the arguments (ConfigError) before the model is touched
+        if not isinstance(bn_fold, bool):
+            raise ConfigError(f"PtqQuantizer: bn_fold must be True or False, got {bn_fold!r}")
+        for name, v in (("batch_size", batch_size), ("keep_batches", keep_batches)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"PtqQuantizer: {name} must be a positive int, got {v!r}")
+        self.observer = observer
+        self._observer_kwargs = kw
+        self.bn_fold = bn_fold
+        self.batch_size = batch_size
+        self.keep_batches = keep_batches
+        self._calibrated = False
+        self._observing: dict[tuple[str, str], Observer] | None = None
+        self._samples: list[np.ndarray] = []
+        self._folded: list[tuple[Any, Any]] = []
+        super().__init__(model, config_list, optimizer, ema_decay=ema_decay)
+
+    @property
+    def calibrated(self) -> bool:
+        return self._calibrated
+
+    # ------------------------------------------------------------------ specs: PTQ defaults
+    def _specs(self, layer: Any, layer_type: str, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
+        what = type(self).__name__
+        out = {}
+        for t in config["quant_types"]:
+            if t == "weight":
+                out[t] = resolve_spec(config, t, layer, layer_type, name, default_dtype="int",
+                                      default_scheme="per_channel_symmetric", what=what)
+            else:
+                out[t] = resolve_spec(config, t, layer, layer_type, name, default_dtype="uint",
+                                      default_scheme="per_tensor_affine", what=what)
+        return out
+
+    # ------------------------------------------------------------------ quantization (frozen)
+    def quantize_weight(self, weight: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
+        if not self._calibrated or self._observing is not None:
+            return tf.identity(weight)  # float model until calibrated, float weights while calibrating
+        spec = wrapper.qat_specs["weight"]
+        view = as_channels(weight, wrapper.type)
+        out = fake_quant(view, wrapper.weight_scale.read_value(), wrapper.weight_zero_point.read_value(),
+                         spec.qmin, spec.qmax, spec.axis, fused=self.fused)
+        return tf.reshape(out, weight.shape) if view is not weight else out
+
+    def _activation(self, t: str, x: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
+        if self._observing is not None:
+            if not tf.executing_eagerly():
+                raise RuntimeError("PtqQuantizer: calibration observers run eagerly only")
+            self._observing[(wrapper.name, t)].observe(tf.convert_to_tensor(x))
+            return tf.identity(x)
+        if not self._calibrated:
+            return tf.identity(x)
+        spec = wrapper.qat_specs[t]
+        return fake_quant(x, getattr(wrapper, f"{t}_scale").read_value(),
+                          getattr(wrapper, f"{t}_zero_point").read_value(), spec.qmin, spec.qmax, spec.axis,
+                          fused=self.fused)
+
+    # ------------------------------------------------------------------ calibration
+    def _activation_observer(self, spec: QuantSpec) -> Observer:
+        return OBSERVERS[self.observer].from_spec(ops, spec, **self._observer_kwargs)
+
+    def _batches(self, data: Any, num_batches: int | None) -> Iterable[Any]:
+        if isinstance(data, tf.data.Dataset):
+            it: Iterable[Any] = data
+        elif isinstance(data, (np.ndarray, tf.Tensor)):
+            arr = data
+            it = (arr[i:i + self.batch_size] for i in range(0, int(arr.shape[0]), self.batch_size))
+        elif data is None or isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
+            raise ConfigError(f"PtqQuantizer.calibrate: data must be a tf.data.Dataset, a numpy array or an "
+                              f"iterable of batches; got {type(data).__name__}; {_NO_DATA}")
+        else:
+            it = data
+        n = 0
+        for batch in it:
+            if num_batches is not None and n >= num_batches:
+                return
+            if isinstance(batch, (tuple, list)) and len(batch) in (1, 2, 3) and not _is_array(batch):
+                batch = batch[0]  # (x,), (x, y) or (x, y, sample_weight)
+            n += 1
+            yield batch
+
+    def _expected_shape(self) -> Any:
+        inputs = getattr(self.bound_model, "inputs", None)
+        if inputs:
+            return tuple(inputs[0].shape)
+        return None
+
+    def _check_batch(self, x: Any) -> tf.Tensor:
+        expected = self._expected_shape()
+        try:
+            t = tf.convert_to_tensor(x)
+        except (ValueError, TypeError) as e:
+            raise ModelError(f"PtqQuantizer.calibrate: a batch could not be made a tensor (expected input shape "
+                             f"{expected}): {e}") from None
+        if not (t.dtype.is_floating or t.dtype.is_integer) or t.dtype.is_bool:
+            raise ModelError(f"PtqQuantizer.calibrate: batch dtype {t.dtype.name} is not numeric (expected input "
+                             f"shape {expected}, float)")
+        if t.shape.rank == 0 or int(t.shape[0]) == 0:
+            raise ConfigError(f"PtqQuantizer.calibrate: empty batch of shape {tuple(t.shape)}; {_NO_DATA}")
+        if expected is not None:
+            ok = len(expected) == t.shape.rank and all(e is None or e == int(d) for e, d in zip(expected, t.shape))
+            if not ok:
+                raise ModelError(f"PtqQuantizer.calibrate: batch of shape {tuple(t.shape)} does not fit the "
+                                 f"model's expected input shape {expected}")
+        return t
+
+    def calibrate(self, data: Any, num_batches: int | None = None) -> PtqQuantizer:
+        """Observe ``data`` (a ``tf.data.Dataset`` of ``x`` or ``(x, y)``, a numpy array batched by
+        ``batch_size``, or an iterable of batches), at most ``num_batches`` batches; freeze scales and zero
+        points into the wrappers (and fold BN first with ``bn_fold``). Returns self."""
+        what = "PtqQuantizer.calibrate"
+        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)
+                                        or num_batches < 1):
+            raise ConfigError(f"{what}: num_batches must be a positive int or None, got {num_batches!r}; {_NO_DATA}")
+        wrappers = [w for w in self.modules_wrapper if w.ready]
+        if len(wrappers) != len(self.modules_wrapper):
+            raise ConfigError(f"{what}: build the model (call it once) before calibrating")
+        batches = self._batches(data, num_batches)
+        fold = self._fold_plan() if self.bn_fold and not self._folded else []
+        backup = [(v, tf.identity(v)) for var_vals in fold for v, _ in var_vals]
+        observers: dict[tuple[str, str], Observer] = {}
+        for w in wrappers:
+            for t in w.quant_types:
+                if t != "weight":
+                    observers[(w.name, t)] = self._activation_observer(w.qat_specs[t])
+        samples: list[np.ndarray] = []
+        writes: list[tuple[Any, Any]] = []
+        try:
+            for var_vals in fold:
+                for var, value in var_vals:
+                    var.assign(value)
+            self._observing = observers
+            seen = 0
+            for batch in batches:
+                x = self._check_batch(batch)
+                try:
+                    self.bound_model(x, training=False)
+                except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+                    raise ModelError(f"{what}: the model refused a batch of shape {tuple(x.shape)} dtype "
+                                     f"{x.dtype.name} (expected input shape {self._expected_shape()}): {e}") from None
+                seen += 1
+                if len(samples) < self.keep_batches:
+                    samples.append(np.asarray(x.numpy(), np.float32))
+            if seen == 0:
+                raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
+            self._observing = None
+            for w in wrappers:
+                for t in w.quant_types:
+                    if t == "weight":
+                        spec = w.qat_specs["weight"]
+                        obs = MinMaxObserver.from_spec(ops, spec)
+                        obs.observe(as_channels(tf.convert_to_tensor(w.weight), w.type))
+                        rng = obs.range()
+                    else:
+                        obs = observers[(w.name, t)]
+                        rng = obs.range()
+                        writes += [(getattr(w, f"tracked_min_{t}"), rng[0]), (getattr(w, f"tracked_max_{t}"), rng[1]),
+                                   (getattr(w, f"{t}_observed"), True)]
+                    s, z = obs.qparams()
+                    writes += [(getattr(w, f"{t}_scale"), s), (getattr(w, f"{t}_zero_point"), z)]
+                writes.append((w.frozen, True))
+        except BaseException:
+            self._observing = None
+            for var, value in backup:
+                var.assign(value)
+            raise
+        for var, value in writes:
+            var.assign(tf.cast(tf.reshape(tf.convert_to_tensor(value), var.shape), var.dtype))
+        if fold:
+            self._folded = [(bn, conv) for bn, conv in self._fold_pairs()]
+        self._samples = samples
+        self._calibrated = True
+        self._retrace()
+        return self
+
+    # ------------------------------------------------------------------ BN folding
+    def _fold_pairs(self) -> list[tuple[Any, Any]]:
+        """(bn, layer) pairs: a BN whose only input is a weight-quantized foldable layer with no other consumer."""
+        import keras
+
+        quantized = {id(w.layer): w for w in self.modules_wrapper if "weight" in w.quant_types and w.ready}
+        layers = getattr(self.bound_model, "layers", [])
+        pairs = []
+        for bn in layers:
+            if not isinstance(bn, keras.layers.BatchNormalization):
+                continue
+            nodes = getattr(bn, "_inbound_nodes", [])
+            if len(nodes) != 1 or len(nodes[0].parent_nodes) != 1:
+                continue
+            prod = nodes[0].parent_nodes[0].operation
+            if id(prod) not in quantized or type(prod).__name__ not in _FOLDABLE:
+                continue
+            if getattr(prod, "data_format", "channels_last") != "channels_last":
+                continue
+            if len(getattr(prod, "_outbound_nodes", [])) != 1 or len(getattr(prod, "_inbound_nodes", [])) != 1:
+                continue
+            if not bn.center or not bn.scale or not _is_last_axis(bn.axis, len(bn.moving_mean.shape), prod):
+                continue
+            pairs.append((bn, prod))
+        return pairs
+
+    def _fold_plan(self) -> list[list[tuple[Any, Any]]]:
+        """For each pair, ``[(variable, new value), ...]`` (computed, nothing written)."""
+        plan = []
+        for bn, conv in self._fold_pairs():
+            eps = float(bn.epsilon)
+            gamma, beta = bn.gamma.numpy().astype(np.float64), bn.beta.numpy().astype(np.float64)
+            mean, var = bn.moving_mean.numpy().astype(np.float64), bn.moving_variance.numpy().astype(np.float64)
+            factor = gamma / np.sqrt(var + eps)
+            kernel = conv.kernel.numpy().astype(np.float64) * factor  # output channels on the last axis
+            bias = getattr(conv, "bias", None)
+            shift = beta - mean * factor
+            entries = [(conv.kernel, kernel.astype(np.float32))]
+            if bias is not None:
+                entries.append((bias, (bias.numpy().astype(np.float64) * factor + shift).astype(np.float32)))
+                new_beta = np.zeros_like(beta)
+            else:
+                new_beta = shift
+            c = gamma.shape
+            entries += [(bn.gamma, np.ones(c, np.float32)), (bn.beta, new_beta.astype(np.float32)),
+                        (bn.moving_mean, np.zeros(c, np.float32)),
+                        (bn.moving_variance, np.full(c, 1.0 - eps, np.float32))]
+            plan.append(entries)
+        return plan
+
+    @property
+    def folded(self) -> list[tuple[str, str]]:
+        """``(bn layer name, folded-into layer name)`` of each folded BatchNormalization."""
+        return [(bn.name, conv.name) for bn, conv in self._folded]
+
+    # ------------------------------------------------------------------ state loading / export
+    def load_calibration_config(self, calibration_config: Any) -> None:
+        """Load a calibration (see QAT); the quantizer counts as calibrated afterwards."""
+        super().load_calibration_config(calibration_config)
+        self._calibrated = True
+        self._retrace()
+
+    def _require_calibrated(self, what: str) -> None:
+        if not self._calibrated:
+            raise ConfigError(f"PtqQuantizer.{what}: the quantizer is not calibrated; call calibrate(data) (or "
+                              f"load_calibration_config) first")
+
+    def export_model(self, model_path: str | os.PathLike | None = None, calibration_path: str | os.PathLike | None = None,
+                     tflite_path: str | os.PathLike | None = None, representative_dataset: Any = None,
+                     input_shape: tuple[int, ...] | None = None, inference_input_type: Any = tf.float32,
+                     inference_output_type: Any = tf.float32) -> dict[str, dict[str, Any]]:
+        """QAT's export (plain Keras model with quantized weights, calibration JSON) and, with
+        ``tflite_path``, a full-integer int8 TFLite model (input/output ``tf.int8`` or ``tf.float32``).
+        ``representative_dataset`` defaults to the calibration batches kept by :meth:`calibrate`."""
+        self._require_calibrated("export_model")
+        for name, t in (("inference_input_type", inference_input_type), ("inference_output_type", inference_output_type)):
+            if t not in (tf.int8, tf.float32, tf.uint8):
+                raise ConfigError(f"PtqQuantizer.export_model: {name} must be tf.int8, tf.uint8 or tf.float32, got {t!r}")
+        calibration = super().export_model(model_path, calibration_path, None, None, input_shape)
+        if tflite_path is not None:
+            rep = representative_dataset if representative_dataset is not None else self._representative()
+            if rep is None:
+                raise ConfigError("PtqQuantizer.export_model: no representative data for TFLite (calibration "
+                                  "batches were not kept, e.g. after load_calibration_config); pass "
+                                  "representative_dataset")
+            self._to_tflite(os.fspath(tflite_path), rep, inference_input_type, inference_output_type)
+        return calibration
+
+    def _representative(self) -> Any:
+        if not self._samples:
+            return None
+        samples = list(self._samples)
+
+        def gen() -> Any:
+            for batch in samples:
+                for i in range(batch.shape[0]):
+                    yield [batch[i:i + 1]]
+
+        return gen
+
+    def _to_tflite(self, path: str, representative_dataset: Any, in_type: Any, out_type: Any) -> None:
+        wrappers = self.get_modules_wrapper()
+        exported = [(w, self.export_weight(w)) for w in wrappers if "weight" in w.quant_types and w.ready]
+        originals = [(w.weight, tf.identity(w.weight)) for w, _ in exported]
+        self._unwrap_model()
+        try:
+            for w, value in exported:
+                w.weight.assign(value)
+            with tempfile.TemporaryDirectory() as d:
+                self.bound_model.export(d, format="tf_saved_model", verbose=False)
+                conv = tf.lite.TFLiteConverter.from_saved_model(d)
+                conv.optimizations = [tf.lite.Optimize.DEFAULT]
+                conv.representative_dataset = representative_dataset
+                conv.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+                conv.inference_input_type = in_type
+                conv.inference_output_type = out_type
+                blob = conv.convert()
+        finally:
+            for var, value in originals:
+                var.assign(value)
+            self._wrap_model()
+        with open(path, "wb") as f:
+            f.write(blob)
+
+
+def _is_array(batch: Any) -> bool:
+    """A list/tuple that is itself one batch of numbers (nested lists), not ``(x, y)``."""
+    try:
+        first = batch[0]
+    except (IndexError, TypeError):
+        return False
+    return isinstance(first, (int, float, np.number))
+
+
+def _is_last_axis(axis: Any, _: int, prod: Any) -> bool:
+    """Whether a BN's axis is the channels-last axis of its producer's output."""
+    if isinstance(axis, (list, tuple)):
+        if len(axis) != 1:
+            return False
+        axis = axis[0]
+    try:
+        ndim = len(prod.output.shape)
+    except (AttributeError, ValueError):
+        return axis == -1
+    return int(axis) in (-1, ndim - 1)
