@@ -12,14 +12,11 @@ weights and the compressors' buffers when it wraps the model, which is why compr
 from __future__ import annotations
 
 import inspect
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
@@ -34,6 +31,8 @@ from compressor.torch.pruning import (
     TaylorFOWeightFilterPruner,
 )
 from compressor.torch.quantization import LsqQuantizer, QAT_Quantizer
+
+from ._dist import init, spawn
 
 WORLD = 2
 GLOBAL_BATCH = 8
@@ -99,26 +98,14 @@ def _state(comp) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in compression_tensors(comp).items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _spawn(worker, out: Path) -> None:
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # lazy optimizer imports: once, before fork
-    mp.start_processes(worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spawn(worker, str(out), nprocs=WORLD)
 
 
 # ---------------------------------------------------------------------------------------------- training
 def _train_worker(rank: int, world: int, port: int, out: str) -> None:
-    _init(rank, world, port)
+    init(rank, world, port)
     try:
         # DDP must come after compressing: a compressor refuses a DDP-wrapped model
         try:
@@ -224,7 +211,7 @@ def test_ddp_equals_one_process_on_the_global_batches(ddp_results, algo):
 
 # ---------------------------------------------------------------------------------------------- resume
 def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
-    _init(rank, world, port)
+    init(rank, world, port)
     path = Path(out) / "checkpoint.pt"
     try:
         # DDP's defaults here (broadcast_buffers=True)

@@ -10,20 +10,19 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from compressor.core.errors import ModelError
 from compressor.torch.distributed import compression_tensors, unsynchronized
 from compressor.torch.pruning import LevelPruner
 from compressor.torch.quantization import QAT_Quantizer
+
+from ._dist import init, spawn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 fully_shard = getattr(fsdp, "fully_shard", None)
@@ -60,9 +59,7 @@ def _qat_train(world: int = 1, rank: int = 0) -> tuple[QAT_Quantizer, dict[str, 
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init(rank, world, port)
     try:
         q, state = _qat_train(world, rank)
         result = {"qat": state, "unsynchronized": unsynchronized(q)}
@@ -88,15 +85,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_fully_shard_qat_works_and_pruners_are_refused(tmp_path):
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # lazy optimizer imports: once, before fork
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    spawn(_worker, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["unsynchronized"] == [] == r1["unsynchronized"]
     _, single = _qat_train()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -12,19 +9,14 @@ from torch import nn
 
 from compressor.torch.pruning import ActivationMeanRankFilterPruner, TaylorFOWeightFilterPruner
 
+from ._dist import init, spawn
+
 ALGOS = {"taylor": TaylorFOWeightFilterPruner, "mean": ActivationMeanRankFilterPruner}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, out: dict) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init(rank, world, port)
     try:
         for name, cls in ALGOS.items():
             model = nn.Sequential(nn.Linear(4, 6))
@@ -45,10 +37,9 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
 
 
 def test_statistics_are_summed_over_ranks():
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # lazy optimizer imports: once, before fork
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="fork")
+        spawn(_worker, out)
         masks = dict(out)
     # Alone, rank 0 would keep {0, 2, 5} and rank 1 {1, 3, 5}. Summed, channels 0-3 tie and 4, 5 are 0:
     # prune 4, 5 and (lowest index first) 0.
