@@ -169,12 +169,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.flops or args.input_shape is not None or args.model_fn is not None:
         shape = report.parse_input_shape(args.input_shape) if args.input_shape is not None else None
         flops = report.file_flops(args.model, args.masks, shape, args.model_fn)
+    sizes = report.file_sizes([args.model, *args.artifact]) if args.artifact else None
     if args.plot is not None:
         report.plot(rows, args.plot)
     if args.json:
         data: Any = report.as_dicts(rows)
-        if flops is not None:
-            data = {"layers": data, "flops": flops}
+        if flops is not None or sizes is not None:
+            data = {"layers": data}
+            if flops is not None:
+                data["flops"] = flops
+            if sizes is not None:
+                data["files"] = sizes
         print(json.dumps(data, indent=2))
     else:
         print(report.format_table(rows))
@@ -182,6 +187,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
             from .core.report import format_flops
 
             print(format_flops(flops))
+        if sizes is not None:
+            print(report.format_sizes(sizes))
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
@@ -223,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="per-layer sparsity / bits table of an exported model",
                         description="Per-layer sparsity and bit widths of an exported model: a torch state_dict "
-                                    "(.pt/.pth), a Keras model (.keras) or a .npz of weights.")
+                                    "(.pt/.pth), a Keras model (.keras), a .npz of weights, or a deployable "
+                                    "artifact (.onnx, .tflite: the weights as the runtime stores them).")
     rp.add_argument("model", metavar="MODEL_FILE")
     rp.add_argument("--masks", metavar="MASKS", help="mask file from export_model (.pt or .npz)")
     rp.add_argument("--calibration", metavar="FILE", help="calibration file from a quantizer's export_model")
@@ -235,8 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch: input shape with the batch dimension, e.g. 1,3,32,32 (implies --flops)")
     rp.add_argument("--model-fn", metavar="MODULE:CALLABLE",
                     help="torch: a callable that builds the model the state_dict belongs to (implies --flops)")
+    rp.add_argument("--artifact", metavar="FILE", action="append", default=[],
+                    help="an exported artifact (.onnx, .tflite, SavedModel dir, ...) whose size on disk is listed "
+                         "next to MODEL_FILE's (repeatable)")
     rp.add_argument("--json", action="store_true",
-                    help="machine-readable output (with --flops: {'layers': [...], 'flops': {...}})")
+                    help="machine-readable output (with --flops / --artifact: {'layers': [...], 'flops': {...}, "
+                         "'files': [...]})")
     rp.set_defaults(func=_cmd_report)
 
     demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)

@@ -7,7 +7,14 @@ Reads, without needing the model's Python class:
   entries are understood too;
 * Keras 3 ``.keras`` files: one row per layer with a main weight (kernel, depthwise kernel, embeddings,
   BatchNormalization gamma), layer paths as the TF backend names them (``block1/conv``);
-* ``.npz`` archives of weights (``{layer: array}``).
+* ``.npz`` archives of weights (``{layer: array}``);
+* deployable artifacts, read as the runtime gets them: ONNX (``.onnx``; an integer QDQ export's int8 weight
+  codes appear as int8 rows, its float weights as float rows) and TFLite flatbuffers (``.tflite``; the
+  weight operand of every CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL op, int8 in a
+  full-integer model). Zero codes (code == zero point) count as pruned weights.
+
+File sizes (``--artifact``): the model file and any exported artifacts side by side, in bytes and as a
+ratio to the model file, so one report shows sparsity, bits, params, MACs and size together.
 
 Masks (``--masks``): the torch export format ``{layer: {'weight': mask, 'bias': mask}}`` (``.pt``) or
 the TF one, ``.npz`` with ``{layer: weight mask, 'layer:bias': bias mask}``. Calibration
@@ -35,7 +42,7 @@ import numpy as np
 from .core.errors import BackendNotAvailable, ConfigError, ModelError
 
 __all__ = ["LayerStats", "read_weights", "read_masks", "read_calibration", "layer_stats", "format_table", "plot",
-           "file_flops", "pruner_report", "parse_input_shape"]
+           "file_flops", "pruner_report", "parse_input_shape", "file_sizes", "format_sizes"]
 
 TORCH_SUFFIXES = (".pt", ".pth")
 
@@ -53,6 +60,7 @@ class LayerStats:
     distinct: int  # distinct non-zero values
     bits: int
     bits_source: str  # 'calibration', 'distinct values' or 'dtype'
+    dtype: str = ""  # the stored element type (float32, int8, ...)
 
 
 def _suffix(path: str) -> str:
@@ -135,6 +143,96 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         raise ModelError(f"cannot read {path!r} as a .npz archive ({e})") from None
 
 
+def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
+    """Weights of an ONNX graph: the second input of every Conv / Gemm / MatMul / ConvTranspose, followed
+    back through a DequantizeLinear to its integer codes (minus the zero point) when it is quantized."""
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        raise BackendNotAvailable(f"reading {path!r} needs onnx (pip install 'compressor[onnx]')") from None
+    try:
+        model = onnx.load(path)
+    except Exception as e:  # protobuf decode errors
+        raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    for node in g.node:  # constants count as initializers
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            inits[node.output[0]] = node.attribute[0].t
+    producers = {o: n for n in g.node for o in n.output}
+    rows, seen = [], set()
+    for node in g.node:
+        if node.op_type not in ("Conv", "Gemm", "MatMul", "ConvTranspose") or len(node.input) < 2:
+            continue
+        src = node.input[1]
+        dq = producers.get(src)
+        if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in inits:
+            codes = numpy_helper.to_array(inits[dq.input[0]])
+            zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] in inits else None
+            name, arr = dq.input[0], codes
+            if zp is not None and np.any(zp != 0):  # keep zero codes = zero weights
+                axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+                shape = [1] * codes.ndim
+                if zp.ndim:
+                    shape[axis] = -1
+                arr = codes.astype(np.int32) - zp.astype(np.int32).reshape(shape)
+        elif src in inits:
+            name, arr = src, numpy_helper.to_array(inits[src])
+        else:
+            continue  # an activation x activation MatMul
+        if arr.ndim < 2 or name in seen:
+            continue
+        seen.add(name)
+        for suffix in (".weight_quantized", ".weight"):
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+                break
+        rows.append((name, arr))
+    return rows
+
+
+def _read_tflite(path: str) -> list[tuple[str, np.ndarray]]:
+    """Weights of a TFLite flatbuffer: the filter operand of every conv / fully-connected / batch-matmul op
+    (raw stored values: int8 codes in an integer model; zero codes are the zero weights, weights being
+    symmetric)."""
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
+    try:
+        interp = tf.lite.Interpreter(model_path=path)
+        interp.allocate_tensors()
+    except Exception as e:
+        raise ModelError(f"cannot read {path!r} as a TFLite model ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    details = {d["index"]: d for d in interp.get_tensor_details()}
+    rows, seen = [], set()
+    for op in interp._get_ops_details():  # noqa: SLF001 (the only listing of op operands)
+        if op["op_name"] not in ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL",
+                                 "TRANSPOSE_CONV") or len(op["inputs"]) < 2:
+            continue
+        idx = int(op["inputs"][1])  # the filter (TRANSPOSE_CONV: output_shape, filter, input)
+        if idx < 0 or idx in seen:
+            continue
+        try:
+            arr = np.array(interp.get_tensor(idx))
+        except ValueError:
+            continue  # not a constant (activation operand)
+        if arr.ndim < 2:
+            continue
+        seen.add(idx)
+        q = details[idx].get("quantization_parameters", {})
+        zp = np.asarray(q.get("zero_points", ()))
+        if arr.dtype.kind in "iu" and zp.size and np.any(zp != 0):
+            axis = int(q.get("quantized_dimension", 0))
+            shape = [1] * arr.ndim
+            if zp.size > 1:
+                shape[axis] = -1
+            arr = arr.astype(np.int32) - zp.astype(np.int32).reshape(shape)
+        rows.append((details[idx]["name"], arr))
+    return rows
+
+
 def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]], dict[str, np.ndarray]]:
     """``([(layer, weight array)], masks stored in the file)`` of an exported model file."""
     p = _check_file(path, "model file")
@@ -151,9 +249,14 @@ def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]],
     elif suffix == ".npz":
         weights = [(k, v) for k, v in _read_npz(p).items() if np.issubdtype(v.dtype, np.floating)]
         masks = {}
+    elif suffix == ".onnx":
+        weights, masks = _read_onnx(p), {}
+    elif suffix == ".tflite":
+        weights, masks = _read_tflite(p), {}
     else:
         raise ModelError(f"{p!r}: unsupported model file type {suffix or '(none)'!r}; expected a torch state_dict "
-                         f"(.pt/.pth), a Keras model (.keras) or a .npz archive of weights")
+                         f"(.pt/.pth), a Keras model (.keras), a .npz archive of weights, an ONNX model (.onnx) "
+                         f"or a TFLite model (.tflite)")
     if not weights:
         raise ModelError(f"{p!r} holds no layer weights")
     return weights, masks
@@ -192,6 +295,8 @@ def read_calibration(path: str | os.PathLike) -> dict[str, int]:
 def _bits(weight: np.ndarray, nonzero: np.ndarray) -> tuple[int, int, str]:
     """(distinct non-zero values, bits, how the bits were found) without calibration."""
     distinct = int(np.unique(nonzero).size)
+    if weight.dtype.kind in "iu":  # stored integer codes: the container is the bit width
+        return distinct, int(weight.dtype.itemsize * 8), "dtype"
     levels = distinct + (1 if nonzero.size < weight.size else 0)
     # many repeats (fewer levels than half the non-zero weights) only happen on a quantization grid
     if 0 < distinct <= max(1, nonzero.size // 2) and levels <= 2**16:
@@ -225,7 +330,8 @@ def layer_stats(weights: list[tuple[str, np.ndarray]], masks: dict[str, np.ndarr
         if name in calibration:
             bits, source = calibration[name], "calibration"
         rows.append(LayerStats(name, tuple(int(s) for s in w.shape), int(flat.size), zeros,
-                               zeros / flat.size if flat.size else 0.0, masked, distinct, bits, source))
+                               zeros / flat.size if flat.size else 0.0, masked, distinct, bits, source,
+                               str(w.dtype)))
     return rows
 
 
@@ -234,7 +340,8 @@ def format_table(rows: list[LayerStats]) -> str:
     head = ["layer", "shape", "params", "zeros", "sparsity", "masked", "bits"]
     body = []
     for r in rows:
-        bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}", "dtype": f"{r.bits} (float)"}[r.bits_source]
+        stored = r.dtype or "float"
+        bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}", "dtype": f"{r.bits} ({stored})"}[r.bits_source]
         body.append([r.layer, "x".join(map(str, r.shape)) or "scalar", str(r.params), str(r.zeros),
                      f"{r.sparsity:.2%}", "-" if r.masked is None else f"{r.masked:.2%}", bits])
     params = sum(r.params for r in rows)
@@ -253,6 +360,39 @@ def format_table(rows: list[LayerStats]) -> str:
     if any(r.bits_source == "distinct values" for r in rows):
         out.append("~ bits estimated from the number of distinct values (pass --calibration for exact widths)")
     return "\n".join(out)
+
+
+def file_sizes(paths: list[str | os.PathLike]) -> list[dict[str, Any]]:
+    """``[{'path', 'bytes', 'ratio'}]``: each file's size on disk (a SavedModel directory: all its files)
+    and its ratio to the first one."""
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+        elif os.path.isfile(p):
+            size = os.path.getsize(p)
+        else:
+            raise ConfigError(f"artifact {p!r} does not exist")
+        out.append({"path": p, "bytes": int(size)})
+    base = out[0]["bytes"] if out else 0
+    for row in out:
+        row["ratio"] = row["bytes"] / base if base else None
+    return out
+
+
+def format_sizes(sizes: list[dict[str, Any]]) -> str:
+    """``file  bytes  x of the first`` lines of :func:`file_sizes`."""
+    if not sizes:
+        return ""
+    wp = max(len(r["path"]) for r in sizes)
+    wb = max(len(f"{r['bytes']:,}") for r in sizes)
+    head = sizes[0]["path"]
+    lines = []
+    for r in sizes:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}x {os.path.basename(head)}"
+        lines.append(f"file  {r['path']:<{wp}}  {r['bytes']:>{wb},} bytes  {ratio}".rstrip())
+    return "\n".join(lines)
 
 
 def as_dicts(rows: list[LayerStats]) -> list[dict[str, Any]]:

@@ -22,5 +22,5 @@ def test_report_keras_export_with_npz_masks(capsys, tmp_path):
     rows = {r["layer"]: r for r in json.loads(out)}
     assert set(rows) == {"block/d", "out"}
     assert rows["block/d"] == {"layer": "block/d", "shape": [4, 4], "params": 16, "zeros": 12, "sparsity": 0.75,
-                               "masked": 0.75, "distinct": 4, "bits": 32, "bits_source": "dtype"}
+                               "masked": 0.75, "distinct": 4, "bits": 32, "bits_source": "dtype", "dtype": "float32"}
     assert rows["out"]["masked"] is None and rows["out"]["params"] == 8

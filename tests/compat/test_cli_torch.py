@@ -32,7 +32,7 @@ def test_report_pruned_export_with_masks(capsys, tmp_path):
     assert (rc, err) == (0, "")
     rows = {r["layer"]: r for r in json.loads(out)}
     assert rows["0"] == {"layer": "0", "shape": [4, 4], "params": 16, "zeros": 12, "sparsity": 0.75, "masked": 0.75,
-                         "distinct": 4, "bits": 32, "bits_source": "dtype"}
+                         "distinct": 4, "bits": 32, "bits_source": "dtype", "dtype": "float32"}
     assert (rows["2"]["zeros"], rows["2"]["masked"]) == (0, None)
 
 
@@ -63,7 +63,7 @@ def test_report_plot_and_table(capsys, tmp_path):
     png = tmp_path / "s.png"
     rc, out, _ = run(capsys, "report", tmp_path / "model.pt", "--masks", tmp_path / "masks.pt", "--plot", png)
     assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
-    assert out.splitlines()[2].split() == ["0", "4x4", "16", "12", "75.00%", "75.00%", "32", "(float)"]
+    assert out.splitlines()[2].split() == ["0", "4x4", "16", "12", "75.00%", "75.00%", "32", "(float32)"]
 
 
 def test_report_refuses_a_pickled_module(capsys, tmp_path):

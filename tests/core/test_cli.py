@@ -219,9 +219,9 @@ def test_report_npz_json(capsys, npz_model, tmp_path):
     assert (rc, err) == (0, "")
     rows = {r["layer"]: r for r in json.loads(out)}
     assert rows["fc1"] == {"layer": "fc1", "shape": [2, 4], "params": 8, "zeros": 4, "sparsity": 0.5,
-                           "masked": 0.625, "distinct": 4, "bits": 32, "bits_source": "dtype"}
+                           "masked": 0.625, "distinct": 4, "bits": 32, "bits_source": "dtype", "dtype": "float32"}
     assert rows["fc2"] == {"layer": "fc2", "shape": [8, 8], "params": 64, "zeros": 0, "sparsity": 0.0,
-                           "masked": None, "distinct": 4, "bits": 2, "bits_source": "distinct values"}
+                           "masked": None, "distinct": 4, "bits": 2, "bits_source": "distinct values", "dtype": "float32"}
     assert set(rows) == {"fc1", "fc2"}
 
 
@@ -230,7 +230,7 @@ def test_report_table(capsys, npz_model):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].split() == ["layer", "shape", "params", "zeros", "sparsity", "masked", "bits"]
-    assert lines[2].split() == ["fc1", "2x4", "8", "4", "50.00%", "-", "32", "(float)"]
+    assert lines[2].split() == ["fc1", "2x4", "8", "4", "50.00%", "-", "32", "(float32)"]
     assert lines[3].split() == ["fc2", "8x8", "64", "0", "0.00%", "-", "~2"]
     assert lines[5].split() == ["total", "72", "4", "5.56%", "-"]
     assert lines[6].startswith("~ bits estimated from the number of distinct values")
@@ -242,9 +242,12 @@ def test_report_bad_inputs_exit_2(capsys, npz_model, tmp_path):
     rc, _, err = run(capsys, "report", npz_model, "--masks", str(masks))
     assert rc == 2 and err == ("compressor: error: mask file names layers the model does not have: ['nope']; "
                                "model layers: ['fc1', 'fc2']\n")
-    bad = write(tmp_path, "model.onnx", "x")
+    bad = write(tmp_path, "model.bin", "x")
     rc, _, err = run(capsys, "report", bad)
-    assert rc == 2 and "unsupported model file type '.onnx'" in err
+    assert rc == 2 and "unsupported model file type '.bin'" in err and "(.onnx)" in err
+    bad = write(tmp_path, "model.onnx", "x")
+    rc, _, err = run(capsys, "report", bad)  # onnx missing (core env): which extra; present: not an ONNX file
+    assert rc == 2 and ("as an ONNX model" in err or "needs onnx" in err), err
     rc, _, err = run(capsys, "report", str(tmp_path / "missing.npz"))
     assert rc == 2 and "does not exist" in err
     junk = write(tmp_path, "junk.npz", "not a zip")

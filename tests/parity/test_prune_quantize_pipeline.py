@@ -61,6 +61,32 @@ def agreement(a, b):
     return float(np.mean(np.asarray(a).argmax(1) == np.asarray(b).argmax(1)))
 
 
+def _check_report(model_file, artifact, weight_params, extra):
+    """One report of the pipeline's result: the artifact read as its runtime stores it (int8 weights, the
+    sped-up shapes), and the exported model with bits, MACs and both files' sizes in one JSON."""
+    import json
+
+    from compressor import cli, report
+
+    rows = report.layer_stats(*report.read_weights(artifact))
+    assert len(rows) == 5 and {(r.bits, r.dtype) for r in rows} == {(8, "int8")}, [(r.bits, r.dtype) for r in rows]
+    assert sum(r.params for r in rows) == weight_params
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(["report", str(model_file), "--artifact", str(artifact), "--flops", "--json", *extra])
+    assert rc == 0
+    data = json.loads(buf.getvalue())
+    assert {r["bits"] for r in data["layers"]} == {8}  # calibration (torch) / quantized grid (Keras)
+    assert data["flops"]["macs_dense"] == PRUNED_MACS  # the exported model is the sped-up one
+    files = data["files"]
+    assert [f["bytes"] for f in files] == [os.path.getsize(model_file), os.path.getsize(artifact)]
+    assert files[1]["ratio"] == files[1]["bytes"] / files[0]["bytes"]
+
+
 # ------------------------------------------------------------------------------------------------ torch
 
 
@@ -72,20 +98,7 @@ def test_torch_prune_speedup_ptq_onnx(tmp_path):
 
     import compressor.torch as cth
 
-    class Res(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, C, 3, padding=1)
-            self.conv2 = nn.Conv2d(C, C, 3, padding=1)
-            self.conv3 = nn.Conv2d(C, C, 3, padding=1)
-            self.conv4 = nn.Conv2d(C, C, 3, padding=1)
-            self.fc = nn.Linear(C, N_CLASSES)
-
-        def forward(self, x):
-            a = torch.relu(self.conv1(x))
-            b = self.conv3(torch.relu(self.conv2(a)))
-            c = torch.relu(self.conv4(torch.relu(a + b)))
-            return self.fc(c.mean((2, 3)))
+    from ._pipeline_models import Res
 
     torch.manual_seed(0)
     model = Res().eval()
@@ -115,9 +128,13 @@ def test_torch_prune_speedup_ptq_onnx(tmp_path):
                                   "quant_bits": 8}], dummy_input=dummy)
     q.calibrate([torch.from_numpy(x) for x in calib])
     path = tmp_path / "pruned_int8.onnx"
-    q.export_model(str(tmp_path / "m.pt"), onnx_path=str(path), input_shape=(1, 3, HW, HW))
+    q.export_model(str(tmp_path / "m.pt"), str(tmp_path / "cal.pt"), onnx_path=str(path), input_shape=(1, 3, HW, HW))
     ratio = os.path.getsize(dense_path) / os.path.getsize(path)
     assert ratio >= MIN_SIZE_RATIO, (os.path.getsize(dense_path), os.path.getsize(path))
+    weight_params = sum(m.weight.numel() for m in small.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+    _check_report(tmp_path / "m.pt", path, weight_params, ["--calibration", str(tmp_path / "cal.pt"),
+                                                           "--model-fn", "tests.parity._pipeline_models:torch_small",
+                                                           "--input-shape", f"1,3,{HW},{HW}"])
 
     # integer weights in the artifact: every conv / gemm weight initializer is int8
     graph = onnx.load(str(path)).graph
@@ -178,9 +195,13 @@ def test_keras_prune_speedup_ptq_tflite(tmp_path):
                                   "quant_bits": 8}])
     q.calibrate(calib)
     path = tmp_path / "pruned_int8.tflite"
-    q.export_model(tflite_path=path, inference_input_type=tf.int8, inference_output_type=tf.int8)
+    q.export_model(tmp_path / "m.keras", tmp_path / "cal.json", tflite_path=path, inference_input_type=tf.int8,
+                   inference_output_type=tf.int8)
     ratio = os.path.getsize(dense_path) / os.path.getsize(path)
     assert ratio >= MIN_SIZE_RATIO, (os.path.getsize(dense_path), os.path.getsize(path))
+    weight_params = sum(int(np.prod(layer.get_weights()[0].shape)) for layer in small.layers
+                        if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)))
+    _check_report(tmp_path / "m.keras", path, weight_params, ["--calibration", str(tmp_path / "cal.json")])
 
     fake_quant = np.asarray(small(x_eval, training=False))
     with warnings.catch_warnings():
