@@ -99,6 +99,10 @@ def test_same_frozen_scales_and_zero_points(observer):
     for name in ("conv", "fc"):
         for t in ("input", "output"):
             assert pt[(name, t)][0].size == 1
+    # the conv feeds only a ReLU: fused on both backends, its output range starts at 0 (zero point 0)
+    assert [w.fused_relu for w in tq.get_modules_wrapper()] == [True, False]
+    assert [bool(w.fused_relu) for w in kq.get_modules_wrapper()] == [True, False]
+    assert pt[("conv", "output")][1].tolist() == [0.0]
     # the expected weight scales: max |w| per output channel / 127 (symmetric int8 [-127, 127])
     for name, layer, n in (("conv", tm[0], C), ("fc", tm[3], N_OUT)):
         w = layer.module.weight.detach().numpy().reshape(n, -1)

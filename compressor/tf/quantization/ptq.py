@@ -60,7 +60,8 @@ class PtqQuantizer(QAT_Quantizer):
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  observer: str = "minmax", percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True,
-                 ema_decay: float = 0.99, batch_size: int = 32, keep_batches: int = 16) -> None:
+                 ema_decay: float = 0.99, batch_size: int = 32, keep_batches: int = 16,
+                 fuse_relu: bool = True) -> None:
         if observer not in OBSERVERS:
             raise ConfigError(f"PtqQuantizer: unknown observer {observer!r}; allowed: {sorted(OBSERVERS)}")
         kw: dict[str, Any] = {}
@@ -85,7 +86,7 @@ class PtqQuantizer(QAT_Quantizer):
         self._observing: dict[tuple[str, str], Observer] | None = None
         self._samples: list[np.ndarray] = []
         self._folded: list[tuple[Any, Any]] = []
-        super().__init__(model, config_list, optimizer, ema_decay=ema_decay)
+        super().__init__(model, config_list, optimizer, ema_decay=ema_decay, fuse_relu=fuse_relu)
 
     @property
     def calibrated(self) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from ...core import quant as cq
+from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from ..distribute import all_reduce_max, all_reduce_min
 from ..ops import ops
@@ -50,6 +51,26 @@ def _select(flag: Any, if_true: Any, if_false: Any) -> Any:
     return if_true() if flag else if_false()
 
 
+def _is_relu(layer: Any) -> bool:
+    import keras
+
+    if type(layer) is keras.layers.ReLU:
+        cfg = layer.get_config()
+        return cfg.get("max_value") is None and not cfg.get("negative_slope") and not cfg.get("threshold")
+    if type(layer) is keras.layers.Activation:
+        return getattr(layer.activation, "__name__", "") == "relu"
+    return False
+
+
+def feeds_only_relu(layer: Any) -> bool:
+    """True when ``layer`` (called once, in a Functional / Sequential graph) feeds nothing but one ReLU
+    (``keras.layers.ReLU()`` or ``Activation('relu')``); the torch backend's rule for ``fuse_relu``."""
+    nodes = getattr(layer, "_outbound_nodes", [])
+    if len(getattr(layer, "_inbound_nodes", [])) != 1 or len(nodes) != 1:
+        return False
+    return _is_relu(nodes[0].operation)
+
+
 class QAT_Quantizer(TfQuantizer):  # noqa: N801  (NNI's public name)
     """Quantization-aware training with fake quantization of weights, inputs and outputs."""
 
@@ -57,11 +78,16 @@ class QAT_Quantizer(TfQuantizer):  # noqa: N801  (NNI's public name)
     handles_start_step = True
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 ema_decay: float = 0.99) -> None:
+                 ema_decay: float = 0.99, fuse_relu: bool = False) -> None:
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
+        if not isinstance(fuse_relu, bool):
+            raise ConfigError(f"{type(self).__name__}: fuse_relu must be True or False, got {fuse_relu!r}")
         self.ema_decay = float(ema_decay)
         super().__init__(model, config_list, optimizer)
+        if fuse_relu:
+            for w in self.modules_wrapper:
+                w._setattr_raw("fused_relu", "output" in w.quant_types and feeds_only_relu(w.layer))
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: Any, layer_type: str, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:

@@ -85,6 +85,7 @@ class QuantizerLayerWrapper(LayerWrapper):
         raw("_q_input", QuantType.QUANT_INPUT in self.quant_types)
         raw("_q_weight", QuantType.QUANT_WEIGHT in self.quant_types)
         raw("_q_output", QuantType.QUANT_OUTPUT in self.quant_types)
+        raw("fused_relu", False)  # the output feeds only a ReLU: quantize relu(output) (``fuse_relu``)
 
     @property
     def quantizer(self) -> Any:
@@ -187,6 +188,8 @@ class QuantizerLayerWrapper(LayerWrapper):
         else:
             out = call_fn(*args, **kwargs)
         if self._q_output:
+            if self.fused_relu:
+                out = tf.nn.relu(out)
             out = q._quantize(QuantType.QUANT_OUTPUT, out, self)
         return out
 

@@ -24,16 +24,17 @@ from torch import nn
 from ...core.errors import ConfigError
 
 
-def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
-    """``{conv name: bn name}`` for every Conv2d whose output feeds only a BatchNorm2d."""
+def _trace(model: nn.Module, what: str, way_out: str) -> Any:
     import torch.fx
 
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        return torch.fx.symbolic_trace(model).graph
     except Exception as e:  # noqa: BLE001  (fx raises many kinds)
-        raise ConfigError(f"bn_fold: the model cannot be traced with torch.fx to find Conv2d -> BatchNorm2d pairs "
-                          f"({type(e).__name__}: {e}); use bn_fold=False") from None
-    modules = dict(model.named_modules())
+        raise ConfigError(f"{what}: the model cannot be traced with torch.fx ({type(e).__name__}: {e}); "
+                          f"{way_out}") from None
+
+
+def _pairs(graph: Any, modules: dict[str, nn.Module]) -> dict[str, str]:
     pairs: dict[str, str] = {}
     for node in graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Conv2d):
@@ -46,6 +47,42 @@ def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
         if isinstance(bn, nn.BatchNorm2d) and bn.num_features == conv.out_channels and bn.track_running_stats:
             pairs[node.target] = users[0].target
     return pairs
+
+
+def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
+    """``{conv name: bn name}`` for every Conv2d whose output feeds only a BatchNorm2d."""
+    graph = _trace(model, "bn_fold", "to find Conv2d -> BatchNorm2d pairs use bn_fold=False")
+    return _pairs(graph, dict(model.named_modules()))
+
+
+_RELU_FUNCTIONS = (torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_)
+
+
+def _is_relu(node: Any, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return type(modules.get(node.target)) is nn.ReLU
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCTIONS
+    return node.op == "call_method" and node.target in ("relu", "relu_")
+
+
+def find_relu_followers(model: nn.Module, folded: bool) -> set[str]:
+    """Names of the modules whose output feeds only a ReLU (``nn.ReLU``, ``torch.relu``, ``F.relu``,
+    ``.relu()``). With ``folded``, a Conv2d -> BatchNorm2d pair counts by the BN's output (the folded
+    wrapper runs the BN itself)."""
+    graph = _trace(model, "fuse_relu", "use fuse_relu=False")
+    modules = dict(model.named_modules())
+    pairs = _pairs(graph, modules) if folded else {}
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        users = list(node.users)
+        if node.target in pairs and len(users) == 1:
+            users = list(users[0].users)
+        if len(users) == 1 and _is_relu(users[0], modules):
+            found.add(node.target)
+    return found
 
 
 class BNFolding:

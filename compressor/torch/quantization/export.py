@@ -204,6 +204,8 @@ def export_forward(quantizer: Any, wrapper: QuantizerModuleWrapper, inputs: tupl
     else:
         out = wrapper.module(*inputs, **kwargs)
     if wrapper._q_output:
+        if getattr(wrapper, "fused_relu", False):
+            out = torch.relu(out)
         out = activation("output", out)
     return out
 

@@ -8,7 +8,9 @@ rewrites the graph with the ``onnx`` API from the scales/zero points the quantiz
   followed by ``DequantizeLinear`` (``axis`` = output-channel axis for per-channel scales): the file holds
   one byte per weight;
 * each configured input / output quantization becomes ``QuantizeLinear -> DequantizeLinear`` (uint8 or
-  int8, the quantizer's scale and zero point) on the layer's input edge / after the layer;
+  int8, the quantizer's scale and zero point) on the layer's input edge / after the layer (after its
+  ReLU for a layer with ``fused_relu``: onnxruntime folds ``DQ -> Conv -> Relu -> Q`` into one
+  ``QLinearConv`` when the zero point is the lowest code, which a ReLU output's range gives);
 * after a grid-preserving op (Relu, MaxPool, Flatten, Reshape, ...) fed by a quantized output, that
   output's QDQ pair is repeated: the values already lie on that grid, so this changes nothing
   numerically, but onnxruntime then runs those ops on uint8/int8 (or drops the Relu) and a following
@@ -283,6 +285,12 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             users = graph.consumers(node.output[0])
             if len(users) == 1 and users[0].op_type == "Add":
                 end = users[0]
+        if getattr(w, "fused_relu", False):  # the wrapper's own relu: quantize after it (DQ-Conv-Relu-Q fuses)
+            users = graph.consumers(end.output[0])
+            if len(users) != 1 or users[0].op_type != "Relu":
+                raise RuntimeError(f"int8 ONNX export: layer {w.name!r} fuses a ReLU, but the exported graph has "
+                                   f"{[n.op_type for n in users]} after it")
+            end = users[0]
         name = end.output[0]
         raw = graph.unique(name + ".float")
         end.output[0] = raw

@@ -19,6 +19,9 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   BatchNorm2d; in eval mode it computes ``conv(x, fq(w * f)) + beta + (b - mean) * f`` with
   ``f = gamma / sqrt(running_var + eps)``); the weight observed is the folded ``w * f``. A model that
   ``torch.fx`` cannot trace is quantized without folding (with a warning).
+* ``fuse_relu=True`` (default): an output feeding only a ReLU is observed and quantized after the ReLU
+  (see :class:`~.qat.QAT_Quantizer`), so its uint8 range starts at 0 as in onnxruntime's and TFLite's
+  own quantizers; also disabled with a warning when ``torch.fx`` cannot trace the model.
 
 State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
 saved after calibration restores a calibrated quantizer.
@@ -37,7 +40,7 @@ from torch import nn
 
 from ...core import observers as cobs
 from ...core.errors import ConfigError, ConfigWarning, ModelError
-from .bn_fold import find_conv_bn_pairs, fold_factor
+from .bn_fold import find_conv_bn_pairs, find_relu_followers, fold_factor
 from .fakequant import fake_quant, ops
 from .qat import QAT_Quantizer
 from .quantizer import builtin_ste
@@ -59,7 +62,8 @@ class PtqQuantizer(QAT_Quantizer):
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], observer: str = "minmax",
                  percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
-                 weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None):
+                 weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None,
+                 fuse_relu: bool = True):
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
                 raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
@@ -79,7 +83,13 @@ class PtqQuantizer(QAT_Quantizer):
             except ConfigError as e:
                 warnings.warn(f"PtqQuantizer: BN folding disabled: {e}", ConfigWarning, stacklevel=2)
                 bn_fold = False
-        super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold))
+        if fuse_relu is True and not bn_fold:
+            try:
+                find_relu_followers(model, folded=False)
+            except ConfigError as e:
+                warnings.warn(f"PtqQuantizer: ReLU fusion disabled: {e}", ConfigWarning, stacklevel=2)
+                fuse_relu = False
+        super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold), fuse_relu=fuse_relu)
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:

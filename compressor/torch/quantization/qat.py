@@ -10,6 +10,11 @@
   a value or a dict per quant type; defaults in :mod:`.settings` (uint, per_tensor_affine);
 * ``bn_fold=True`` (or NNI's ``dummy_input=...``): each Conv2d followed only by a BatchNorm2d trains
   with the BN folded into its weight (see :mod:`.bn_fold`).
+* ``fuse_relu=True`` (default False here, True for PtqQuantizer): a quantized layer whose output (after
+  its folded BN) feeds only a ReLU quantizes ``relu(output)``, as deployment runtimes do (TFLite and
+  onnxruntime fuse Conv+ReLU and quantize after the ReLU): the whole 8-bit range then covers values >= 0
+  instead of wasting the codes below zero, and the exported int8 graph needs no separate ReLU. Found with
+  ``torch.fx``; the model's own ReLU stays (it changes nothing).
 
 State per layer, saved in the state_dict: ``<type>_scale``, ``<type>_zero_point`` and for activations
 ``tracked_min_<type>``, ``tracked_max_<type>``, ``<type>_observed``. All updates are in place, on device,
@@ -30,9 +35,10 @@ import torch
 from torch import nn
 
 from ...core import quant as cq
+from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from ..distributed import all_reduce_max, all_reduce_min
-from .bn_fold import BNFolding
+from .bn_fold import BNFolding, find_relu_followers
 from .fakequant import fake_quant, observe_minmax, ops
 from .quantizer import TorchQuantizer, builtin_ste
 from .settings import QuantSpec, layer_device, resolve_spec
@@ -48,13 +54,19 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
     handles_start_step = True
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
-                 dummy_input: Any = None, bn_fold: bool | None = None, ema_decay: float = 0.99):
+                 dummy_input: Any = None, bn_fold: bool | None = None, ema_decay: float = 0.99,
+                 fuse_relu: bool = False):
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
+        if not isinstance(fuse_relu, bool):
+            raise ConfigError(f"{type(self).__name__}: fuse_relu must be True or False, got {fuse_relu!r}")
         self.ema_decay = float(ema_decay)
         fold = bn_fold if bn_fold is not None else dummy_input is not None
         self._bn = BNFolding(model) if fold else None  # finds Conv2d -> BatchNorm2d pairs (model untouched)
+        relu_followers = find_relu_followers(model, folded=self._bn is not None) if fuse_relu else set()
         super().__init__(model, config_list, optimizer)
+        for w in self._wrappers:
+            w.fused_relu = w.name in relu_followers and "output" in w.quant_types
         if self._bn is not None:
             self._bn.install(self._wrappers)  # after the wrappers are in place: BN slots become Identity
 

@@ -72,6 +72,9 @@ class QuantizerModuleWrapper(nn.Module):
         self.frozen = False
         #: optional ``fn(wrapper, inputs, kwargs) -> output`` replacing the quantized-weight forward (BN folding)
         self.weight_forward = None
+        #: the layer's output feeds only a ReLU: quantize relu(output) (set by ``fuse_relu``); the model's own
+        #: ReLU then changes nothing, and the whole uint8 range covers values >= 0
+        self.fused_relu = False
         #: set by export to run the ONNX-exportable (QDQ) forward
         self.export_mode = False
         self._export_weight: torch.Tensor | None = None
@@ -153,6 +156,8 @@ class QuantizerModuleWrapper(nn.Module):
         else:
             out = self.module(*inputs, **kwargs)
         if self._q_output:
+            if self.fused_relu:
+                out = torch.relu(out)
             out = q._quantize(QuantType.QUANT_OUTPUT, out, self)
         return out
 

@@ -1,0 +1,50 @@
+"""Keras ``fuse_relu`` (PtqQuantizer default, QAT_Quantizer opt-in): a layer feeding only a ReLU layer
+quantizes relu(output), as the torch backend does and as TFLite's fused Conv+ReLU kernels compute."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from compressor.core.errors import ConfigError
+from compressor.tf import PtqQuantizer, QAT_Quantizer
+
+TYPES = ["input", "weight", "output"]
+
+
+def model():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 6, 3))
+    a = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, name="c1")(inp))                # fused
+    b = keras.layers.Activation("relu")(keras.layers.Conv2D(4, 1, name="c2")(a))      # fused
+    c = keras.layers.Conv2D(4, 1, name="c3")(b)                                        # feeds add and relu
+    d = keras.layers.Add()([keras.layers.ReLU()(c), c])
+    e = keras.layers.ReLU(max_value=6.0)(keras.layers.Conv2D(4, 1, name="c4")(d))     # ReLU6: not fused
+    f = keras.layers.Conv2D(4, 1, activation="relu", name="c5")(e)                     # own activation
+    return keras.Model(inp, keras.layers.Dense(2, name="fc")(keras.layers.Flatten()(f)))
+
+
+def test_fused_layers_and_zero_based_output_range():
+    m = model()
+    x = np.random.default_rng(0).standard_normal((16, 6, 6, 3)).astype(np.float32)
+    q = PtqQuantizer(m, [{"op_types": ["Conv2D", "Dense"], "quant_types": TYPES, "quant_bits": 8}], bn_fold=False)
+    fused = {w.name: bool(w.fused_relu) for w in q.get_modules_wrapper()}
+    assert fused == {"c1": True, "c2": True, "c3": False, "c4": False, "c5": False, "fc": False}
+    q.calibrate([x])
+    zp = {w.name: float(np.asarray(w.output_zero_point)) for w in q.get_modules_wrapper()}
+    # relu outputs start at 0 (c5's own activation too); c3 and c4 see negative values
+    assert zp["c1"] == zp["c2"] == zp["c5"] == 0.0 and zp["c3"] > 0 and zp["c4"] > 0
+    c1 = m.get_layer("c1")
+    hi = float(np.maximum(np.asarray(keras.ops.conv(x, c1.kernel) + c1.bias), 0).max())
+    w1 = next(w for w in q.get_modules_wrapper() if w.name == "c1")
+    np.testing.assert_allclose(float(np.asarray(w1.output_scale)), hi / 255, rtol=1e-6)
+
+
+def test_qat_is_opt_in_and_checks_its_argument():
+    cfg = [{"op_types": ["Conv2D", "Dense"], "quant_types": TYPES, "quant_bits": 8}]
+    assert not any(bool(w.fused_relu) for w in QAT_Quantizer(model(), cfg).get_modules_wrapper())
+    q = QAT_Quantizer(model(), cfg, fuse_relu=True)
+    assert sorted(w.name for w in q.get_modules_wrapper() if w.fused_relu) == ["c1", "c2"]
+    with pytest.raises(ConfigError, match="fuse_relu must be True or False"):
+        QAT_Quantizer(model(), cfg, fuse_relu=1)
