@@ -103,6 +103,10 @@ def test_same_frozen_scales_and_zero_points(observer):
     assert [w.fused_relu for w in tq.get_modules_wrapper()] == [True, False]
     assert [bool(w.fused_relu) for w in kq.get_modules_wrapper()] == [True, False]
     assert pt[("conv", "output")][1].tolist() == [0.0]
+    # fc's input is conv's output through ReLU + Flatten: one grid, shared on both backends
+    assert tq.shared_inputs() == {"3": "0"} and kq.shared_inputs() == {"fc": "conv"}
+    for i in (0, 1):
+        np.testing.assert_array_equal(pt[("fc", "input")][i], pt[("conv", "output")][i])
     # the expected weight scales: max |w| per output channel / 127 (symmetric int8 [-127, 127])
     for name, layer, n in (("conv", tm[0], C), ("fc", tm[3], N_OUT)):
         w = layer.module.weight.detach().numpy().reshape(n, -1)

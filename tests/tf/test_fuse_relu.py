@@ -48,3 +48,26 @@ def test_qat_is_opt_in_and_checks_its_argument():
     assert sorted(w.name for w in q.get_modules_wrapper() if w.fused_relu) == ["c1", "c2"]
     with pytest.raises(ConfigError, match="fuse_relu must be True or False"):
         QAT_Quantizer(model(), cfg, fuse_relu=1)
+
+
+def test_shared_ranges_lenet():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.models_tf import lenet_5
+
+    keras.utils.set_random_seed(0)
+    m = lenet_5(10, 28)
+    x = np.random.default_rng(0).standard_normal((32, 28, 28, 1)).astype(np.float32)
+    cfg = [{"op_types": ["Conv2D", "Dense"], "quant_types": TYPES, "quant_bits": 8}]
+    q = PtqQuantizer(m, cfg, bn_fold=False)
+    assert q.shared_inputs() == {"conv2": "conv1", "fc1": "conv2", "fc2": "fc1"}
+    q.calibrate([x])
+    w = {w.name: w for w in q.get_modules_wrapper()}
+    for name, src in q.shared_inputs().items():
+        np.testing.assert_array_equal(np.asarray(w[name].input_scale), np.asarray(w[src].output_scale))
+        np.testing.assert_array_equal(np.asarray(w[name].input_zero_point), np.asarray(w[src].output_zero_point))
+    assert PtqQuantizer(lenet_5(10, 28), cfg, bn_fold=False, share_ranges=False).shared_inputs() == {}
+    with pytest.raises(ConfigError, match="share_ranges must be True or False"):
+        PtqQuantizer(lenet_5(10, 28), cfg, share_ranges="no")

@@ -1,8 +1,11 @@
-"""``fuse_relu``: a quantized layer whose output feeds only a ReLU quantizes relu(output).
+"""``fuse_relu`` and ``share_ranges``: a quantized layer whose output feeds only a ReLU quantizes relu(output).
 
 Runtimes fuse Conv+ReLU and quantize after the ReLU (onnxruntime's QDQ fusion, TFLite); quantizing before
 it spends half the uint8 codes on negative values the ReLU then drops. With the fusion the output range
-is [0, max]: zero point 0, scale max / 255, and the int8 ONNX graph needs no Relu of its own.
+is [0, max]: zero point 0, scale max / 255, and the int8 ONNX graph needs no Relu of its own. With
+``share_ranges`` a layer whose input is a quantized output (through ReLU / max-pool / flatten) reuses that
+grid, so nothing is quantized twice and onnxruntime's graph stays integer from the first QuantizeLinear to
+the last DequantizeLinear, as its own ``quantize_static`` makes it.
 """
 
 from __future__ import annotations
@@ -121,3 +124,53 @@ def test_int8_onnx_has_no_separate_relu_and_matches_the_fake_quant_model(tmp_pat
     assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.99
     step = float(q.get_modules_wrapper()[1].output_scale)
     assert np.abs(got - want).max() <= 2 * step  # within two quantization steps of the last layer
+
+
+def _lenet(share: bool):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.models_torch import lenet_5
+
+    torch.manual_seed(0)
+    m = lenet_5(10, 28).eval()
+    x = torch.randn(64, 1, 28, 28)
+    q = PtqQuantizer(m, [{"op_types": ["Conv2d", "Linear"], "quant_types": TYPES, "quant_bits": 8}],
+                     share_ranges=share, dummy_input=x[:1])
+    q.calibrate([x[:32], x[32:]])
+    return m, q, x
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_shared_ranges_keep_the_onnx_graph_integer(tmp_path, share):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    m, q, x = _lenet(share)
+    w = {w.name: w for w in q.get_modules_wrapper()}
+    if share:
+        # conv2 <- pool1 <- conv1; fc1 <- flatten <- pool2 <- conv2; fc2 <- relu1 <- fc1 (fused)
+        assert q.shared_inputs() == {"conv2": "conv1", "fc1": "conv2", "fc2": "fc1"}
+        for name, src in q.shared_inputs().items():
+            assert torch.equal(w[name].input_scale, w[src].output_scale), name
+            assert torch.equal(w[name].input_zero_point, w[src].output_zero_point), name
+    else:
+        assert q.shared_inputs() == {}
+        assert not torch.equal(w["conv2"].input_scale, w["conv1"].output_scale)
+    q.export_model(str(tmp_path / "m.pt"), onnx_path=str(tmp_path / "m.onnx"))
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sess = ort.InferenceSession(str(tmp_path / "m.onnx"), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node]
+    quantize_ops = ops.count("QuantizeLinear") + ops.count("DequantizeLinear")
+    assert ops.count("QLinearConv") == 2 and ops.count("QGemm") == 2
+    if share:  # one QuantizeLinear at the input, one DequantizeLinear at the output, integer in between
+        assert quantize_ops == 2 and "MaxPool" not in ops, ops
+    else:  # requantization between the layers: float max-pool between DQ and Q
+        assert quantize_ops > 2, ops
+    with torch.no_grad():
+        want = m(x).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.95

@@ -43,7 +43,7 @@ from ...core.errors import ConfigError, ModelError
 from ...core.observers import OBSERVERS, MinMaxObserver, Observer
 from ..ops import ops
 from .fakequant import as_channels, fake_quant
-from .qat import QAT_Quantizer
+from .qat import QAT_Quantizer, input_source
 from .settings import QuantSpec, resolve_spec
 from .wrapper import QuantizerLayerWrapper
 
@@ -61,7 +61,7 @@ class PtqQuantizer(QAT_Quantizer):
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  observer: str = "minmax", percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True,
                  ema_decay: float = 0.99, batch_size: int = 32, keep_batches: int = 16,
-                 fuse_relu: bool = True) -> None:
+                 fuse_relu: bool = True, share_ranges: bool = True) -> None:
         if observer not in OBSERVERS:
             raise ConfigError(f"PtqQuantizer: unknown observer {observer!r}; allowed: {sorted(OBSERVERS)}")
         kw: dict[str, Any] = {}
@@ -86,7 +86,26 @@ class PtqQuantizer(QAT_Quantizer):
         self._observing: dict[tuple[str, str], Observer] | None = None
         self._samples: list[np.ndarray] = []
         self._folded: list[tuple[Any, Any]] = []
+        if not isinstance(share_ranges, bool):
+            raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
+        self.share_ranges = share_ranges
         super().__init__(model, config_list, optimizer, ema_decay=ema_decay, fuse_relu=fuse_relu)
+
+    def shared_inputs(self) -> dict[str, str]:
+        """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
+        scale and zero point (``share_ranges``; same rule as the torch backend)."""
+        if not self.share_ranges:
+            return {}
+        by_layer = {id(w.layer): w for w in self.modules_wrapper}
+        out = {}
+        for w in self.modules_wrapper:
+            p = by_layer.get(id(input_source(w.layer)))
+            if p is None or "input" not in w.qat_specs or "output" not in p.qat_specs:
+                continue
+            a, b = w.qat_specs["input"], p.qat_specs["output"]
+            if (a.qmin, a.qmax, a.channels, b.channels) == (b.qmin, b.qmax, None, None):
+                out[w.name] = p.name
+        return out
 
     @property
     def calibrated(self) -> bool:
@@ -217,19 +236,27 @@ class PtqQuantizer(QAT_Quantizer):
             if seen == 0:
                 raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
             self._observing = None
+            values: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
             for w in wrappers:
                 for t in w.quant_types:
                     if t == "weight":
                         spec = w.qat_specs["weight"]
                         obs = MinMaxObserver.from_spec(ops, spec)
                         obs.observe(as_channels(tf.convert_to_tensor(w.weight), w.type))
-                        rng = obs.range()
+                        rng = None
                     else:
                         obs = observers[(w.name, t)]
                         rng = obs.range()
+                    s, z = obs.qparams()
+                    values[(w.name, t)] = (s, z, rng)
+            for name, src in self.shared_inputs().items():  # one grid per tensor
+                values[(name, "input")] = values[(src, "output")]
+            for w in wrappers:
+                for t in w.quant_types:
+                    s, z, rng = values[(w.name, t)]
+                    if rng is not None:
                         writes += [(getattr(w, f"tracked_min_{t}"), rng[0]), (getattr(w, f"tracked_max_{t}"), rng[1]),
                                    (getattr(w, f"{t}_observed"), True)]
-                    s, z = obs.qparams()
                     writes += [(getattr(w, f"{t}_scale"), s), (getattr(w, f"{t}_zero_point"), z)]
                 writes.append((w.frozen, True))
         except BaseException:

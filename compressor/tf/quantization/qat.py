@@ -71,6 +71,27 @@ def feeds_only_relu(layer: Any) -> bool:
     return _is_relu(nodes[0].operation)
 
 
+def _grid_preserving(layer: Any) -> bool:
+    import keras
+
+    L = keras.layers  # noqa: N806
+    kinds = (L.MaxPooling1D, L.MaxPooling2D, L.MaxPooling3D, L.GlobalMaxPooling1D, L.GlobalMaxPooling2D,
+             L.GlobalMaxPooling3D, L.Flatten, L.Reshape, L.Identity)
+    return _is_relu(layer) or type(layer) in kinds
+
+
+def input_source(layer: Any) -> Any:
+    """The layer whose output reaches ``layer``'s (single) input through grid-preserving layers only (ReLU,
+    max pooling, Flatten, Reshape, Identity), else None; the torch backend's rule for ``share_ranges``."""
+    nodes = getattr(layer, "_inbound_nodes", [])
+    while len(nodes) == 1 and len(nodes[0].parent_nodes) == 1:
+        src = nodes[0].parent_nodes[0].operation
+        if not _grid_preserving(src):
+            return src
+        nodes = getattr(src, "_inbound_nodes", [])
+    return None
+
+
 class QAT_Quantizer(TfQuantizer):  # noqa: N801  (NNI's public name)
     """Quantization-aware training with fake quantization of weights, inputs and outputs."""
 

@@ -173,3 +173,41 @@ def folded_forward(wrapper: Any, inputs: tuple, kwargs: dict[str, Any]) -> torch
     if wrapper.bias is not None:
         y = y + wrapper.bias.reshape(1, -1, 1, 1)
     return bn(y)
+
+
+#: modules / functions / methods through which values on a quantization grid stay on that grid
+_GRID_MODULES = (nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+                 nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity)
+_GRID_FUNCTIONS = (*_RELU_FUNCTIONS, torch.flatten, torch.reshape, torch.nn.functional.max_pool1d,
+                   torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d)
+_GRID_METHODS = ("relu", "relu_", "view", "reshape", "flatten", "contiguous")
+
+
+def _grid_preserving(node: Any, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return type(modules.get(node.target)) in _GRID_MODULES
+    if node.op == "call_function":
+        return node.target in _GRID_FUNCTIONS
+    return node.op == "call_method" and node.target in _GRID_METHODS
+
+
+def find_input_sources(model: nn.Module, folded: bool) -> dict[str, str]:
+    """``{module: producer module}`` where ``module``'s first input is ``producer``'s output passed only through
+    grid-preserving ops (ReLU, max pooling, flatten / view / reshape, identity). With ``folded``, a
+    Conv2d -> BatchNorm2d pair's BN output counts as the conv's (the folded wrapper produces it)."""
+    graph = _trace(model, "share_ranges", "use share_ranges=False")
+    modules = dict(model.named_modules())
+    bn_of = {bn: conv for conv, bn in _pairs(graph, modules).items()} if folded else {}
+    sources: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not node.args or not hasattr(node.args[0], "op"):
+            continue
+        src = node.args[0]
+        while src.op != "call_module" or type(modules.get(src.target)) in _GRID_MODULES:
+            if not _grid_preserving(src, modules) or not src.args or not hasattr(src.args[0], "op"):
+                break
+            src = src.args[0]
+        if src.op == "call_module" and type(modules.get(src.target)) not in _GRID_MODULES:
+            sources[node.target] = bn_of.get(src.target, src.target)
+    return sources
+

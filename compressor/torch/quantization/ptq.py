@@ -22,6 +22,11 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
 * ``fuse_relu=True`` (default): an output feeding only a ReLU is observed and quantized after the ReLU
   (see :class:`~.qat.QAT_Quantizer`), so its uint8 range starts at 0 as in onnxruntime's and TFLite's
   own quantizers; also disabled with a warning when ``torch.fx`` cannot trace the model.
+* ``share_ranges=True`` (default): a layer's quantized input that is another quantized layer's quantized
+  output passed only through ReLU / max pooling / flatten / reshape takes that output's scale and zero
+  point (one grid per tensor, as onnxruntime and TFLite quantize), so it is not quantized twice; in the
+  int8 ONNX graph the two Q/DQ pairs then cancel and e.g. a max-pool runs on uint8 between two
+  QLinearConv. Same rule on the Keras backend.
 
 State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
 saved after calibration restores a calibrated quantizer.
@@ -40,7 +45,7 @@ from torch import nn
 
 from ...core import observers as cobs
 from ...core.errors import ConfigError, ConfigWarning, ModelError
-from .bn_fold import find_conv_bn_pairs, find_relu_followers, fold_factor
+from .bn_fold import find_conv_bn_pairs, find_input_sources, find_relu_followers, fold_factor
 from .fakequant import fake_quant, ops
 from .qat import QAT_Quantizer
 from .quantizer import builtin_ste
@@ -63,7 +68,7 @@ class PtqQuantizer(QAT_Quantizer):
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], observer: str = "minmax",
                  percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
                  weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None,
-                 fuse_relu: bool = True):
+                 fuse_relu: bool = True, share_ranges: bool = True):
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
                 raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
@@ -89,6 +94,14 @@ class PtqQuantizer(QAT_Quantizer):
             except ConfigError as e:
                 warnings.warn(f"PtqQuantizer: ReLU fusion disabled: {e}", ConfigWarning, stacklevel=2)
                 fuse_relu = False
+        if not isinstance(share_ranges, bool):
+            raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
+        self._input_sources: dict[str, str] = {}
+        if share_ranges:
+            try:
+                self._input_sources = find_input_sources(model, folded=bool(bn_fold))
+            except ConfigError as e:
+                warnings.warn(f"PtqQuantizer: range sharing disabled: {e}", ConfigWarning, stacklevel=2)
         super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold), fuse_relu=fuse_relu)
 
     # ------------------------------------------------------------------ construction
@@ -241,23 +254,46 @@ class PtqQuantizer(QAT_Quantizer):
         self.calibration_batches = seen
         return self
 
+    def shared_inputs(self) -> dict[str, str]:
+        """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
+        scale and zero point (``share_ranges``): same bits, integer range and per-tensor scheme."""
+        by_name = {w.name: w for w in self._wrappers}
+        out = {}
+        for name, src in self._input_sources.items():
+            w, p = by_name.get(name), by_name.get(src)
+            if w is None or p is None or "input" not in w.qat_specs or "output" not in p.qat_specs:
+                continue
+            a, b = w.qat_specs["input"], p.qat_specs["output"]
+            if (a.qmin, a.qmax, a.channels, b.channels) == (b.qmin, b.qmax, None, None):
+                out[name] = src
+        return out
+
     def _plan(self, wrappers: list[QuantizerModuleWrapper]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(buffer, value)`` to write, computed before anything is written."""
-        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        values: dict[tuple[str, str], tuple] = {}  # (layer, type) -> (scale, zp, (min, max) or None)
         for w in wrappers:
-            buf = w._buffers
             for t, spec in w.qat_specs.items():
                 if t == "weight":
                     obs = self.make_observer(spec, self.weight_observer)
                     obs.observe(self.float_weight(w))
+                    rng = None
                 else:
                     obs = self._act_observers[(w.name, t)]
                     if not obs.calibrated:
                         raise ModelError(f"PtqQuantizer.calibrate: layer {w.name!r} was never called by the model "
                                          f"on the calibration data, so its {t} range is unknown")
-                    rmin, rmax = obs.range()
-                    plan += [(buf[f"tracked_min_{t}"], rmin), (buf[f"tracked_max_{t}"], rmax)]
+                    rng = obs.range()
                 scale, zp = obs.qparams()
+                values[(w.name, t)] = (scale, zp, rng)
+        for name, src in self.shared_inputs().items():  # one grid per tensor
+            values[(name, "input")] = values[(src, "output")]
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for w in wrappers:
+            buf = w._buffers
+            for t in w.qat_specs:
+                scale, zp, rng = values[(w.name, t)]
+                if rng is not None:
+                    plan += [(buf[f"tracked_min_{t}"], rng[0]), (buf[f"tracked_max_{t}"], rng[1])]
                 target = buf[f"{t}_scale"]
                 if tuple(scale.shape) != tuple(target.shape):
                     raise ModelError(f"PtqQuantizer.calibrate: layer {w.name!r}: {t} scale of shape "
