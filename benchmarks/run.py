@@ -43,9 +43,11 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "torch_quant": "torch",
     "torch_speedup": "torch",
     "torch_quant_onnx": "torch",
+    "torch_int8_latency": "torch",
     "tf_prune": "tensorflow",
     "tf_quant": "tensorflow",
     "tf_speedup": "tensorflow",
+    "tf_int8_latency": "tensorflow",
 }
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0", "PYTHONHASHSEED": "0"}
 
