@@ -71,3 +71,43 @@ def test_shared_ranges_lenet():
     assert PtqQuantizer(lenet_5(10, 28), cfg, bn_fold=False, share_ranges=False).shared_inputs() == {}
     with pytest.raises(ConfigError, match="share_ranges must be True or False"):
         PtqQuantizer(lenet_5(10, 28), cfg, share_ranges="no")
+
+
+@pytest.mark.parametrize("observer", ["minmax", "percentile"])
+def test_tflite_carries_our_activation_ranges(tmp_path, observer):
+    """The converter calibrates activations itself (min/max). A percentile observer clips outliers; the
+    exported graph clips to our ranges, so the .tflite's conv output scale is ours, not the raw max's."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 6, 3))
+    y = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, name="c1")(inp))
+    m = keras.Model(inp, keras.layers.Dense(2, name="fc")(keras.layers.Flatten()(y)))
+    x = np.random.default_rng(0).standard_normal((64, 6, 6, 3)).astype(np.float32)
+    x[0] *= 20  # one outlier sample: min-max follows it, the 99 % percentile does not
+    q = PtqQuantizer(m, [{"op_types": ["Conv2D", "Dense"], "quant_types": TYPES, "quant_bits": 8}], bn_fold=False,
+                     observer=observer, percentile=99.0)
+    q.calibrate([x])
+    path = tmp_path / "m.tflite"
+    q.export_model(tflite_path=path)
+    ours = float(np.asarray(next(w for w in q.get_modules_wrapper() if w.name == "c1").output_scale))
+    it = tf.lite.Interpreter(model_path=str(path))
+    it.allocate_tensors()
+    ops = it._get_ops_details()
+    conv = next(o for o in ops if o["op_name"] == "CONV_2D")
+    details = {d["index"]: d for d in it.get_tensor_details()}
+    # the conv's int8 output, or the clip that follows it: the tensor feeding the next layer carries our scale
+    fc = next(o for o in ops if o["op_name"] == "FULLY_CONNECTED")
+    scales = {float(details[conv["outputs"][0]]["quantization"][0]),
+              float(details[fc["inputs"][0]]["quantization"][0])}
+    # percentile: our range exactly (the exported graph clips to it). min-max: the converter's own min/max
+    # on the same data, but through the already quantized weights, so within a fraction of a percent
+    tol = 1e-6 if observer == "percentile" else 5e-3
+    assert any(abs(s - ours) <= tol * ours for s in scales), (scales, ours)
+    raw = float(np.maximum(np.asarray(keras.ops.conv(x, m.get_layer("c1").kernel) + m.get_layer("c1").bias), 0).max())
+    assert (ours < 0.5 * raw / 255) if observer == "percentile" else (abs(ours - raw / 255) <= 1e-6 * ours)
+    it.set_tensor(it.get_input_details()[0]["index"], x[1:2])
+    it.invoke()
+    got = it.get_tensor(it.get_output_details()[0]["index"])
+    want = np.asarray(m(x[1:2], training=False))
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-6

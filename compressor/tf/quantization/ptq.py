@@ -53,6 +53,10 @@ _NO_DATA = "calibrate with at least one batch"
 _FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
 
 
+#: observers that clip outliers: their ranges reach a .tflite only through explicit clipping (see _to_tflite_clipped)
+CLIPPING_OBSERVERS = ("percentile", "mse")
+
+
 class PtqQuantizer(QAT_Quantizer):
     """Post-training quantization: ``PtqQuantizer(model, config_list).calibrate(data)``."""
 
@@ -83,6 +87,7 @@ class PtqQuantizer(QAT_Quantizer):
         self.batch_size = batch_size
         self.keep_batches = keep_batches
         self._calibrated = False
+        self._clip_export = False
         self._observing: dict[tuple[str, str], Observer] | None = None
         self._samples: list[np.ndarray] = []
         self._folded: list[tuple[Any, Any]] = []
@@ -135,6 +140,11 @@ class PtqQuantizer(QAT_Quantizer):
         return tf.reshape(out, weight.shape) if view is not weight else out
 
     def _activation(self, t: str, x: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
+        if self._clip_export:  # TFLite export: the converter calibrates on clip(x) and finds our range
+            scale = tf.reshape(getattr(wrapper, f"{t}_scale").read_value(), [])
+            zp = tf.reshape(getattr(wrapper, f"{t}_zero_point").read_value(), [])
+            spec = wrapper.qat_specs[t]
+            return tf.clip_by_value(x, (spec.qmin - zp) * scale, (spec.qmax - zp) * scale)
         if self._observing is not None:
             if not tf.executing_eagerly():
                 raise RuntimeError("PtqQuantizer: calibration observers run eagerly only")
@@ -374,6 +384,8 @@ class PtqQuantizer(QAT_Quantizer):
         return gen
 
     def _to_tflite(self, path: str, representative_dataset: Any, in_type: Any, out_type: Any) -> None:
+        if self.observer in CLIPPING_OBSERVERS:
+            return self._to_tflite_clipped(path, representative_dataset, in_type, out_type)
         wrappers = self.get_modules_wrapper()
         exported = [(w, self.export_weight(w)) for w in wrappers if "weight" in w.quant_types and w.ready]
         originals = [(w.weight, tf.identity(w.weight)) for w, _ in exported]
@@ -383,19 +395,41 @@ class PtqQuantizer(QAT_Quantizer):
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
                 self.bound_model.export(d, format="tf_saved_model", verbose=False)
-                conv = tf.lite.TFLiteConverter.from_saved_model(d)
-                conv.optimizations = [tf.lite.Optimize.DEFAULT]
-                conv.representative_dataset = representative_dataset
-                conv.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-                conv.inference_input_type = in_type
-                conv.inference_output_type = out_type
-                blob = conv.convert()
+                blob = _converter(d, representative_dataset, in_type, out_type).convert()
         finally:
             for var, value in originals:
                 var.assign(value)
             self._wrap_model()
         with open(path, "wb") as f:
             f.write(blob)
+
+    def _to_tflite_clipped(self, path: str, representative_dataset: Any, in_type: Any, out_type: Any) -> None:
+        """The converter re-derives every activation range as the min/max it sees on the representative data,
+        which would undo a percentile / MSE observer's clipping. So the model is exported with each quantized
+        activation clipped to the range we chose (``clip(x, (qmin - zp) * s, (qmax - zp) * s)``, our grid's
+        ends) and weights on their grid: the converter then finds exactly our ranges. Costs a MINIMUM /
+        MAXIMUM pair per quantized activation in the .tflite (what the clipping is)."""
+        self._clip_export = True
+        self._retrace()
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                self.bound_model.export(d, format="tf_saved_model", verbose=False)
+                blob = _converter(d, representative_dataset, in_type, out_type).convert()
+        finally:
+            self._clip_export = False
+            self._retrace()
+        with open(path, "wb") as f:
+            f.write(blob)
+
+
+def _converter(saved_model: str, representative_dataset: Any, in_type: Any, out_type: Any) -> Any:
+    conv = tf.lite.TFLiteConverter.from_saved_model(saved_model)
+    conv.optimizations = [tf.lite.Optimize.DEFAULT]
+    conv.representative_dataset = representative_dataset
+    conv.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    conv.inference_input_type = in_type
+    conv.inference_output_type = out_type
+    return conv
 
 
 def _is_array(batch: Any) -> bool:
