@@ -16,8 +16,9 @@ same float model:
 Target (issue 15): int8 error <= float + 0.2 pp on the artifact, and >= the anchor's accuracy.
 
 Note on the TFLite side: the converter re-derives activation ranges itself from the representative
-dataset (min/max), so in the TFLite artifact only the weights come from our observer; the activation
-observer's effect shows in ``sim`` only.
+dataset (min/max); for the percentile and MSE observers our export clips each quantized activation to
+our range first, so the artifact carries our ranges (min-max: the converter's own min/max of the same
+data, through the already quantized weights).
 
     python -m examples.reproduce_ptq --data digits|mnist [--backend torch|tf|all] [--quick] [--json PATH]
 """
