@@ -35,7 +35,8 @@ from .graph import (
     group_keep_classes,
     member_keep,
 )
-from .pruning import prune_count, smallest_k_mask
+from .pruning import prune_count
+from .slimming import global_keep
 
 __all__ = ["substitute_heads", "DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep",
            "global_dependency_keep", "FOLLOWER_KINDS"]
@@ -135,9 +136,10 @@ def dependency_keep(ops: Any, group: ChannelGroup, member_scores: dict[str, Any]
 def global_dependency_keep(ops: Any, groups: Sequence[ChannelGroup], member_scores: dict[str, Any], sparsity: float,
                            layers: Sequence[str] | None = None, kept: dict[str, Any] | None = None) -> dict[str, Any]:
     """Network slimming over groups: ONE ranking of every group's summed class scores, the
-    ``floor(P * sparsity)`` lowest of all ``P`` prunable classes pruned (ties by group order, then class
-    index); per-channel keep-masks of ``layers`` (default: every member of every group). ``kept``: as in
-    :func:`dependency_keep` (classes already pruned anywhere go first)."""
+    ``floor(P * sparsity)`` lowest of all ``P`` prunable classes pruned (every group keeps a class; ties
+    spread evenly over the groups, :func:`~compressor.core.slimming.global_keep`); per-channel keep-masks
+    of ``layers`` (default: every member of every group). ``kept``: as in :func:`dependency_keep`
+    (classes already pruned anywhere go first)."""
     totals, sizes, fixed_all, kept_all, prunable = [], [], [], [], 0
     for g in groups:
         s = class_scores(ops, g, member_scores)
@@ -155,7 +157,10 @@ def global_dependency_keep(ops: Any, groups: Sequence[ChannelGroup], member_scor
         scores = _lowest_first(ops, scores, ops.concat(kept_all, axis=0))
     if any(fixed_all):
         scores = scores + ops.asarray(fixed_all, like=scores)
-    keep = smallest_k_mask(ops, scores, prune_count(prunable, sparsity))
+    # every group keeps a class; ties at the threshold are spread evenly over the groups
+    parts, _ = global_keep(ops, ops.split(scores, sizes, 0), prune_count(prunable, sparsity),
+                           [len(g.fixed) + 1 for g in groups])
+    keep = ops.concat(parts, axis=0)
     wanted = None if layers is None else set(layers)
     out = {}
     for g, k in zip(groups, ops.split(keep, sizes, 0)):

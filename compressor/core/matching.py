@@ -7,7 +7,9 @@ class name) and call :func:`match_layers`. Rules (design doc, pinned by tests):
   weighted layer types; the other backend's names are accepted, ``Conv2d`` ~ ``Conv2D``) AND, if given,
   its name is in ``op_names``;
 * for each layer the LAST matching entry wins; if that entry has ``exclude: True`` the layer is skipped;
-* op_names / op_types that match no layer at all give a :class:`ConfigWarning` naming them.
+* op_names / op_types that match no layer at all give a :class:`ConfigWarning` naming them;
+* ``'default'`` says what it leaves out: one :class:`DefaultSkipWarning` naming the weighted layer types
+  it skipped (Embedding, recurrent, attention, custom layers) and their share of the model's parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, ConfigWarning
+from .layouts import MULTI_WEIGHT_TYPES, NORM_TYPES
+
+
+class DefaultSkipWarning(ConfigWarning):
+    """``op_types: ['default']`` left weighted layers of other types uncompressed (filter it to silence)."""
 
 # Groups of names that denote the same kind of layer on PyTorch and Keras. A name matches every
 # name of its group. Generic Keras names (BatchNormalization) cover all PyTorch ranks; a rank-specific
@@ -35,6 +42,10 @@ _ALIAS_GROUPS: list[tuple[str, ...]] = [
     ("GroupNorm", "GroupNormalization"),
     ("LSTM",),
     ("GRU",),
+    ("RNN", "SimpleRNN"),
+    ("LSTMCell",),
+    ("GRUCell",),
+    ("RNNCell", "SimpleRNNCell"),
     ("MultiheadAttention", "MultiHeadAttention"),
     ("PReLU",),
 ]
@@ -126,6 +137,7 @@ def match_layers(
                 warnings.warn(f"config_list[{i}]: op_types {unused} match no layer of the model", ConfigWarning,
                               stacklevel=3)
 
+    default_skip_warning(layers, selected, config_list, default_types, what)
     if require_match and not selected:
         present = sorted(types)
         raise ConfigError(
@@ -133,3 +145,61 @@ def match_layers(
             f"'default' means {list(default_types)}"
         )
     return selected
+
+
+def _inside(name: str, outer: str) -> bool:
+    """True if layer ``name`` is ``outer`` or nested in it (torch paths use '.', Keras paths '/')."""
+    return outer == "" or name == outer or name.startswith(outer + ".") or name.startswith(outer + "/")
+
+
+def _mentioned(entry: dict[str, Any], layer: LayerInfo) -> bool:
+    """The entry names ``layer`` itself (op_names, or op_types other than 'default')."""
+    if layer.name in entry.get("op_names", ()):
+        return True
+    return layer.type in expand_op_types([t for t in entry.get("op_types", ()) if t != "default"], ())
+
+
+def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[LayerInfo, dict[str, Any]]],
+                         config_list: Sequence[dict[str, Any]], default_types: Iterable[str],
+                         what: str = "compressor") -> None:
+    """Warn once when ``'default'`` leaves weighted layers of other types uncompressed.
+
+    Backends describe each layer's own parameters in ``LayerInfo.extra``: ``params`` (count) and
+    ``weighted`` (it has a weight a compressor could take). A weighted layer inside a recurrent or
+    attention layer (a Keras cell or EinsumDense, torch's ``out_proj``) counts as that outer layer's type,
+    the one to put in ``op_types``. Layers the user named (op_names, or their type in op_types) and
+    normalisation layers are not reported.
+    """
+    if not any("default" in e.get("op_types", ()) and not e.get("exclude", False) for e in config_list):
+        return
+    if not any("params" in layer.extra for layer in layers):
+        return
+    defaults = expand_op_types(["default"], default_types)
+    chosen = [info.name for info, _ in selected]
+    total = sum(int(layer.extra.get("params", 0)) for layer in layers)
+    owners = [layer for layer in layers if layer.type in MULTI_WEIGHT_TYPES]
+    skipped: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        n = int(layer.extra.get("params", 0))
+        if n <= 0 or not layer.extra.get("weighted", False) or any(_inside(layer.name, c) for c in chosen):
+            continue
+        outer = [o for o in owners if _inside(layer.name, o.name)]
+        owner = min(outer, key=lambda o: len(o.name)) if outer else layer  # the outermost one
+        if owner.type in defaults or owner.type in NORM_TYPES:
+            continue
+        if any(_mentioned(e, owner) or _mentioned(e, layer) for e in config_list):
+            continue
+        entry = skipped.setdefault(owner.type, {"layers": set(), "params": 0})
+        entry["layers"].add(owner.name)
+        entry["params"] += n
+    if not skipped or total <= 0:
+        return
+    parts = []
+    for t, e in sorted(skipped.items(), key=lambda kv: -kv[1]["params"]):
+        k = len(e["layers"])
+        parts.append(f"{t} ({k} layer{'s' if k != 1 else ''}, {e['params'] / total:.1%} of the parameters)")
+    warnings.warn(
+        f"{what}: op_types ['default'] ({', '.join(default_types)}) leaves out weighted layers of type "
+        f"{', '.join(parts)}; to compress them too, add {sorted(skipped)} to op_types (Embedding, recurrent "
+        f"and attention layers are supported)",
+        DefaultSkipWarning, stacklevel=4)

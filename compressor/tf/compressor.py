@@ -13,7 +13,8 @@ Contract (mirror of ``compressor.torch.compressor``; the TF pruners and quantize
     builds each wrapper. All of this happens BEFORE the model is touched: on any error the model is
     exactly as it was. A bad model is a ``ModelError``, a bad optimizer or a layer already wrapped by a
     compressor of the same ``_kind`` ('pruner' / 'quantizer') a ``ConfigError``; a quantizer may wrap a
-    pruned layer (the calls chain).
+    pruned layer (the calls chain). Recurrent and attention layers are compressed one weight matrix at a
+    time: one wrapper per matrix on the same layer (:mod:`compressor.tf.slots`).
 Instrumentation (in place, the same model object)
     Each selected layer gets its ``call`` intercepted on the instance, so every path that calls the
     layer (Functional graphs, Sequential, subclassed ``call``, ``fit`` / ``predict`` / a custom
@@ -160,14 +161,21 @@ class LayerWrapper(_Trackable):
         return self._compressor
 
     @property
+    def slot(self) -> str | None:
+        """The weight matrix this wrapper compresses of a recurrent / attention layer (see
+        :mod:`compressor.tf.slots`), or None for a layer with one main weight."""
+        return self.layer_info.extra.get("slot")
+
+    @property
     def weight(self) -> Any:
-        """The layer's main weight variable (kernel, depthwise kernel, BN gamma, ...) or None if unbuilt."""
-        return layout.weight_of(self.layer)
+        """The layer's main weight variable (kernel, depthwise kernel, BN gamma, ...; a slot's matrix) or
+        None if unbuilt."""
+        return layout.weight_of(self.layer, self.slot)
 
     @property
     def bias(self) -> Any:
-        """The layer's bias variable (BN: beta) or None."""
-        return layout.bias_of(self.layer)
+        """The layer's bias variable (BN: beta) or None (always None for a slot)."""
+        return None if self.slot is not None else layout.bias_of(self.layer)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ({self.type})>"
@@ -259,6 +267,9 @@ class LayerWrapper(_Trackable):
         return self._original_call is not None
 
     def _install(self, attr: str) -> None:
+        from .slots import slot_attr
+
+        attr = slot_attr(attr, self.layer_info)  # one wrapper per weight matrix of a recurrent / attention layer
         layer = self.layer
         if attr in vars(layer):
             raise ConfigError(f"layer {self.name!r} is already wrapped by "
@@ -326,14 +337,19 @@ class Compressor:
         self.optimizer = optimizer
         layers = iter_layers(model)
         by_name = {path: layer for path, layer in layers}
-        infos = [LayerInfo(path, type(layer).__name__, {"layer": layer}) for path, layer in layers]
+        infos = [LayerInfo(path, type(layer).__name__, {"layer": layer, **layout.weight_facts(layer)})
+                 for path, layer in layers]
         selected = match_layers(infos, self.config_list, self.default_types, what=type(self).__name__)
         selected = self._substitute_layers(selected, infos, by_name)
+        from .slots import expand_slots, slot_attr  # recurrent / attention layers: one slot per weight matrix
+
+        selected = expand_slots(what, selected, by_name)
         for info, config in selected:
             layer = by_name[info.name]
-            if self.wrapper_attr in vars(layer):
+            attr = slot_attr(self.wrapper_attr, info)
+            if attr in vars(layer):
                 raise ConfigError(f"{what}: layer {info.name!r} is already wrapped by "
-                                  f"{type(vars(layer)[self.wrapper_attr].compressor).__name__}; call strip() on "
+                                  f"{type(vars(layer)[attr].compressor).__name__}; call strip() on "
                                   f"that {self._kind} (or export and reload the model) before compressing it again")
             self.validate_layer(info, layer, config)
         selected = selected + self._extra_layers(model, selected, infos, by_name)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ...core.atomic import atomic_path, atomic_paths
 from ...core.errors import ConfigError
 from .. import layout
 from ..compressor import iter_layers
@@ -51,7 +52,7 @@ def save_masks(pruner: Any, mask_path: str) -> None:
         arrays[w.name] = w.weight_mask.numpy()
         if w.bias_mask is not None:
             arrays[w.name + BIAS_SUFFIX] = w.bias_mask.numpy()
-    with open(mask_path, "wb") as f:
+    with atomic_path(mask_path) as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)
 
 
@@ -72,13 +73,14 @@ def zero_masked(model: Any, masks: dict[str, dict[str, Any]], source: str = "mas
     layout) are False; every name and shape is checked before any weight changes. Returns the model's
     layers by name."""
     layers = dict(iter_layers(model))
-    missing = sorted(set(masks) - set(layers))
+    missing = sorted(n for n in masks if layout.resolve(layers, n) is None)
     if missing:
         raise ConfigError(f"{source} names layers the model does not have: {missing}")
     todo = []
     for name, m in masks.items():
-        layer = layers[name]
-        for key, var in (("weight", layout.weight_of(layer)), ("bias", layout.bias_of(layer))):
+        layer, slot = layout.resolve(layers, name)  # '<layer>/<slot>': a recurrent / attention matrix
+        bias = layout.bias_of(layer) if slot is None else None
+        for key, var in (("weight", layout.weight_of(layer, slot)), ("bias", bias)):
             if key not in m:
                 continue
             if var is None or tuple(var.shape) != tuple(m[key].shape):
@@ -95,27 +97,41 @@ def apply_compression_results(model: Any, mask_path: str) -> dict[str, dict[str,
     masks = load_masks(mask_path)
     layers = zero_masked(model, masks, f"mask file {mask_path!r}")
     for name, m in masks.items():
-        layer = layers[name]
-        for w in getattr(layer, "__dict__", {}).values():
+        owners = [layout.resolve(layers, name), layout.slot_owner(layers, name)]  # a recurrent / attention matrix
+        for w in [w for o in owners if o is not None for w in getattr(o[0], "__dict__", {}).values()
+                  if getattr(w, "slot", None) == o[1]]:
             if hasattr(w, "set_masks") and getattr(w, "ready", False):
                 w.set_masks({f"{k}_mask": v for k, v in m.items() if f"{k}_mask" in w.state_variables()})
     return masks
 
 
 def export_pruned_model(pruner: Any, model_path: str | None = None, mask_path: str | None = None,
-                        saved_model_path: str | None = None, tflite_path: str | None = None) -> Any:
+                        saved_model_path: str | None = None, tflite_path: str | None = None,
+                        compressed_path: str | None = None) -> Any:
     """See :meth:`compressor.tf.TfPruner.export_model`."""
     if model_path is not None and not os.fspath(model_path).endswith(".keras"):
         raise ConfigError(f"model_path must end with '.keras' (Keras 3 format), got {model_path!r}")
-    if mask_path is not None:
-        save_masks(pruner, mask_path)
-    with unwrapped(pruner) as model:
-        if model_path is not None:
-            model.save(model_path)
-        if saved_model_path is not None:
-            model.export(saved_model_path, format="tf_saved_model", verbose=False)
-        if tflite_path is not None:
-            converter = tf.lite.TFLiteConverter.from_keras_model(model)
-            with open(tflite_path, "wb") as f:
-                f.write(converter.convert())
+    # all or nothing: every artifact goes to a temporary path, moved into place when all are written
+    with atomic_paths(model_path, mask_path, saved_model_path, tflite_path, compressed_path) as (
+            tmp_model, tmp_masks, tmp_saved, tmp_tflite, tmp_packed):
+        if tmp_masks is not None:
+            save_masks(pruner, tmp_masks)
+        with unwrapped(pruner) as model:
+            if tmp_model is not None:
+                model.save(tmp_model)
+            if tmp_packed is not None:
+                from ..packing import save_compressed
+
+                save_compressed(model, tmp_packed)
+            if tmp_saved is not None:
+                model.export(tmp_saved, format="tf_saved_model", verbose=False)
+            if tmp_tflite is not None:
+                from ..tflite import convert_recurrent
+
+                # recurrent layers convert unrolled (see compressor.tf.tflite)
+                blob = convert_recurrent(model, lambda: tf.lite.TFLiteConverter.from_keras_model(model))
+                if blob is None:
+                    blob = tf.lite.TFLiteConverter.from_keras_model(model).convert()
+                with open(tmp_tflite, "wb") as f:
+                    f.write(blob)
     return pruner.model

@@ -11,7 +11,9 @@ tensor) and branch with ``tf.cond``, as the built-in pruners do.
 
 :class:`OneShotPruner` is the base of the built-in one-shot pruners: one masker, masks computed once per
 layer (as soon as the masker's statistics are ready: in-graph ``tf.cond`` on a per-wrapper
-``if_calculated`` variable), never recomputed.
+``if_calculated`` variable), never recomputed. A user subclass that overrides ``calc_mask`` (a class outside
+this package) gets it called after every optimizer update (in the traced step), as the seeds promise;
+the built-ins keep their no-recompute fast path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from ...core.clock import user_override
 from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
@@ -55,9 +58,9 @@ class TfPruner(Compressor):
         self.current_epoch = 0
 
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
-        if getattr(layer, "built", False) and layout.weight_of(layer) is None:
+        if getattr(layer, "built", False) and layout.weight_of(layer, layer_info.extra.get("slot")) is None:
             raise ConfigError(f"{type(self).__name__}: layer {layer_info.name!r} ({layer_info.type}) has no weight "
-                              f"to prune (known weights: {list(layout.WEIGHT_ATTRS)})")
+                              f"to prune; prunable: {layout.KNOWN_WEIGHTS}")
 
     def _create_wrapper(self, layer: Any, layer_info: LayerInfo, config: dict[str, Any]) -> PrunerLayerWrapper:
         return PrunerLayerWrapper(layer, layer_info, config, self)
@@ -171,14 +174,17 @@ class TfPruner(Compressor):
         self.current_epoch = int(state.get("epoch", 0))
 
     def export_model(self, model_path: str | None = None, mask_path: str | None = None,
-                     saved_model_path: str | None = None, tflite_path: str | None = None) -> Any:
+                     saved_model_path: str | None = None, tflite_path: str | None = None,
+                     compressed_path: str | None = None) -> Any:
         """Save the plain (unwrapped) model with masked weights: ``.keras`` file, SavedModel, masks
         (``.npz``: layer name -> mask) and/or TFLite flatbuffer; loadable without compressor installed.
+        ``compressed_path``: also its weights (by Keras path) as a compressed file (kept values, positions,
+        entropy coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``.
         The pruner stays installed; returns the model."""
         from .export import export_pruned_model
 
         self._refresh_ready()
-        return export_pruned_model(self, model_path, mask_path, saved_model_path, tflite_path)
+        return export_pruned_model(self, model_path, mask_path, saved_model_path, tflite_path, compressed_path)
 
     def export_masks(self, mask_path: str) -> None:
         """Save ``{layer name: weight mask, 'layer name:bias': bias mask}`` (bool, Keras layout) as ``.npz``."""
@@ -253,7 +259,9 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
         ``heads_of`` = the attention layer's path) and the kernel columns ``[:, head, :]`` and bias rows of
         the pruned heads masked, so the heads' context is zero and speedup removes them. Needs
         ``dependency_aware=True`` (the head decision is the attention group's: core block pruning in
-        units of ``head_dim``) and a built layer."""
+        units of ``head_dim``) and a built layer. Without ``dependency_aware`` the attention layer is pruned
+        matrix by matrix instead (``query`` / ``key`` / ``value`` / ``attention_output`` kernels, see
+        :mod:`compressor.tf.slots`)."""
         import keras
 
         heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}
@@ -264,8 +272,10 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
                 continue
             what = f"{type(self).__name__}: layer {info.name!r} ({info.type})"
             if not self.dependency_aware:
-                raise ConfigError(f"{what} is an attention layer; its heads are pruned with dependency_aware=True "
-                                  f"(a filter criterion)")
+                if hasattr(getattr(self, "masker_class", None), "filter_importance"):
+                    raise ConfigError(f"{what} is an attention layer; a filter criterion prunes its heads, with "
+                                      f"dependency_aware=True")
+                continue  # pruned weight by weight: one slot per projection kernel (compressor.tf.slots)
             dense = getattr(layer, "_value_dense", None) if layer.built else None
             value = next((p for p in info_of if p.startswith(info.name + "/") and by_name[p] is dense), None)
             if dense is None or value is None or layout.weight_of(dense) is None or len(dense.kernel.shape) != 3:
@@ -336,7 +346,11 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
             self.masker.after_step(pairs)
 
     def _update_in_step(self) -> None:
-        """In-graph: each layer not yet masked gets its masks once its statistics are ready (tf.cond)."""
+        """In-graph: each layer not yet masked gets its masks once its statistics are ready (tf.cond).
+        A user's ``calc_mask`` (a subclass overriding it) instead runs at every step, as the seeds say."""
+        if user_override(self, "calc_mask"):
+            TfPruner.update_mask(self)
+            return
         if self._all_calculated():
             return
         if not tf.inside_function():

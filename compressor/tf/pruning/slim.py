@@ -1,9 +1,10 @@
 """SlimPruner: network slimming (Liu et al. 2017) on BatchNormalization scale factors.
 
-One global threshold over ``|gamma|`` of all selected BatchNormalization layers (core ``slim_masks``); a
-pruned channel has gamma AND beta masked, so it outputs exactly 0. With ``dependency_aware=True`` norms whose
-channels meet (residual adds) are ranked together by their summed ``|gamma|`` and pruned alike. Train with an L1 penalty on gamma
-first (:meth:`SlimPruner.l1_penalty`, e.g. ``model.add_loss``) so the scale factors become sparse.
+One global threshold over ``|gamma|`` of all selected BatchNormalization layers (core ``slim_plan``: every
+layer keeps a channel, ties spread evenly over the layers); a pruned channel has gamma AND beta masked, so
+it outputs exactly 0. With ``dependency_aware=True`` norms whose channels meet (residual adds) are ranked
+together by their summed ``|gamma|`` and pruned alike. Train with an L1 penalty on gamma first
+(:meth:`SlimPruner.l1_penalty`, e.g. ``model.add_loss``) so the scale factors become sparse.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from ...core.pruner_config import check_common_sparsity, first_active
-from ...core.pruning import slim_l1_penalty, slim_masks
+from ...core.pruning import slim_l1_penalty
+from ...core.slimming import check_max_layer_sparsity, slim_plan, tie_warning
 from ..ops import ops
 from .masker import WeightMasker
 from .pruner import OneShotPruner
@@ -54,8 +56,11 @@ class SlimPrunerMasker(WeightMasker):
         key = (id(graph), getattr(self.pruner, "_mask_round", 0), sparsity)
         if key != self._cache_key or idx == 0:
             gammas = [w.canonical_weight() for w in wrappers]
-            self._cache = slim_masks(ops, gammas, sparsity, [w.canonical_mask() for w in wrappers])
+            self._cache, info = slim_plan(ops, gammas, sparsity, [w.canonical_mask() for w in wrappers],
+                                          getattr(self.pruner, "max_layer_sparsity", None))
             self._cache_key = key
+            if tf.executing_eagerly():  # in a traced step the counts are not known: no host read there
+                tie_warning(info, type(self.pruner).__name__)
         mask = self._cache[idx]
         return {"weight_mask": mask, "bias_mask": mask}
 
@@ -67,7 +72,10 @@ class SlimPrunerMasker(WeightMasker):
 class SlimPruner(OneShotPruner):
     """Prune the BN channels with the smallest ``|gamma|`` over all selected layers at once.
 
-    The global sparsity is that of the first non-excluded config entry; entries may not disagree.
+    The global sparsity is that of the first non-excluded config entry; entries may not disagree. Every
+    layer keeps at least ``max(1, n - floor(n * max_layer_sparsity))`` of its ``n`` channels (default: one)
+    and ties at the threshold (e.g. every gamma = 1 after initialisation) are spread evenly over the
+    layers, with a ``RuntimeWarning`` (:mod:`compressor.core.slimming`; the same masks as on torch).
     """
 
     default_types = BN_TYPES
@@ -76,7 +84,8 @@ class SlimPruner(OneShotPruner):
     _group_producers_needed = False
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
+                 dependency_aware: bool = False, dummy_input: Any = None, max_layer_sparsity: float | None = None) -> None:
+        self.max_layer_sparsity = check_max_layer_sparsity(max_layer_sparsity, type(self).__name__)
         super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
         self.sparsity = first_active(self.config_list, "sparsity")
 

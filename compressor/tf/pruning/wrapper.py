@@ -46,13 +46,28 @@ def _in_keras_symbolic_scope() -> bool:
     return in_stateless_scope()
 
 
+def read_through(wrapper: Any, name: str) -> Any:
+    """``wrapper.<name>`` for a name the wrapper lacks: the wrapped layer's attribute (``strides``,
+    ``kernel_size``, ``filters``, ``units``, ``kernel``, ...), as on torch. The model itself keeps calling
+    and reading the original layer (the wrapper only intercepts its ``call``), so model code is unaffected
+    either way; this makes ``wrapper.strides`` work too. Private names are never read through."""
+    layer = wrapper.__dict__.get("layer")
+    if name.startswith("_") or layer is None:
+        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}")
+    return getattr(layer, name)
+
+
 class PrunerLayerWrapper(LayerWrapper):
-    """Wraps a Keras ``layer`` for a pruner: masks, in-place masking, canonical-layout views."""
+    """Wraps a Keras ``layer`` for a pruner: masks, in-place masking, canonical-layout views. Attributes it
+    does not have are read from the wrapped layer (:func:`read_through`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return read_through(self, name)
 
     def __init__(self, layer: Any, layer_info: LayerInfo, config: dict[str, Any], pruner: Any) -> None:
         super().__init__(layer, layer_info, config, pruner)
         self._setattr_raw("_has_bias_mask", False)
-        if layout.weight_of(layer) is not None:
+        if self.weight is not None:  # (a slot's matrix for a recurrent / attention layer)
             self._create_masks()
 
     # -- masks -----------------------------------------------------------------------------------------
@@ -77,7 +92,7 @@ class PrunerLayerWrapper(LayerWrapper):
         Inside a trace (a model first built by ``fit``) the layer's variables are not initialized yet:
         the masks are created (all True) and the pruner computes them in-graph at the first step.
         """
-        if self.ready or layout.weight_of(self.layer) is None or _in_keras_symbolic_scope():
+        if self.ready or self.weight is None or _in_keras_symbolic_scope():
             return
         deferred = tf.inside_function()
         with tf.init_scope():

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ...core.atomic import atomic_paths
 from ...core.calibration import (
     calibration_record,
     check_calibration_layers,
@@ -67,15 +68,22 @@ def _save(model: Any, path: str) -> None:
 
 
 def _to_tflite(model: Any, path: str, representative_dataset: Any) -> None:
+    from ..tflite import convert_recurrent  # recurrent layers convert unrolled (see compressor.tf.tflite)
+
     with tempfile.TemporaryDirectory() as d:
-        model.export(d, format="tf_saved_model", verbose=False)
-        conv = tf.lite.TFLiteConverter.from_saved_model(d)
-        conv.optimizations = [tf.lite.Optimize.DEFAULT]
-        if representative_dataset is not None:
-            conv.representative_dataset = representative_dataset
-            conv.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        blob = conv.convert()
-    with open(path, "wb") as f:
+        def converter() -> Any:
+            model.export(d, format="tf_saved_model", verbose=False)
+            conv = tf.lite.TFLiteConverter.from_saved_model(d)
+            conv.optimizations = [tf.lite.Optimize.DEFAULT]
+            if representative_dataset is not None:
+                conv.representative_dataset = representative_dataset
+                conv.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+            return conv
+
+        blob = convert_recurrent(model, converter, full_integer=representative_dataset is not None)
+        if blob is None:
+            blob = converter().convert()
+    with open(path, "wb") as f:  # path: a temporary file of export_model's atomic_paths
         f.write(blob)
 
 
@@ -90,21 +98,23 @@ def export_model(quantizer: Any, model_path: str | os.PathLike | None = None,
     exported = [(w, quantizer.export_weight(w)) for w in wrappers if "weight" in w.quant_types and w.ready]
     calibration = {w.name: quantizer.calibration(w) for w in wrappers}
     originals = [(w.weight, tf.identity(w.weight)) for w, _ in exported]
-    quantizer._unwrap_model()
-    try:
-        for w, value in exported:
-            w.weight.assign(value)
-        if model_path is not None:
-            _save(model, os.fspath(model_path))
-        if tflite_path is not None:
-            _to_tflite(model, os.fspath(tflite_path), representative_dataset)
-    finally:
-        for var, value in originals:
-            var.assign(value)
-        quantizer._wrap_model()
-    if calibration_path is not None:
-        with open(os.fspath(calibration_path), "w", encoding="utf-8") as f:
-            json.dump(calibration, f, indent=1)
+    # all or nothing: every artifact goes to a temporary path, moved into place when all are written
+    with atomic_paths(model_path, calibration_path, tflite_path) as (tmp_model, tmp_calib, tmp_tflite):
+        quantizer._unwrap_model()
+        try:
+            for w, value in exported:
+                w.weight.assign(value)
+            if tmp_model is not None:
+                _save(model, tmp_model)
+            if tmp_tflite is not None:
+                _to_tflite(model, tmp_tflite, representative_dataset)
+        finally:
+            for var, value in originals:
+                var.assign(value)
+            quantizer._wrap_model()
+        if tmp_calib is not None:
+            with open(tmp_calib, "w", encoding="utf-8") as f:
+                json.dump(calibration, f, indent=1)
     return calibration
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ...core.atomic import atomic_paths
 from ...core.errors import ConfigError, ModelError
 from ...core.observers import OBSERVERS, MinMaxObserver, Observer
 from ..ops import ops
@@ -361,14 +362,18 @@ class PtqQuantizer(QAT_Quantizer):
         for name, t in (("inference_input_type", inference_input_type), ("inference_output_type", inference_output_type)):
             if t not in (tf.int8, tf.float32, tf.uint8):
                 raise ConfigError(f"PtqQuantizer.export_model: {name} must be tf.int8, tf.uint8 or tf.float32, got {t!r}")
-        calibration = super().export_model(model_path, calibration_path, None, None, input_shape)
+        rep = None
         if tflite_path is not None:
             rep = representative_dataset if representative_dataset is not None else self._representative()
             if rep is None:
                 raise ConfigError("PtqQuantizer.export_model: no representative data for TFLite (calibration "
                                   "batches were not kept, e.g. after load_calibration_config); pass "
                                   "representative_dataset")
-            self._to_tflite(os.fspath(tflite_path), rep, inference_input_type, inference_output_type)
+        # all or nothing: temporary paths, moved into place when every artifact is written
+        with atomic_paths(model_path, calibration_path, tflite_path) as (tmp_model, tmp_calib, tmp_tflite):
+            calibration = super().export_model(tmp_model, tmp_calib, None, None, input_shape)
+            if tmp_tflite is not None:
+                self._to_tflite(tmp_tflite, rep, inference_input_type, inference_output_type)
         return calibration
 
     def _representative(self) -> Any:

@@ -83,9 +83,10 @@ class TfQuantizer(Compressor):
         what = type(self).__name__
         types = config.get("quant_types", [])
         check_quant_types(type(self), TfQuantizer, layer_info.name, types, self.supported_quant_types)
-        if "weight" in types and getattr(layer, "built", False) and layout.weight_of(layer) is None:
-            raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight to quantize "
-                              f"(known weights: {list(layout.WEIGHT_ATTRS)})")
+        if "weight" in types and getattr(layer, "built", False) and \
+                layout.weight_of(layer, layer_info.extra.get("slot")) is None:
+            raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight to quantize; "
+                              f"quantizable: {layout.KNOWN_WEIGHTS}")
 
     def _create_wrapper(self, layer: Any, layer_info: LayerInfo, config: dict[str, Any]) -> QuantizerLayerWrapper:
         wrapper = QuantizerLayerWrapper(layer, layer_info, config, self)
@@ -97,7 +98,7 @@ class TfQuantizer(Compressor):
     def _init_wrapper(self, wrapper: QuantizerLayerWrapper) -> None:
         if "weight" in wrapper.quant_types and wrapper.weight is None:  # a layer built after wrapping
             raise ConfigError(f"{type(self).__name__}: layer {wrapper.name!r} ({wrapper.type}) has no weight to "
-                              f"quantize (known weights: {list(layout.WEIGHT_ATTRS)})")
+                              f"quantize; quantizable: {layout.KNOWN_WEIGHTS}")
         self.init_wrapper(wrapper)
         wrapper._setattr_raw("ready", True)
 

@@ -16,6 +16,7 @@ positional input is quantized). A layer built after wrapping gets its state on i
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -25,6 +26,7 @@ from ...core.matching import LayerInfo
 from .. import layout
 from ..compressor import LayerWrapper, _on_device
 from ..ops import ops
+from ..pruning.wrapper import read_through
 from .grad import QuantType
 
 __all__ = ["QuantizerLayerWrapper", "QuantizerModuleWrapper", "training_flag"]
@@ -73,6 +75,9 @@ class QuantizerLayerWrapper(LayerWrapper):
     the quantizer created (``<type>_scale``, ``<type>_zero_point``, ...).
     """
 
+    def __getattr__(self, name: str) -> Any:
+        return read_through(self, name)  # the wrapped layer's attributes (strides, kernel_size, units, ...)
+
     def __init__(self, layer: Any, layer_info: LayerInfo, config: dict[str, Any], quantizer: Any) -> None:
         super().__init__(layer, layer_info, config, quantizer)
         raw = self._setattr_raw
@@ -108,7 +113,8 @@ class QuantizerLayerWrapper(LayerWrapper):
         import keras
 
         with tf.init_scope(), _on_device(self.weight):  # mirrored like the layer's weights under tf.distribute
-            var = keras.Variable(tf.convert_to_tensor(value), trainable=trainable, name=f"{self.layer.name}_{name}")
+            prefix = self.layer.name if self.slot is None else f"{self.layer.name}_{self.slot}"  # one per matrix
+            var = keras.Variable(tf.convert_to_tensor(value), trainable=trainable, name=f"{prefix}_{name}")
         self._layer_variables.append(var)
         self._setattr_raw(name, var)
         if self.installed:
@@ -129,6 +135,8 @@ class QuantizerLayerWrapper(LayerWrapper):
         super()._install(attr)
         for var in self._layer_variables:
             self._track(var)
+        object.__setattr__(self.layer, "save_own_variables", self._save_own_variables)
+        guard_model_saving(self.compressor)
 
     def _uninstall(self) -> None:
         was = self.installed
@@ -136,6 +144,26 @@ class QuantizerLayerWrapper(LayerWrapper):
         if was:
             for var in self._layer_variables:
                 self.layer._untrack_variable(var)
+            if vars(self.layer).get("save_own_variables") == self._save_own_variables:
+                object.__delattr__(self.layer, "save_own_variables")
+            release_model_saving(self.compressor)
+
+    def _save_own_variables(self, store: Any) -> None:
+        """Installed as the layer's ``save_own_variables``: a Keras save that reaches this layer by another
+        route than the quantizer's model's ``save`` (refused, see :func:`guard_model_saving`), e.g.
+        ``keras.saving.save_model(outer_model)``, writes the layer's own FLOAT variables in Keras' layout
+        (never the quantizer's, so the file loads) and warns that the quantization is not in it."""
+        warnings.warn(f"layer {self.name!r} is saved by Keras with its quantizer attached: the file holds its float "
+                      f"weights, not the quantized model. " + save_advice(self.compressor), RuntimeWarning,
+                      stacklevel=2)
+        layer = self.layer
+        for var in self._layer_variables:
+            layer._untrack_variable(var)
+        try:
+            type(layer).save_own_variables(layer, store)
+        finally:
+            for var in self._layer_variables:
+                self._track(var)
 
     def qparams(self, quant_type: str, like: Any = None) -> tuple[Any, Any, int, int] | None:
         """``(scale, zero_point, qmin, qmax)`` recorded for ``quant_type``, else None.
@@ -199,3 +227,59 @@ class QuantizerLayerWrapper(LayerWrapper):
 
 
 QuantizerModuleWrapper = QuantizerLayerWrapper
+
+
+# ---------------------------------------------------------------- Keras saving with a quantizer attached
+# A Keras file cannot hold the quantizer: ``model.save()`` would write the float weights (a DoReFa / BNN
+# model reloads as the float model) or, with learned scales tracked on the layer (LSQ), a file Keras
+# cannot load. So while a quantizer is installed, ``save`` and ``save_weights`` of its model (hence
+# ``ModelCheckpoint``) are REFUSED before any file is opened, with an error that says what to use instead.
+_GUARDS = "_compressor_save_guards"
+_MODEL_SAVES = ("save", "save_weights")
+
+
+def save_advice(quantizer: Any) -> str:
+    what = type(quantizer).__name__
+    return (f"Use {what}.export_model('model.keras') for the quantized model (plain Keras, quantized weights, "
+            f"loads without compressor), tf.train.Checkpoint(model=model, optimizer=optimizer) to checkpoint "
+            f"training (instead of ModelCheckpoint), or {what}.strip() first to save the float model")
+
+
+def _refusing(name: str, model: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        quantizer = (vars(model).get(_GUARDS) or [None])[0]
+        raise RuntimeError(f"model.{name}() of {model.name!r} refused: its layers are quantized by "
+                           f"{type(quantizer).__name__}, and a Keras file cannot hold the quantizer (it would "
+                           f"reload as the float model, or not load at all). " + save_advice(quantizer))
+
+    refuse._compressor_save_guard = True  # type: ignore[attr-defined]
+    return refuse
+
+
+def guard_model_saving(quantizer: Any) -> None:
+    """Refuse ``save`` / ``save_weights`` of the quantizer's model while the quantizer is installed."""
+    model = getattr(quantizer, "model", None)
+    if model is None:
+        return
+    guards = vars(model).get(_GUARDS)
+    if guards is None:
+        guards = []
+        object.__setattr__(model, _GUARDS, guards)
+        for name in _MODEL_SAVES:
+            object.__setattr__(model, name, _refusing(name, model))
+    if not any(q is quantizer for q in guards):
+        guards.append(quantizer)
+
+
+def release_model_saving(quantizer: Any) -> None:
+    """Undo :func:`guard_model_saving` once none of the quantizer's layers is installed."""
+    model = getattr(quantizer, "model", None)
+    guards = None if model is None else vars(model).get(_GUARDS)
+    if guards is None or any(w.installed for w in quantizer.modules_wrapper):
+        return
+    guards[:] = [q for q in guards if q is not quantizer]
+    if not guards:
+        object.__delattr__(model, _GUARDS)
+        for name in _MODEL_SAVES:
+            if getattr(vars(model).get(name), "_compressor_save_guard", False):
+                object.__delattr__(model, name)

@@ -6,7 +6,9 @@ calls :meth:`TorchPruner.step`, which calls ``calc_mask(wrapper, wrapper_idx)`` 
 ``wrapper.weight_mask`` yourself) and re-masks the weights in place.
 
 :class:`OneShotPruner` is the base of the built-in one-shot pruners: one masker, masks computed once per
-layer (as soon as the masker's statistics are ready), never recomputed.
+layer (as soon as the masker's statistics are ready), never recomputed. A user subclass that overrides
+``calc_mask`` (a class outside this package, :func:`~compressor.core.clock.user_override`) gets it called
+after every ``optimizer.step()``, as the seeds promise; the built-ins keep their no-recompute fast path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.clock import user_override
 from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError, ModelError
 from ...core.matching import LayerInfo
@@ -122,12 +125,19 @@ class TorchPruner(Compressor):
         self.current_epoch = int(state.get("epoch", 0))
 
     def export_model(self, model_path: str, mask_path: str | None = None, onnx_path: str | None = None,
-                     input_shape: tuple[int, ...] | None = None, device: Any = None) -> None:
+                     input_shape: tuple[int, ...] | None = None, device: Any = None, dummy_input: Any = None,
+                     compressed_path: str | None = None, **onnx_kwargs: Any) -> None:
         """Save a state_dict loadable into the ORIGINAL model class (pruned weights zeroed), optionally
-        the masks (``{layer: {'weight': mask, 'bias': mask}}``) and an ONNX file checked with onnxruntime."""
+        the masks (``{layer: {'weight': mask, 'bias': mask}}``) and an ONNX file checked with onnxruntime.
+        ONNX inputs: ``dummy_input`` (a tensor, a tuple, or a dict of keyword arguments such as
+        ``{'input_ids': ids, 'attention_mask': mask}``) or ``input_shape`` (a random float tensor); the
+        graph has dynamic batch (and token sequence) axes; ``onnx_kwargs`` go to ``torch.onnx.export``.
+        ``compressed_path``: also the same state_dict as a compressed file (kept values, positions, entropy
+        coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``."""
         from .export import export_pruned_model
 
-        export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device)
+        export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device, dummy_input,
+                            compressed_path=compressed_path, **onnx_kwargs)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state_dict of the original model (or of the wrapped model) into the wrapped model."""
@@ -257,6 +267,7 @@ class DependencyAwareMixin:
         scored members, the same channels masked in every member (followers included). ``monotone``:
         channels the members have pruned already go first. Returns the wrapper indices masked."""
         from ...core.pruning import expand_filter_mask, filter_keep_from_mask
+        from ..layout import canonical_shape, from_canonical, to_canonical
         from ..ops import ops
 
         index = self._member_index()
@@ -270,7 +281,9 @@ class DependencyAwareMixin:
                 continue
             scores = {layer: self.masker.filter_importance(self._wrappers[index[layer]], index[layer]) for layer in scored}
             sparsity = max(sparsity_of(index[layer]) for layer in scored)
-            kept = ({layer: filter_keep_from_mask(ops, self._wrappers[index[layer]].weight_mask) for layer in members}
+            kept = ({layer: filter_keep_from_mask(ops, to_canonical(self._wrappers[index[layer]],
+                                                                   self._wrappers[index[layer]].weight_mask))
+                     for layer in members}
                     if monotone else None)
             todo.append((group, scores, sparsity, members, kept))
         keeps = self._decide_groups(todo) if todo else {}
@@ -279,7 +292,8 @@ class DependencyAwareMixin:
             for layer in members:
                 w = self._wrappers[index[layer]]
                 keep = keeps[layer]
-                masks = {"weight_mask": expand_filter_mask(ops, keep, tuple(w.weight.shape))}
+                masks = {"weight_mask": from_canonical(w, expand_filter_mask(ops, keep,
+                                                                             canonical_shape(w, w.weight.shape)))}
                 if w.bias_mask is not None:
                     masks["bias_mask"] = keep
                 w.set_masks(masks)
@@ -333,8 +347,11 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
 
     def step(self) -> None:
         self.apply_masks()  # first zero what the step moved, so statistics see the masked weights
-        if len(self._calculated) < len(self._wrappers):
+        pending = len(self._calculated) < len(self._wrappers)
+        if pending:
             self.masker.after_step()
+        if pending or user_override(self, "calc_mask"):
+            # built-ins stop once every layer is masked; a user's calc_mask runs at every step (seed 000)
             self.update_mask()
 
     def sparsity_for(self, wrapper: nn.Module, wrapper_idx: int) -> float:
