@@ -10,6 +10,10 @@ is exactly as before:
 4. one wrapper per layer is built by :meth:`Compressor._create_wrapper`, then the wrappers replace the
    modules in their parents (the only mutation), then the optimizer is hooked (see ``hooks.py``).
 
+Layers with several weight matrices (``nn.LSTM``/``GRU``/``RNN`` and cells, ``nn.MultiheadAttention``) are
+compressed one matrix at a time: each becomes one layer per matrix (``lstm.weight_hh_l0``), wrapped like
+a Linear, inside a :class:`~compressor.torch.slots.SlottedLayer` that stands in the model for the layer.
+
 Layers already wrapped by a compressor are seen under their own name and the type of the module they
 wrap; a second compressor of the same kind may not wrap them again (``ConfigError``), one of the other
 kind (a quantizer over a pruner) wraps the existing wrapper.
@@ -29,7 +33,8 @@ from .. import torch_plugin
 from ..core.config import KeySpec, normalize_config_list
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
-from . import hooks
+from . import hf, hooks
+from .ties import check_tie_wrappers, resolve_ties
 
 __all__ = ["Compressor", "is_wrapper", "innermost_module"]
 
@@ -85,6 +90,10 @@ class Compressor:
         layers, modules = self._enumerate_layers(model)
         selected = match_layers(layers, self.config_list, self.default_types, what=what)
         selected = self._substitute_layers(selected, layers, modules)
+        selected, ties = resolve_ties(model, selected, modules, self._kind, what)
+        from .slots import expand_slots  # recurrent / attention layers: one slot per weight matrix
+
+        selected, slot_plan = expand_slots(what, selected, modules)
         for layer, config in selected:
             module = modules[layer.name]
             if layer.name == "":
@@ -98,6 +107,7 @@ class Compressor:
                     f"{self._kind}; call unhook() and _unwrap_model() on that {self._kind} (or export and reload "
                     f"the model) before compressing it again"
                 )
+            self._check_direct_reads(model, layer, module, what)
             self.validate_layer(layer, innermost_module(module), config)
         selected = selected + self._extra_layers(model, selected, layers, modules)
 
@@ -107,14 +117,20 @@ class Compressor:
             if not isinstance(wrapper, nn.Module):
                 raise TypeError(f"{what}._create_wrapper must return an nn.Module, got {type(wrapper).__name__}")
             wrappers.append(wrapper)
-        slots = [self._parent_slots(model, modules[layer.name]) for layer, _ in selected]
+        check_tie_wrappers(wrappers, ties, what)
+        slots = [slot_plan.places.get(layer.name) or self._parent_slots(model, modules[layer.name])
+                 for layer, _ in selected]
 
         # ---- mutation starts here: nothing below may fail on user input ----
         self._modules_to_compress: list[tuple[LayerInfo, dict[str, Any]]] = selected
+        #: tied weights compressed once for all their users: ``{weight key: [keys of the same Parameter]}``
+        self.tied_weights: dict[str, list[str]] = ties
         self._wrappers: list[nn.Module] = wrappers
         self._wrapper_names: list[str] = [layer.name for layer, _ in selected]
         self._collectors: dict[int, list[Any]] = {}
         self._collector_ids = itertools.count()
+        self._slot_containers = slot_plan.containers
+        slot_plan.install(model)
         for wrapper, places in zip(wrappers, slots):
             object.__setattr__(wrapper, _WRAPPER_FLAG, self._kind)
             object.__setattr__(wrapper, "_compressor_owner_name", what)
@@ -122,6 +138,8 @@ class Compressor:
                 setattr(parent, attr, wrapper)
         if optimizer is not None:
             hooks.install(optimizer, self)
+        if hf.is_hf_model(model):
+            hf.install(model)
 
     # ------------------------------------------------------------------ selection
     @staticmethod
@@ -133,11 +151,10 @@ class Compressor:
         for name, module in model.named_modules():
             if any(name.startswith(p) for p in hidden):
                 continue
+            inner = innermost_module(module)
             if is_wrapper(module):
                 hidden.append(name + "." if name else "")
-                layers.append(LayerInfo(name, type(innermost_module(module)).__name__))
-            else:
-                layers.append(LayerInfo(name, type(module).__name__))
+            layers.append(LayerInfo(name, type(inner).__name__, _weight_facts(inner)))
             modules[name] = module
         return layers, modules
 
@@ -146,6 +163,23 @@ class Compressor:
         """Every ``(parent, attribute)`` holding ``target`` (a shared module is replaced everywhere)."""
         return [(parent, attr) for parent in model.modules()
                 for attr, child in parent._modules.items() if child is target]
+
+    def _check_direct_reads(self, model: nn.Module, layer: LayerInfo, module: nn.Module, what: str) -> None:
+        """A quantizer wrapper acts in its forward; a layer whose parent reads its weight directly (never
+        calling it) would stay float without a word: refused. Pruners mask weights in place, so they work."""
+        if self._kind != "quantizer":
+            return
+        for parent, attr in self._parent_slots(model, module):
+            for kind, attrs in _DIRECT_READERS:
+                if isinstance(parent, kind) and attr in attrs:
+                    owner = layer.name.rpartition(".")[0]
+                    raise ConfigError(
+                        f"{what}: layer {layer.name!r} cannot be quantized on its own: {type(parent).__name__} "
+                        f"reads {attr}.weight / {attr}.bias directly in its forward (F.multi_head_attention_forward) "
+                        f"and never calls {attr}, so a wrapper around it would change nothing. Select the "
+                        f"{type(parent).__name__} itself (op_names [{owner!r}] or op_types "
+                        f"['{type(parent).__name__}']): its weights, {attr}'s included, are then quantized where "
+                        f"the attention reads them")
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         """Hook for subclasses: cross-entry checks on the normalised config (raise ConfigError)."""
@@ -237,13 +271,19 @@ class Compressor:
 
     def _unwrap_model(self) -> nn.Module:
         """Put the original modules back into the model (the wrappers' state stays with the wrappers)."""
+        from .slots import unwrap_containers
+
         for wrapper in self._wrappers:
             for parent, attr in self._parent_slots(self.bound_model, wrapper):
                 setattr(parent, attr, wrapper.module)
+        unwrap_containers(self.bound_model)
         return self.bound_model
 
     def _wrap_model(self) -> nn.Module:
         """Undo :meth:`_unwrap_model`."""
+        from .slots import rewrap_containers
+
+        rewrap_containers(self.bound_model, getattr(self, "_slot_containers", []))
         for wrapper in self._wrappers:
             for parent, attr in self._parent_slots(self.bound_model, wrapper.module):
                 if parent is not wrapper:
@@ -256,6 +296,10 @@ class Compressor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+
+#: ``(parent type, child attributes)``: children whose weights the parent's forward reads directly
+_DIRECT_READERS: tuple[tuple[type, tuple[str, ...]], ...] = ((nn.MultiheadAttention, ("out_proj",)),)
 
 
 def _refuse_distributed_wrapper(model: nn.Module, what: str) -> None:
@@ -275,6 +319,16 @@ def _refuse_distributed_wrapper(model: nn.Module, what: str) -> None:
             f"(model = {what}(model, config_list, optimizer).compress(); model = {kind}(model, ...)). "
             f"See README 'Distributed training'"
         )
+
+
+def _weight_facts(module: nn.Module) -> dict[str, Any]:
+    """``LayerInfo.extra`` of a layer: its own parameter count and whether it has a weight a compressor
+    can take (for the note on what ``op_types: ['default']`` leaves out)."""
+    from .slots import slot_specs
+
+    params = sum(p.numel() for p in module.parameters(recurse=False))
+    weighted = isinstance(getattr(module, "weight", None), torch.Tensor) or slot_specs(module) is not None
+    return {"params": params, "weighted": weighted}
 
 
 def _module_device(module: nn.Module) -> torch.device | None:

@@ -28,6 +28,7 @@ from ...core.pruning import (
     importance_filter_masks,
     mean_activation_importance,
 )
+from ..layout import canonical_shape, to_canonical
 from ..ops import ops
 from .filters import filter_result
 from .masker import WeightMasker, check_filter_layer
@@ -115,8 +116,9 @@ class ActivationFilterMasker(WeightMasker):
         if not self.statistics_ready(idx):
             return None
         self.reduce_statistics(*self._stats[idx])
-        weight_mask, keep = importance_filter_masks(ops, self.importance(idx), sparsity, wrapper.weight_mask,
-                                                    tuple(wrapper.weight.shape))
+        weight_mask, keep = importance_filter_masks(ops, self.importance(idx), sparsity,
+                                                    to_canonical(wrapper, wrapper.weight_mask),
+                                                    canonical_shape(wrapper, wrapper.weight.shape))
         return filter_result(wrapper, weight_mask, keep)
 
 

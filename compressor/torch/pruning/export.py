@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.atomic import atomic_paths
 from ...core.errors import ConfigError
+from ..slots import apply_slot_masks, container_masks, slot_of, slotted_layers, unwrap_containers
 from .wrapper import PrunerModuleWrapper
 
 __all__ = ["apply_compression_results", "export_pruned_model", "load_into_wrapped", "pruner_wrappers",
@@ -42,7 +44,8 @@ def unwrapped_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     wrappers = pruner_wrappers(model)
     for w in wrappers.values():
         w.apply_masks()
-    paths = sorted(wrappers, key=len, reverse=True)
+    containers = slotted_layers(model)  # recurrent / attention layers: <layer>.module.<param>, <layer>.slots.*
+    paths = sorted([*wrappers, *containers], key=len, reverse=True)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         p = _owner(key, paths)
@@ -52,13 +55,16 @@ def unwrapped_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         rest = key[len(p) + 1:]
         if rest.startswith("module."):
             out[f"{p}.{rest[len('module.'):]}"] = value.detach().clone()
+        elif p in containers:
+            continue
         elif rest.split(".")[0] not in wrappers[p]._buffers:
             out[key] = value.detach().clone()
     for p, w in wrappers.items():  # zero explicitly: weights may have been written through .data
         for param, mask in (("weight", w.weight_mask), ("bias", w.bias_mask)):
             key = f"{p}.{param}"
-            if mask is not None and key in out:
-                out[key].mul_(mask.to(out[key].device))
+            if mask is not None and key in out:  # where(), not *: a pruned negative weight is +0.0, not -0.0
+                out[key] = torch.where(mask.to(out[key].device), out[key], torch.zeros((), dtype=out[key].dtype,
+                                                                                       device=out[key].device))
     return out
 
 
@@ -72,13 +78,17 @@ def unwrapped_model(model: nn.Module) -> nn.Module:
         parent_path, _, attr = path.rpartition(".")
         parent = clone.get_submodule(parent_path) if parent_path else clone
         setattr(parent, attr, parent._modules[attr].module)
+    unwrap_containers(clone)
     return clone
 
 
 def masks_of(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """``{layer path: {'weight': mask, 'bias': mask}}`` on the CPU."""
-    out = {}
-    for p, w in pruner_wrappers(model).items():
+    wrappers = pruner_wrappers(model)
+    out = container_masks(model, wrappers)  # a matrix of a recurrent / attention layer: {layer: {param: mask}}
+    for p, w in wrappers.items():
+        if slot_of(w) is not None:
+            continue
         entry = {"weight": w.weight_mask.detach().cpu().clone()}
         if w.bias_mask is not None:
             entry["bias"] = w.bias_mask.detach().cpu().clone()
@@ -88,38 +98,44 @@ def masks_of(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 
 def export_pruned_model(pruner: Any, model_path: str | os.PathLike, mask_path: str | os.PathLike | None = None,
                         onnx_path: str | os.PathLike | None = None, input_shape: tuple[int, ...] | None = None,
-                        device: Any = None) -> None:
-    """Write the original-keys state_dict, the masks and an onnxruntime-checked ONNX file."""
+                        device: Any = None, dummy_input: Any = None, compressed_path: str | os.PathLike | None = None,
+                        **onnx_kwargs: Any) -> None:
+    """Write the original-keys state_dict, the masks and an onnxruntime-checked ONNX file (inputs:
+    ``dummy_input`` -- a tensor, tuple or dict of keyword arguments -- or ``torch.randn(*input_shape)``;
+    see :mod:`compressor.torch.onnx_io`), and the same state_dict as a compressed file
+    (``compressed_path``, :mod:`compressor.torch.packing`)."""
+    from ..onnx_io import model_inputs
+
     model = pruner.bound_model
-    if onnx_path is not None and input_shape is None:
-        raise ConfigError("export_model: onnx_path needs input_shape (e.g. (1, 3, 32, 32))")
-    torch.save(unwrapped_state_dict(model), model_path)
-    if mask_path is not None:
-        torch.save(masks_of(model), mask_path)
+    args: tuple = ()
+    kwargs: dict[str, Any] = {}
     if onnx_path is not None:
-        export_onnx(unwrapped_model(model), onnx_path, tuple(input_shape), device)
+        if device is None:
+            device = next(iter(model.parameters()), torch.empty(0)).device
+        args, kwargs = model_inputs(dummy_input, input_shape, device)
+    with atomic_paths(model_path, mask_path, onnx_path, compressed_path) as (tmp_model, tmp_masks, tmp_onnx,
+                                                                             tmp_packed):  # all or nothing
+        state = unwrapped_state_dict(model)
+        torch.save(state, tmp_model)
+        if tmp_packed is not None:
+            from ..packing import save_compressed
+
+            save_compressed(state, tmp_packed)
+        if tmp_masks is not None:
+            torch.save(masks_of(model), tmp_masks)
+        if tmp_onnx is not None:
+            export_onnx(unwrapped_model(model), tmp_onnx, args, kwargs, device, **onnx_kwargs)
 
 
-def export_onnx(model: nn.Module, onnx_path: str | os.PathLike, input_shape: tuple[int, ...], device: Any = None) -> None:
-    """Export ``model`` (eval mode) to ONNX and, when onnxruntime is installed, check it gives the same outputs."""
+def export_onnx(model: nn.Module, onnx_path: str | os.PathLike, args: tuple, kwargs: dict[str, Any] | None = None,
+                device: Any = None, **onnx_kwargs: Any) -> None:
+    """Export ``model`` (eval mode, on ``device``) to ONNX, checked with onnxruntime on ``(args, kwargs)``."""
+    from ..onnx_io import export_onnx as export_checked
+
     if device is None:
         device = next(iter(model.parameters()), torch.empty(0)).device
     model = model.to(device).eval()
-    dummy = torch.randn(*input_shape, device=device)
-    torch.onnx.export(model, (dummy,), os.fspath(onnx_path), dynamo=True, external_data=False, verbose=False)
-    try:
-        import onnxruntime as ort
-    except ImportError:  # pragma: no cover - optional dependency
-        return
-    session = ort.InferenceSession(os.fspath(onnx_path), providers=["CPUExecutionProvider"])
-    got = session.run(None, {session.get_inputs()[0].name: dummy.detach().cpu().numpy()})[0]
-    with torch.no_grad():
-        want = model(dummy).detach().cpu().numpy()
-    import numpy as np
-
-    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-3, atol=1e-4):
-        raise RuntimeError(f"ONNX export check failed: onnxruntime output differs from the model's "
-                           f"(max abs diff {float(np.max(np.abs(got - want))) if got.shape == want.shape else 'shape'})")
+    export_checked(model, onnx_path, args, kwargs, **onnx_kwargs)
 
 
 def load_into_wrapped(pruner: Any, state: dict[str, torch.Tensor]) -> None:
@@ -127,7 +143,8 @@ def load_into_wrapped(pruner: Any, state: dict[str, torch.Tensor]) -> None:
     a wrapped-model state_dict (with masks) loads as is. Then the masks are applied."""
     model = pruner.bound_model
     wrappers = pruner_wrappers(model)
-    paths = sorted(wrappers, key=len, reverse=True)
+    containers = slotted_layers(model)
+    paths = sorted([*wrappers, *containers], key=len, reverse=True)
     wrapped_format = any(k.startswith(p + ".module.") for k in state for p in paths)
     if wrapped_format:
         model.load_state_dict(state)
@@ -138,7 +155,8 @@ def load_into_wrapped(pruner: Any, state: dict[str, torch.Tensor]) -> None:
             mapped[key if p is None else f"{p}.module.{key[len(p) + 1:]}"] = value
         result = model.load_state_dict(mapped, strict=False)
         missing = [k for k in result.missing_keys
-                   if not (_owner(k, paths) and k[len(_owner(k, paths)) + 1:].split(".")[0] in wrappers[_owner(k, paths)]._buffers)]
+                   if not (_owner(k, paths) and (_owner(k, paths) in containers or k[len(_owner(k, paths)) + 1:].split(".")[0]
+                                                 in wrappers[_owner(k, paths)]._buffers))]
         if missing or result.unexpected_keys:
             raise ConfigError(f"load_model_state_dict: state does not fit the model; missing keys {missing}, "
                               f"unexpected keys {list(result.unexpected_keys)}")
@@ -153,6 +171,11 @@ def apply_compression_results(model: nn.Module, mask_path: str | os.PathLike, de
     if not isinstance(masks, dict):
         raise ConfigError(f"{os.fspath(mask_path)!r} is not a mask file (expected {{layer: {{'weight': mask}}}})")
     for name, entry in masks.items():
+        try:
+            if apply_slot_masks(model, name, entry, PrunerModuleWrapper):  # a recurrent / attention layer's
+                continue
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             module = model.get_submodule(name)
         except AttributeError:

@@ -1,6 +1,7 @@
 """Filter pruners on weights: L1FilterPruner, L2FilterPruner, FPGMPruner.
 
-A filter is one output channel (the first axis of a Conv/Linear weight); ``floor(F * sparsity)`` filters
+A filter is one output channel (the first axis of a Conv/Linear weight in canonical layout, see
+:mod:`compressor.torch.layout`); ``floor(F * sparsity)`` filters
 with the lowest score are pruned, and the bias entry of a pruned filter with it. Scores are in core.
 """
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from ...core.matching import LayerInfo
 from ...core.pruning import filter_masks, filter_prune_masks, filter_scores
+from ..layout import from_canonical, to_canonical
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
@@ -23,8 +25,8 @@ __all__ = [
 
 
 def filter_result(wrapper: nn.Module, weight_mask: Any, filter_keep: Any) -> dict[str, Any]:
-    """Masks dict for a filter decision: the bias follows its filter."""
-    return filter_masks(weight_mask, filter_keep, wrapper.bias_mask is not None)
+    """Masks dict for a filter decision (``weight_mask`` in canonical layout): the bias follows its filter."""
+    return filter_masks(from_canonical(wrapper, weight_mask), filter_keep, wrapper.bias_mask is not None)
 
 
 class FilterMasker(WeightMasker):
@@ -37,13 +39,13 @@ class FilterMasker(WeightMasker):
         check_filter_layer(layer_info, module, cls.__name__)
 
     def calc_mask(self, sparsity: float, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any]:
-        weight_mask, keep = filter_prune_masks(ops, wrapper.weight.detach(), sparsity, self.criterion,
-                                               wrapper.weight_mask)
+        weight_mask, keep = filter_prune_masks(ops, to_canonical(wrapper, wrapper.weight.detach()), sparsity,
+                                               self.criterion, to_canonical(wrapper, wrapper.weight_mask))
         return filter_result(wrapper, weight_mask, keep)
 
     def filter_importance(self, wrapper: nn.Module, wrapper_idx: int) -> Any:
         """Per-filter score (dependency-aware pruning sums it over coupled layers)."""
-        return filter_scores(ops, wrapper.weight.detach(), self.criterion)
+        return filter_scores(ops, to_canonical(wrapper, wrapper.weight.detach()), self.criterion)
 
 
 class L1FilterPrunerMasker(FilterMasker):

@@ -62,10 +62,13 @@ class WeightMasker:
 
 
 def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> None:
-    """Filter criteria need the weight's first axis to be the output channels (Conv, Linear)."""
+    """Filter criteria need output channels (Conv, Linear, HF Conv1D seen out-first: :mod:`..layout`)."""
+    from ..hf import is_hf_conv1d
+
     conv = isinstance(module, nn.modules.conv._ConvNd)
-    if (conv and module.transposed) or not (conv or isinstance(module, nn.Linear)):
+    if (conv and module.transposed) or not (conv or isinstance(module, nn.Linear) or is_hf_conv1d(module)):
         raise ConfigError(
             f"{what}: layer {layer_info.name!r} ({layer_info.type}) is not supported; filter pruning needs "
-            f"Conv1d/Conv2d/Conv3d or Linear (output channels first), not transposed convolutions"
+            f"Conv1d/Conv2d/Conv3d, Linear or Hugging Face Conv1D (output channels known), not transposed "
+            f"convolutions"
         )

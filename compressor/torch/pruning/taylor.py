@@ -13,6 +13,7 @@ from torch import nn
 
 from ...core.matching import LayerInfo
 from ...core.pruning import importance_filter_masks, taylor_fo_contribution
+from ..layout import canonical_shape, to_canonical
 from ..ops import ops
 from .filters import filter_result
 from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
@@ -55,7 +56,8 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
             grad = wrapper.weight.grad
             if grad is None or self._batches[idx] >= self.statistics_batch_num:
                 continue
-            c = taylor_fo_contribution(ops, wrapper.weight.detach(), grad.detach())
+            c = taylor_fo_contribution(ops, to_canonical(wrapper, wrapper.weight.detach()),
+                                       to_canonical(wrapper, grad.detach()))
             if idx in self._contrib:
                 self._contrib[idx].add_(c)
             else:
@@ -75,8 +77,9 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
         if not self.statistics_ready(idx):
             return None
         self.reduce_statistics(self._contrib[idx])
-        weight_mask, keep = importance_filter_masks(ops, self._contrib[idx], sparsity, wrapper.weight_mask,
-                                                    tuple(wrapper.weight.shape))
+        weight_mask, keep = importance_filter_masks(ops, self._contrib[idx], sparsity,
+                                                    to_canonical(wrapper, wrapper.weight_mask),
+                                                    canonical_shape(wrapper, wrapper.weight.shape))
         return filter_result(wrapper, weight_mask, keep)
 
 

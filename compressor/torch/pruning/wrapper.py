@@ -18,6 +18,24 @@ are the original's (device 0) or copies. If the original's weights changed since
 checkpoint load, a write), a replica computes with ``weight * mask`` out of place until the next optimizer
 step re-masks the original. :func:`replica_origin` maps a replica (e.g. the module a forward hook receives)
 to the wrapper it was copied from.
+
+Under ``torch.compile`` the version counters cannot be read without breaking the graph (they are host
+integers dynamo cannot guard on), so a compiled forward masks OUT OF PLACE instead: it runs the layer with
+``weight - where(mask, 0, weight).detach()`` (and the same for a bias with a mask), one fused elementwise
+kernel. The value equals ``weight * mask`` exactly, so outputs are right even for weights written outside
+an optimizer step; the gradient w.r.t. the weight is the same dense one an eager forward gives (eager uses
+the in-place-masked weight directly). The stored weights are still zeroed in place, eagerly, after every
+``optimizer.step()`` (the pruner's hook) and by :meth:`PrunerModuleWrapper.apply_masks`; the compiled
+forward never writes them.
+
+Where the wrapper keeps a float copy of the mask (``multiplier_cache``, CPU by default) the compiled forward
+multiplies by that copy instead (``weight + (weight * m - weight).detach()``, the same exact value): inductor's
+CPU kernels read a bool mask several times slower than a float one. That copy is brought up to date eagerly
+by ``set_mask`` / ``set_masks`` / assigning ``wrapper.weight_mask = ...``, ``load_state_dict``,
+``apply_masks`` and every optimizer step, i.e. by every way the pruners write masks; a mask edited IN PLACE
+by other code (``wrapper.weight_mask[i] = False``) reaches compiled forwards at the next of those (eager
+forwards see it at once). Without the copy (accelerators, ``multiplier_cache=False``) compiled forwards read
+the bool mask itself.
 """
 
 from __future__ import annotations
@@ -31,6 +49,35 @@ from torch import nn
 
 from ...core.pruner_config import MASK_NAMES, mask_to_set
 from ..compressor import innermost_module
+from ..slots import WeightSlot
+
+
+def read_through_target(wrapper: nn.Module, name: str) -> nn.Module | None:
+    """The layer an attribute lookup ``name`` that failed on ``wrapper`` falls back to, or None.
+
+    Model code reads a wrapped layer's attributes (``conv.stride``, ``fc.in_features``, ``conv.padding``
+    in HF MobileNetV2's TF-style padding); the wrapper answers with the ORIGINAL layer's (inside nested
+    wrappers). Dunder names (``copy``/``pickle`` probe them) and the compressors' own bookkeeping names
+    (``_compressor_*``: whether a module is a wrapper) are never read through. Writes are not forwarded.
+    """
+    if name.startswith("__") or name.startswith("_compressor"):
+        return None
+    module = wrapper.__dict__.get("_modules", {}).get("module")
+    if module is None:  # being built or unpickled
+        return None
+    return innermost_module(module)
+
+
+def effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight ``layer`` computes with. For a :class:`~compressor.torch.slots.WeightSlot` (one matrix of an
+    attention or recurrent layer) that is what calling it returns, which may be a substitute set by an outer
+    wrapper's ``functional_call``; for other layers ``layer.weight`` (functional_call replaces it)."""
+    return layer() if isinstance(layer, WeightSlot) else layer.weight
+
+
+def _masked(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``tensor * mask`` (bit-exact for finite values) whose gradient w.r.t. ``tensor`` is the identity."""
+    return tensor - torch.where(mask, 0, tensor).detach()
 
 
 def replica_origin(module: nn.Module) -> nn.Module:
@@ -62,7 +109,8 @@ class PrunerModuleWrapper(nn.Module):
         object.__setattr__(self, "_layer", layer)  # the original layer, not registered twice
         object.__setattr__(self, "_pruner_ref", weakref.ref(pruner) if pruner is not None else None)
         object.__setattr__(self, "_seen", None)
-        object.__setattr__(self, "_mul_cache", [None, None])
+        object.__setattr__(self, "_mul_cache", [None, None])  # ((mask id, version, dtype), float mask) per slot
+        object.__setattr__(self, "_mul_live", [None, None])  # the same float masks alone (what compiled code reads)
         # fast path for plain layers whose weight/bias are Parameters (not parametrizations/properties)
         direct = "weight" in layer._parameters and (getattr(layer, "bias", None) is None or "bias" in layer._parameters)
         object.__setattr__(self, "_layer_params", layer._parameters if direct else None)
@@ -82,11 +130,21 @@ class PrunerModuleWrapper(nn.Module):
         ref = self._pruner_ref
         return None if ref is None else ref()
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # the wrapper's own parameters, buffers and submodules
+        except AttributeError:
+            layer = read_through_target(self, name)
+            if layer is None:
+                raise
+        return getattr(layer, name)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # torch.save(model) / deepcopy: drop the weak link to the pruner
         state["_pruner_ref"] = None
         state["_seen"] = None
         state["_mul_cache"] = [None, None]
+        state["_mul_live"] = [None, None]
         return state
 
     @property
@@ -124,6 +182,7 @@ class PrunerModuleWrapper(nn.Module):
             raise ValueError(f"{self.name}: {name} has shape {tuple(value.shape)}, expected {tuple(current.shape)}")
         with torch.no_grad():
             current.copy_(value)
+        self._refresh_multipliers()
 
     def set_masks(self, masks: dict[str, Any]) -> None:
         """Set the masks given in ``masks`` ({'weight_mask': ..., 'bias_mask': ...}); others are kept."""
@@ -155,20 +214,47 @@ class PrunerModuleWrapper(nn.Module):
         bm = self._buffers["bias_mask"]
         return bm is None or self.__dict__.get("_bias_pristine") == (id(bm), bm._version)
 
-    def _multiplier(self, slot: int, tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """What ``tensor`` is multiplied by to mask it: the mask in ``tensor``'s dtype (cached per mask
-        version) or, without the cache, a uint8 view sharing the bool mask's bytes (float*uint8 takes
-        torch's vectorised path, float*bool does not)."""
+    def _caches_multiplier(self, tensor: torch.Tensor) -> bool:
         use = self.multiplier_cache
-        if use is False or (use is None and tensor.device.type != "cpu"):
+        return use is True or (use is None and tensor.device.type == "cpu")
+
+    def _multiplier(self, slot: int, tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """What ``tensor`` is multiplied by to mask it: the mask in ``tensor``'s dtype (cached, updated in
+        place when the mask's version moves, so compiled code holding it sees the update) or, without the
+        cache, a uint8 view sharing the bool mask's bytes (float*uint8 takes torch's vectorised path,
+        float*bool does not)."""
+        if not self._caches_multiplier(tensor):
             return mask.view(torch.uint8)
         cache = self.__dict__["_mul_cache"]
+        live = self.__dict__.setdefault("_mul_live", [None, None])
         entry = cache[slot]
         key = (id(mask), mask._version, tensor.dtype)
-        if entry is None or entry[0] != key:
-            entry = (key, mask.to(tensor.dtype))
-            cache[slot] = entry
-        return entry[1]
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        mul = entry[1] if entry is not None else None
+        if mul is None or mul.dtype != tensor.dtype or mul.device != mask.device or mul.shape != mask.shape:
+            mul = mask.to(tensor.dtype)
+        else:
+            with torch.no_grad():
+                mul.copy_(mask)
+        cache[slot] = (key, mul)
+        live[slot] = mul
+        return mul
+
+    def _refresh_multipliers(self) -> None:
+        """Bring the cached float masks that exist up to date with the bool masks (eager)."""
+        cache = self.__dict__.get("_mul_cache")
+        if cache is None or self.__dict__.get("_replica_of") is not None:
+            return
+        for slot, (name, mask) in enumerate((("weight", self._buffers["weight_mask"]),
+                                             ("bias", self._buffers["bias_mask"]))):
+            tensor = getattr(self._replica_layer(), name, None)
+            if cache[slot] is not None and mask is not None and tensor is not None:
+                self._multiplier(slot, tensor, mask)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh_multipliers()  # masks loaded in place
 
     def _mask_pairs(self, tensors: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
         """Append (tensor, multiplier) pairs of what needs masking. A bias whose mask was never written
@@ -200,7 +286,10 @@ class PrunerModuleWrapper(nn.Module):
         return self._versions() != self._seen
 
     def refresh(self) -> bool:
-        """Re-mask if the weights or masks changed since the last masking; True if it did."""
+        """Re-mask if the weights or masks changed since the last masking; True if it did. Under torch.compile
+        it does nothing (False): compiled code masks out of place, see :meth:`masked_weight`."""
+        if torch.compiler.is_compiling():
+            return False
         origin = self.__dict__.get("_replica_of")
         if origin is not None:  # a DataParallel replica never writes weights
             if origin.is_stale():
@@ -213,7 +302,43 @@ class PrunerModuleWrapper(nn.Module):
             return True
         return False
 
+    def masked_weight(self) -> torch.Tensor:
+        """The layer's weight times its mask, computed out of place, with the gradient of the weight itself
+        (what compiled forwards use; equal to ``weight`` whenever the layer is masked in place)."""
+        return self._masked(0, effective_weight(self._replica_layer()), self._buffers["weight_mask"])
+
+    def masked_bias(self) -> torch.Tensor | None:
+        """The layer's bias times its bias mask, out of place (None without a bias)."""
+        bias = getattr(self._replica_layer(), "bias", None)
+        mask = self._buffers["bias_mask"]
+        return bias if bias is None or mask is None else self._masked(1, bias, mask)
+
+    def _masked(self, slot: int, tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        live = self.__dict__.get("_mul_live")  # (absent in wrappers pickled by older versions)
+        mul = None if live is None else live[slot]
+        if mul is not None and self._caches_multiplier(tensor) and mul.dtype == tensor.dtype:
+            return tensor + (tensor * mul - tensor).detach()  # exact: w + 0 or w - w
+        return _masked(tensor, mask)
+
+    def _layer_prefix(self) -> str:
+        """Path from ``self.module`` to the layer's tensors (``module.`` per nested wrapper)."""
+        layer, prefix, module = self._replica_layer(), "", self.module
+        while module is not layer:
+            prefix, module = prefix + "module.", module.module
+        return prefix
+
+    def _compiled_forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.module, WeightSlot):
+            return self.masked_weight()  # a slot's output is its (effective) weight
+        prefix = self._layer_prefix()
+        params = {prefix + "weight": self.masked_weight()}
+        if self._buffers["bias_mask"] is not None:  # (the version-based "never written" shortcut is eager-only)
+            params[prefix + "bias"] = self.masked_bias()
+        return torch.func.functional_call(self.module, params, args, kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(args, kwargs)
         origin = self.__dict__.get("_replica_of")
         if origin is not None:
             return self._replica_forward(origin, args, kwargs)
@@ -226,7 +351,7 @@ class PrunerModuleWrapper(nn.Module):
         replica = super()._replicate_for_data_parallel()
         # the replica's layer is a replica too, set by torch after this returns: resolved at its forward
         for key, value in (("_replica_of", self), ("_layer", None), ("_layer_params", None), ("_seen", None),
-                           ("_mul_cache", [None, None])):
+                           ("_mul_cache", [None, None]), ("_mul_live", [None, None])):
             object.__setattr__(replica, key, value)
         return replica
 
@@ -255,6 +380,7 @@ class PrunerModuleWrapper(nn.Module):
         out = super()._apply(fn, recurse)
         object.__setattr__(self, "_seen", None)  # tensors may have been replaced (model.to(device))
         object.__setattr__(self, "_mul_cache", [None, None])
+        object.__setattr__(self, "_mul_live", [None, None])
         if pristine:
             self._mark_bias_pristine()
         return out

@@ -17,7 +17,12 @@
   quantizations are all 8-bit on Conv/Linear layers with quantized weights): int8/uint8 weight
   initializers + DequantizeLinear, QDQ activations, int32 biases, dynamic batch axis; onnxruntime fuses
   it into QLinearConv / QGemm / QLinearMatMul (see :mod:`.onnx_qdq`). ``onnx_format='fake_quant'`` keeps
-  the form above (float weights, fixed input shape).
+  the form above (float weights; the input's fixed shapes when the graph has QDQ pairs, else dynamic
+  batch / token sequence axes).
+* ONNX inputs (both forms): ``dummy_input`` -- a tensor, a tuple, or a dict of keyword arguments such as
+  ``{'input_ids': ids, 'attention_mask': mask}`` -- or ``input_shape`` (a random float tensor); the graph
+  is run in onnxruntime before it is moved into place (outputs of any structure, see
+  :mod:`compressor.torch.onnx_io`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ...core.atomic import atomic_paths
 from ...core.calibration import (
     calibration_record,
     check_calibration_layers,
@@ -34,6 +40,7 @@ from ...core.calibration import (
     loadable_keys,
 )
 from ...core.errors import ConfigError
+from ..slots import slot_state_entries
 from .fakequant import onnx_qdq
 from .wrapper import QuantizerModuleWrapper, quant_axis
 
@@ -77,7 +84,7 @@ def _state_entries(quantizer: Any, wrapper: QuantizerModuleWrapper, weight: torc
 
 def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path: str | os.PathLike | None = None,
                  onnx_path: str | os.PathLike | None = None, input_shape: tuple[int, ...] | None = None,
-                 device: torch.device | str | None = None, dummy_input: torch.Tensor | None = None,
+                 device: torch.device | str | None = None, dummy_input: Any = None,
                  **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
     """See :meth:`TorchQuantizer.export_model`. The model's train/eval mode is restored afterwards."""
     if onnx_path is not None and input_shape is None and dummy_input is None:
@@ -98,45 +105,72 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
             fmt = "fake_quant"
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    args: tuple = ()
+    kwargs: dict[str, Any] = {}
+    if onnx_path is not None:
+        from ..onnx_io import model_inputs
+
+        dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
+        args, kwargs = model_inputs(dummy_input, input_shape, dev)
     training = model.training
     model.eval()
     try:
+        state, exported = quantized_state_dict(quantizer)
         with torch.no_grad():
-            exported = {w.name: quantizer.export_weight(w) for w in wrappers}
             calibration = {w.name: quantizer.calibration(w) for w in wrappers}
-        quantizer._unwrap_model()
-        try:
-            state = dict(model.state_dict())
-        finally:
-            quantizer._wrap_model()
-        for w in wrappers:
-            weight, bias = exported[w.name]
-            for key, value in _state_entries(quantizer, w, weight, bias).items():
-                if key not in state:
-                    raise RuntimeError(f"export_model: {key!r} is not in the unwrapped model's state_dict")
-                state[key] = value.detach().clone().to(state[key].dtype)
-        torch.save(state, os.fspath(model_path))
-        if calibration_path is not None:
-            torch.save(calibration, os.fspath(calibration_path))
-        if onnx_path is not None:
-            if dummy_input is None:
-                dev = device if device is not None else next((p.device for p in model.parameters()), "cpu")
-                dummy_input = torch.randn(*input_shape, device=dev)
-            if fmt == "int8":
-                from .onnx_qdq import export_int8_onnx
+        # all or nothing: temporary files moved into place once every artifact is written
+        with atomic_paths(model_path, calibration_path, onnx_path) as (tmp_model, tmp_calib, tmp_onnx):
+            torch.save(state, tmp_model)
+            if tmp_calib is not None:
+                torch.save(calibration, tmp_calib)
+            if tmp_onnx is not None:
+                if fmt == "int8":
+                    from .onnx_qdq import export_int8_onnx
 
-                quantizer.onnx_int8_summary = export_int8_onnx(quantizer, exported, onnx_path, dummy_input,
-                                                               **onnx_kwargs)
-            else:
-                export_onnx(quantizer, exported, onnx_path, dummy_input, **onnx_kwargs)
+                    quantizer.onnx_int8_summary = export_int8_onnx(quantizer, exported, tmp_onnx,
+                                                                   args[0] if len(args) == 1 and not kwargs
+                                                                   else (args, kwargs), **onnx_kwargs)
+                else:
+                    export_onnx(quantizer, exported, tmp_onnx, args, kwargs, **onnx_kwargs)
     finally:
         model.train(training)
     return calibration
 
 
+def quantized_state_dict(quantizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """The state_dict of the model with ``quantizer``'s wrappers taken out, each quantized weight holding its
+    quantized values, and ``{layer: (weight, bias)}`` as :meth:`TorchQuantizer.export_weight` gave them.
+    Call it with the model in eval mode (as export does)."""
+    model = quantizer.bound_model
+    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    with torch.no_grad():
+        exported = {w.name: quantizer.export_weight(w) for w in wrappers}
+    quantizer._unwrap_model()
+    try:
+        state = dict(model.state_dict())
+    finally:
+        quantizer._wrap_model()
+    for w in wrappers:
+        weight, bias = exported[w.name]
+        entries = slot_state_entries(state, w, weight)  # a matrix of a recurrent / attention layer
+        if entries is None:
+            entries = _state_entries(quantizer, w, weight, bias)
+        for key, value in entries.items():
+            if key not in state:
+                raise RuntimeError(f"export_model: {key!r} is not in the unwrapped model's state_dict")
+            state[key] = value.detach().clone().to(state[key].dtype)
+    return state, exported
+
+
 def export_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                onnx_path: str | os.PathLike, dummy_input: torch.Tensor, **onnx_kwargs: Any) -> None:
-    """Run ``torch.onnx.export`` with the wrappers in export mode (QDQ nodes, quantized weights)."""
+                onnx_path: str | os.PathLike, args: Any, kwargs: dict[str, Any] | None = None,
+                **onnx_kwargs: Any) -> None:
+    """Run ``torch.onnx.export`` with the wrappers in export mode (QDQ nodes, quantized weights), dynamic
+    batch (and token sequence) axes; see :func:`compressor.torch.onnx_io.export_onnx`."""
+    from ..onnx_io import export_onnx as export_graph
+
+    if not isinstance(args, tuple):  # a single input tensor (older callers)
+        args = (args,)
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     for w in wrappers:
@@ -144,11 +178,14 @@ def export_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Te
         w._export_weight, w._export_bias = exported[w.name]
         w._export_plan = {t: _activation_plan(w, t) for t in w.quant_types if t != "weight"}
         w._export_qparams = {t: _frozen_qparams(w, t) for t in w.quant_types}
-    kwargs = {"dynamo": True, "external_data": False, "verbose": False}
-    kwargs.update(onnx_kwargs)
+    # torch.export cannot trace fake-quant ops on symbolic shapes: graphs with QDQ pairs keep the input's
+    # shapes, the others (weights exported as quantized constants: DoReFa, BNN) get dynamic axes
+    qdq = any(plan == "qdq" for w in wrappers for plan in w._export_plan.values()) or any(
+        w.quant_active and w._export_qparams.get("weight") is not None for w in wrappers if w._q_weight)
     try:
-        with torch.no_grad():
-            torch.onnx.export(model, (dummy_input,), os.fspath(onnx_path), **kwargs)
+        # checked in onnxruntime for outputs (count, shapes); values are not compared: a float difference of
+        # 1e-7 may move a value across a rounding boundary, one quantization step apart
+        export_graph(model, onnx_path, args, kwargs, check=True, atol=None, dynamic=not qdq, **onnx_kwargs)
     finally:
         for w in wrappers:
             w.export_mode = False

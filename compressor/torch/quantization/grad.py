@@ -69,7 +69,7 @@ class QuantGrad(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, quant_type: QuantType,
                 quantize: Callable[[torch.Tensor], tuple[torch.Tensor, QParams | None]]) -> torch.Tensor:
         out, qp = quantize(tensor)
-        ctx.quant_type = QuantType(quant_type)
+        ctx.quant_type = quant_type if isinstance(quant_type, QuantType) else QuantType(quant_type)
         if qp is None:
             ctx.qrange = None
             ctx.save_for_backward(tensor)
@@ -80,17 +80,41 @@ class QuantGrad(torch.autograd.Function):
             ctx.save_for_backward(tensor, scale.detach().clone(), zp.detach().clone())
         return out
 
-    @classmethod
-    def backward(cls, ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "backward" not in cls.__dict__:  # a subclass may still write its own backward
+            _bind_backward(cls)
+
+
+def _bind_backward(cls: type[QuantGrad]) -> None:
+    """Give ``cls`` a ``backward`` calling ``cls.quant_backward``.
+
+    A staticmethod closing over the class rather than a classmethod: torch.compile (dynamo) traces an
+    autograd.Function's backward as a plain ``(ctx, *grads)`` function and cannot bind a classmethod's ``cls``
+    (a graph break per quantized tensor). Under compilation, whether ``quant_backward`` takes the quantization
+    parameters and whether it is the default one are read from the class as it was defined (dynamo cannot
+    trace ``inspect.signature``); eager backwards look them up on every call.
+    """
+    defined = (_accepts_qparams(cls.quant_backward), cls.quant_backward is getattr(QuantGrad, "quant_backward", None))
+
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        fn = cls.quant_backward
+        if torch.compiler.is_compiling():
+            takes_qparams, default = defined
+        else:
+            takes_qparams, default = _accepts_qparams(fn), fn is QuantGrad.quant_backward
         saved = ctx.saved_tensors
         kwargs: dict[str, Any] = {}
-        if ctx.qrange is not None and _accepts_qparams(cls.quant_backward):
+        if ctx.qrange is not None and takes_qparams:
             kwargs = dict(zip(_QP_NAMES, (saved[1], saved[2], *ctx.qrange)))
-        if cls.quant_backward is not QuantGrad.quant_backward:
+        if not default:
             # user code may edit grad_output in place (seed 003's ClipGrad does); autograd may share it
             grad_output = grad_output.clone()
-        grad = cls.quant_backward(saved[0], grad_output, ctx.quant_type, **kwargs)
+        grad = fn(saved[0], grad_output, ctx.quant_type, **kwargs)
         return grad, None, None
+
+    backward.__qualname__ = f"{cls.__qualname__}.backward"
+    cls.backward = staticmethod(backward)
 
 
 _ACCEPTS: dict[Any, bool] = {}
@@ -108,3 +132,6 @@ def _accepts_qparams(fn: Callable[..., Any]) -> bool:
         hit = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) or set(_QP_NAMES) <= names
         _ACCEPTS[fn] = hit
     return hit
+
+
+_bind_backward(QuantGrad)

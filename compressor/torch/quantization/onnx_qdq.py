@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...core.atomic import atomic_path
 from .wrapper import QuantizerModuleWrapper, quant_axis
 
 __all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx"]
@@ -100,7 +101,7 @@ def _host_qparams(w: QuantizerModuleWrapper, t: str) -> dict[str, Any]:
 
 
 def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                  dummy_input: torch.Tensor, onnx_kwargs: dict[str, Any]) -> bytes:
+                  dummy_input: Any, onnx_kwargs: dict[str, Any]) -> bytes:
     """The model with quantized weight values but no quantization ops, batch axis dynamic."""
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
@@ -112,20 +113,32 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
     kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True}
     kwargs.update(onnx_kwargs)
     kwargs.pop("external_data", None)
-    if kwargs.get("dynamo"):
+    if not torch.is_tensor(dummy_input):  # (args, kwargs) of one forward: see compressor.torch.onnx_io
+        from ..onnx_io import dynamic_axes_for, dynamic_shapes_for, input_names_for
+
+        args, forward_kwargs = dummy_input
+        kwargs["kwargs"] = forward_kwargs
+        if kwargs.get("dynamo"):
+            kwargs.setdefault("dynamic_shapes", dynamic_shapes_for(model, args, forward_kwargs))
+        else:
+            kwargs.setdefault("input_names", input_names_for(model, args, forward_kwargs))
+            kwargs.setdefault("dynamic_axes", dynamic_axes_for(model, args, forward_kwargs, kwargs["input_names"]))
+        dummy_input = args
+    elif kwargs.get("dynamo"):
         if "dynamic_shapes" not in kwargs:
             kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch")},)
     else:
         kwargs.setdefault("input_names", ["input"])
         kwargs.setdefault("dynamic_axes", {kwargs["input_names"][0]: {0: "batch"}})
+    args = dummy_input if isinstance(dummy_input, tuple) else (dummy_input,)
     buf = io.BytesIO()
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
-                prog = torch.onnx.export(model, (dummy_input,), **kwargs)
+                prog = torch.onnx.export(model, args, **kwargs)
                 return prog.model_proto.SerializeToString()
-            torch.onnx.export(model, (dummy_input,), buf, **kwargs)
+            torch.onnx.export(model, args, buf, **kwargs)
     finally:
         for w in wrappers:
             w.export_mode = False
@@ -367,12 +380,6 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")
     model.producer_name = "compressor"
     onnx.checker.check_model(model)
-    path = os.fspath(onnx_path)
-    tmp = path + ".tmp"
-    try:
+    with atomic_path(onnx_path) as tmp:  # nothing at onnx_path unless the whole file is written
         onnx.save(model, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return summary

@@ -123,10 +123,15 @@ class PtqQuantizer(QAT_Quantizer):
         return all(bool(w._buffers[f"{t}_observed"]) for w in self._wrappers for t in w.qat_specs)
 
     def _require_calibrated(self, wrapper: QuantizerModuleWrapper, t: str) -> None:
-        if not bool(wrapper._buffers[f"{t}_observed"]):
-            raise RuntimeError(f"PtqQuantizer: layer {wrapper.name!r} has no {t} scale yet; call "
-                               f"quantizer.calibrate(data) (a DataLoader or batches of model inputs) before "
-                               f"running or exporting the quantized model")
+        observed = wrapper._buffers[f"{t}_observed"]
+        msg = (f"PtqQuantizer: layer {wrapper.name!r} has no {t} scale yet; call quantizer.calibrate(data) (a "
+               f"DataLoader or batches of model inputs) before running or exporting the quantized model")
+        if torch.compiler.is_compiling():
+            # the same check as a graph op (reading the flag on the host would break the graph); raises
+            # RuntimeError(msg) when the compiled forward runs (a device-side assert on accelerators)
+            torch._assert_async(observed, msg)
+        elif not bool(observed):
+            raise RuntimeError(msg)
 
     # ------------------------------------------------------------------ quantization
     @builtin_ste

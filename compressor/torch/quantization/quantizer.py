@@ -113,7 +113,9 @@ class TorchQuantizer(Compressor):
             return tensor
         mode = self._autograd[t]
         grad = self.quant_grad
-        if calls_directly(mode, grad is QuantGrad):
+        # id() rather than ``is``: dynamo cannot trace ``is`` between autograd.Function classes (a graph break
+        # under torch.compile); it guards on the attribute, so swapping quant_grad recompiles
+        if calls_directly(mode, id(grad) == id(QuantGrad)):
             return self._call(t, tensor, wrapper)
 
         def run(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -169,7 +171,8 @@ class TorchQuantizer(Compressor):
                      **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
         """Save a plain float state_dict (quantized weight values) loadable into the original model class,
         and return (and save to ``calibration_path``) the per-layer calibration config. With ``onnx_path``
-        and ``input_shape`` also export ONNX with QuantizeLinear/DequantizeLinear nodes."""
+        and ``input_shape`` (or ``dummy_input=``: a tensor, a tuple, or a dict of keyword arguments) also
+        export ONNX with QuantizeLinear/DequantizeLinear nodes."""
         from .export import export_model
 
         return export_model(self, model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)

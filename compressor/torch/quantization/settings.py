@@ -2,8 +2,8 @@
 
 Bits, dtype, scheme and their defaults are resolved in core (:mod:`compressor.core.quant_config`, which
 also says the defaults). Channel axes on torch: weights use their output-channel axis (0; 1 for
-transposed convolutions); per-channel activations use axis 1 for convolutions (NCHW) and the last axis
-for Linear.
+transposed convolutions and HF Conv1D, stored ``[in, out]``); per-channel activations use axis 1 for
+convolutions (NCHW) and the last axis for Linear and HF Conv1D.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from ...core.errors import ConfigError
 from ...core.quant_config import DEFAULT_DTYPE, DEFAULT_SCHEME, QuantSpec, base_spec
+from ..layout import in_out_features
 from .wrapper import activation_channel_axis, weight_channel_axis
 
 __all__ = ["DEFAULT_DTYPE", "DEFAULT_SCHEME", "QuantSpec", "layer_device", "resolve_spec"]
@@ -36,9 +37,9 @@ def resolve_spec(config: dict[str, Any], quant_type: str, layer: nn.Module, name
     elif isinstance(layer, _CONVS):
         axis = activation_channel_axis(layer)
         channels = int(layer.in_channels if quant_type == "input" else layer.out_channels)
-    elif isinstance(layer, nn.Linear):
+    elif in_out_features(layer) is not None:  # nn.Linear, HF Conv1D (features on the last axis)
         axis = activation_channel_axis(layer)
-        channels = int(layer.in_features if quant_type == "input" else layer.out_features)
+        channels = in_out_features(layer)[0 if quant_type == "input" else 1]
     else:
         raise ConfigError(f"{what}: layer {name!r} ({type(layer).__name__}): per-channel {quant_type} "
                           f"quantization needs a Conv or Linear layer (channel count unknown); use a per_tensor scheme")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..compressor import innermost_module
+from ..pruning.wrapper import effective_weight, read_through_target
 from .grad import QuantType
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -28,8 +29,11 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 def weight_channel_axis(layer: nn.Module) -> int:
-    """Axis of the output channels in ``layer.weight`` (1 for transposed convolutions, else 0)."""
-    return 1 if isinstance(layer, _TRANSPOSED) else 0
+    """Axis of the output channels in ``layer.weight`` (1 for transposed convolutions and HF Conv1D,
+    whose weight is stored ``[in, out]``; else 0). See :mod:`compressor.torch.layout`."""
+    from ..layout import out_axis
+
+    return out_axis(layer)
 
 
 def activation_channel_axis(layer: nn.Module) -> int:
@@ -101,12 +105,27 @@ class QuantizerModuleWrapper(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The wrapped layer's float weight (the trainable Parameter)."""
+        """The wrapped layer's float weight (the trainable Parameter). Under torch.compile, inside a pruner
+        wrapper: the weight masked out of place (compiled code cannot re-mask in place; see
+        :mod:`compressor.torch.pruning.wrapper`)."""
+        inner = self._compiled_pruner()
+        if inner is not None:
+            return inner.masked_weight()
+        if torch.compiler.is_compiling():  # a slot's weight may be substituted by an outer pruner wrapper
+            return effective_weight(self.layer)
         return self.layer.weight
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return getattr(self.layer, "bias", None)
+        inner = self._compiled_pruner()
+        return getattr(self.layer, "bias", None) if inner is None else inner.masked_bias()
+
+    def _compiled_pruner(self) -> Any:
+        """The pruner wrapper directly inside this wrapper while torch.compile traces, else None."""
+        if not torch.compiler.is_compiling():
+            return None
+        inner = self.module
+        return inner if hasattr(inner, "masked_weight") else None
 
     @property
     def weight_channel_axis(self) -> int:
@@ -119,6 +138,15 @@ class QuantizerModuleWrapper(nn.Module):
         if rng is None:
             return None
         return getattr(self, f"{t}_scale"), getattr(self, f"{t}_zero_point"), rng[0], rng[1]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # the wrapper's own parameters, buffers and submodules
+        except AttributeError:
+            layer = read_through_target(self, name)
+            if layer is None:
+                raise
+        return getattr(layer, name)  # model code reading the layer's attributes (stride, in_features, ...)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # torch.save(model): do not pickle the quantizer (and its optimizer)
@@ -152,7 +180,7 @@ class QuantizerModuleWrapper(nn.Module):
             if self.weight_forward is not None:
                 out = self.weight_forward(self, inputs, kwargs)
             else:
-                out = self.forward_with_weight(q._quantize(QuantType.QUANT_WEIGHT, self.layer.weight, self), inputs, kwargs)
+                out = self.forward_with_weight(q._quantize(QuantType.QUANT_WEIGHT, self.weight, self), inputs, kwargs)
         else:
             out = self.module(*inputs, **kwargs)
         if self._q_output:
@@ -169,9 +197,9 @@ class QuantizerModuleWrapper(nn.Module):
         if module is not layer and hasattr(module, "refresh"):
             module.refresh()  # an inner pruner wrapper masks its weights in place
         if self._fn == "linear" and not kwargs:
-            return F.linear(inputs[0], weight, layer.bias if bias is None else bias)
+            return F.linear(inputs[0], weight, self.bias if bias is None else bias)
         if self._fn == "conv" and not kwargs:
-            return layer._conv_forward(inputs[0], weight, layer.bias if bias is None else bias)
+            return layer._conv_forward(inputs[0], weight, self.bias if bias is None else bias)
         params = {self._weight_path: weight}
         if bias is not None:
             params[self._weight_path[: -len("weight")] + "bias"] = bias

@@ -1,0 +1,208 @@
+"""Hugging Face ``transformers`` models under a compressor (nothing here imports transformers).
+
+* :func:`is_hf_conv1d`: GPT-2's ``Conv1D`` is a Linear whose weight is stored ``[in, out]``; the
+  compressors see it in the canonical out-first layout (see :mod:`compressor.torch.layout`).
+* :func:`export_ready`: an ONNX export of a causal LM runs without its key/value cache
+  (``config.use_cache = False`` while exporting), so the graph's outputs are the model's tensors.
+* :func:`install` (called by every compressor on a ``PreTrainedModel``): ``model.save_pretrained()``
+  writes the ORIGINAL keys with the compressed values (pruned weights zero, quantized weights holding
+  their quantized values; tied weights stay tied), so ``from_pretrained`` gives the compressed model;
+  ``model.resize_token_embeddings()`` is refused while an embedding or the LM head is wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import ModelError
+
+__all__ = ["is_hf_conv1d", "is_hf_model", "export_ready", "install", "compressed_state_dict"]
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True for ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight stored ``[in, out]``)."""
+    t = type(module)
+    return t.__name__ == "Conv1D" and t.__module__.startswith("transformers") and hasattr(module, "nf")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """True for a ``transformers`` ``PreTrainedModel`` (checked by its methods, without importing it)."""
+    return (callable(getattr(type(model), "save_pretrained", None)) and hasattr(model, "config")
+            and any(c.__module__.startswith("transformers") for c in type(model).__mro__))
+
+
+@contextlib.contextmanager
+def export_ready(model: nn.Module) -> Iterator[None]:
+    """While exporting: a model whose config caches keys/values (causal LMs) runs without the cache."""
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if cached:
+            config.use_cache = cached
+
+
+# ---------------------------------------------------------------------------------- save_pretrained
+class _CompressedMethod:
+    """``model.<name>`` of a compressed Hugging Face model (an instance attribute shadowing the class's
+    method); picklable and deep-copyable with the model. Without wrappers it is the class's method."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model = model
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .compressor import named_wrappers
+
+        original = getattr(type(self.model), self.name)
+        if not named_wrappers(self.model):
+            return original(self.model, *args, **kwargs)
+        return _OVERRIDES[self.name](self.model, original, *args, **kwargs)
+
+
+def install(model: nn.Module) -> None:
+    """Make ``save_pretrained`` / ``resize_token_embeddings`` of a ``PreTrainedModel`` aware of the
+    compressor wrappers in it (idempotent)."""
+    for name in _OVERRIDES:
+        if callable(getattr(type(model), name, None)) and not isinstance(model.__dict__.get(name), _CompressedMethod):
+            object.__setattr__(model, name, _CompressedMethod(model, name))
+
+
+def _wrapper_own_names(wrapper: nn.Module) -> set[str]:
+    return set(wrapper._buffers) | set(wrapper._parameters)
+
+
+def _original_key(key: str, wrappers: dict[str, list[nn.Module]]) -> str | None:
+    """``key`` of a state_dict with compressor wrappers, as the plain model names it (None: a wrapper's
+    own buffer or parameter, e.g. a mask or a scale)."""
+    for name in sorted(wrappers, key=len, reverse=True):
+        prefix = f"{name}." if name else ""
+        if not key.startswith(prefix):
+            continue
+        rest, inner = key[len(prefix):], False
+        while rest.startswith("module."):
+            rest, inner = rest[len("module."):], True
+        if not inner and any(rest.split(".")[0] in _wrapper_own_names(w) for w in wrappers[name]):
+            return None
+        return prefix + rest
+    return key
+
+
+def compressed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict of the plain model (ORIGINAL keys, no masks or quantizer state) holding the
+    compressed values: pruned weights zero, quantized weights their quantized values. Keys that name one
+    Parameter (tied weights) hold one tensor."""
+    from .pruning.wrapper import PrunerModuleWrapper
+    from .quantization.export import quantized_state_dict
+    from .quantization.wrapper import QuantizerModuleWrapper
+
+    wrappers: dict[str, list[nn.Module]] = {}
+    quantizers: dict[int, Any] = {}
+    for _, m in model.named_modules():
+        if isinstance(m, PrunerModuleWrapper):
+            m.apply_masks()
+        if isinstance(m, (PrunerModuleWrapper, QuantizerModuleWrapper)):
+            wrappers.setdefault(m.name, []).append(m)
+        if isinstance(m, QuantizerModuleWrapper):
+            if m.quantizer is None:
+                raise ModelError(f"layer {m.name!r}: this quantized model was pickled or copied without its "
+                                 f"quantizer; save it from the model the quantizer is attached to, or use "
+                                 f"quantizer.export_model()")
+            quantizers[id(m.quantizer)] = m.quantizer
+    if len(quantizers) > 1:
+        raise ModelError(f"{len(quantizers)} quantizers are attached to this model; save it with each quantizer's "
+                         f"export_model() instead")
+    training = model.training
+    model.eval()
+    try:
+        if quantizers:
+            state, _ = quantized_state_dict(next(iter(quantizers.values())))
+        else:
+            state = model.state_dict()
+    finally:
+        model.train(training)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        k = _original_key(key, wrappers)
+        if k is not None:
+            out[k] = value.detach().clone()
+    # one tensor per Parameter: Hugging Face saves a tied weight once (it finds ties by storage)
+    first: dict[int, str] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        k = _original_key(key, wrappers)
+        if k is None or k not in out:
+            continue
+        if id(p) in first:
+            out[k] = out[first[id(p)]]
+        else:
+            first[id(p)] = k
+    return out
+
+
+@contextlib.contextmanager
+def _plain_modules(model: nn.Module) -> Iterator[None]:
+    """The original layers in the module tree for a while (wrappers put back afterwards)."""
+    from .compressor import innermost_module, is_wrapper
+
+    swaps = []
+    for parent in list(model.modules()):
+        for attr, child in list(parent._modules.items()):
+            if child is not None and is_wrapper(child) and not is_wrapper(parent):
+                swaps.append((parent, attr, child))
+    try:
+        for parent, attr, child in swaps:
+            parent._modules[attr] = innermost_module(child)
+        yield
+    finally:
+        for parent, attr, child in swaps:
+            parent._modules[attr] = child
+
+
+def _save_pretrained(model: nn.Module, original: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """Save the compressed model in the Hugging Face format: original keys, compressed values; the config
+    and everything else as ``save_pretrained`` writes them."""
+    from .quantization.wrapper import QuantizerModuleWrapper
+
+    if kwargs.get("state_dict") is not None or len(args) >= 2:
+        raise ModelError("save_pretrained(state_dict=...) on a compressed model: the state_dict is the compressed "
+                         "model's own (original keys, compressed values); leave state_dict out")
+    activations = sorted({w.name for _, w in model.named_modules() if isinstance(w, QuantizerModuleWrapper)
+                          and any(t in w.quant_types for t in ("input", "output"))})
+    if activations:
+        warnings.warn(f"save_pretrained stores the quantized weights; the input/output quantization of "
+                      f"{activations} is not part of a Hugging Face checkpoint (the reloaded model computes "
+                      f"those activations in float). quantizer.export_model(calibration_path=..., "
+                      f"onnx_path=...) keeps it", UserWarning, stacklevel=3)
+    state = compressed_state_dict(model)
+    with _plain_modules(model):
+        return original(model, save_directory, *args, state_dict=state, **kwargs)
+
+
+def _resize_token_embeddings(model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Refused while the token embedding or the LM head is compressed (their masks / quantizer state
+    have the old vocabulary size); other compressed layers do not care."""
+    from .compressor import is_wrapper
+
+    hit = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        module = fn() if callable(fn) else None
+        if module is not None and is_wrapper(module):
+            hit.append(getattr(module, "name", getter))
+    if hit:
+        raise ModelError(f"resize_token_embeddings: {hit} are compressed (wrapped) and their masks / quantizer "
+                         f"state have the current vocabulary size; resize before compressing, or save the "
+                         f"compressed model (save_pretrained / export_model), reload it, resize, and compress again")
+    return original(model, *args, **kwargs)
+
+
+_OVERRIDES = {"save_pretrained": _save_pretrained, "resize_token_embeddings": _resize_token_embeddings}

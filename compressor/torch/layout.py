@@ -1,0 +1,67 @@
+"""PyTorch weight layouts <-> the canonical layout core math sees (output channels first).
+
+Most torch layers already store their weight out-first (``Linear [out, in]``, ``ConvNd [out, in, k...]``)
+and pass through unchanged. Hugging Face's ``Conv1D`` (GPT-2's projections) is a Linear whose weight is
+stored ``[in, out]``: it is transposed, so a 32 -> 96 layer has 96 filters (neurons), 96 per-channel
+quantization scales, and N:M groups along its 32 inputs, exactly as the equivalent ``nn.Linear``. Masks
+are computed in canonical layout and transposed back before they are stored (the wrapper's
+``weight_mask`` always has the weight's own shape). Transposed convolutions keep their layout (their
+output channels are axis 1: :func:`out_axis`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hf import is_hf_conv1d
+
+__all__ = ["is_transposed", "to_canonical", "from_canonical", "canonical_shape", "out_axis", "layer_of"]
+
+
+def layer_of(module: nn.Module) -> nn.Module:
+    """The original layer inside compressor wrappers (a wrapper or a layer may be passed)."""
+    from .compressor import innermost_module
+
+    return innermost_module(module)
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """True when ``module``'s 2-D weight is stored ``[in, out]`` (HF ``Conv1D``)."""
+    return is_hf_conv1d(layer_of(module))
+
+
+def to_canonical(module: nn.Module, x: Any) -> Any:
+    """``x`` (the weight, a mask or a gradient of ``module``'s weight) in canonical out-first layout."""
+    return x.t() if is_transposed(module) and x.dim() == 2 else x
+
+
+def from_canonical(module: nn.Module, x: Any) -> Any:
+    """Inverse of :func:`to_canonical` (a contiguous tensor in the weight's own layout)."""
+    return x.t().contiguous() if is_transposed(module) and x.dim() == 2 else x
+
+
+def canonical_shape(module: nn.Module, shape: Any) -> tuple[int, ...]:
+    """The shape :func:`to_canonical` gives a tensor of ``shape``."""
+    s = tuple(int(d) for d in shape)
+    return (s[1], s[0]) if is_transposed(module) and len(s) == 2 else s
+
+
+def out_axis(module: nn.Module) -> int:
+    """Axis of the output channels in ``module.weight`` as stored (1 for transposed convs and HF Conv1D)."""
+    layer = layer_of(module)
+    if isinstance(layer, nn.modules.conv._ConvNd) and layer.transposed:
+        return 1
+    return 1 if is_hf_conv1d(layer) else 0
+
+
+def in_out_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` features of a Linear-like layer (nn.Linear, HF Conv1D), else None."""
+    layer = layer_of(module)
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    if is_hf_conv1d(layer) and isinstance(getattr(layer, "weight", None), torch.Tensor):
+        return int(layer.weight.shape[0]), int(layer.weight.shape[1])
+    return None
