@@ -48,7 +48,12 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "tf_quant": "tensorflow",
     "tf_speedup": "tensorflow",
     "tf_int8_latency": "tensorflow",
+    "torch_semi_structured": "torch",
+    "torch_compile": "torch",
+    "packing": "numpy",
 }
+#: scripts that measure something only a CUDA GPU has: skipped unless --device cuda
+CUDA_ONLY = {"torch_semi_structured"}
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0", "PYTHONHASHSEED": "0"}
 
 
@@ -151,6 +156,8 @@ def run_script(name: str, device: str, quick: bool, timeout: float) -> ScriptRun
         return ScriptRun(name, [], "skipped: script not written yet")
     if framework and importlib.util.find_spec(framework) is None:
         return ScriptRun(name, [], f"skipped: {framework} not installed")
+    if name in CUDA_ONLY and not device.startswith("cuda"):
+        return ScriptRun(name, [], "skipped: runs only with --device cuda")
     source = path.read_text()
     cmd = [sys.executable, str(path.relative_to(ROOT))]
     note = ""

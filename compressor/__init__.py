@@ -14,15 +14,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from .core.config import load_config, load_configs, normalize_config_list
-from .core.errors import BackendNotAvailable, ConfigError, ConfigWarning, ModelError
+from .core.errors import BackendNotAvailable, CompressedFileError, ConfigError, ConfigWarning, ModelError
+from .core.packing import pack, unpack
 from .core.registry import backend_for, register_plugin, registry
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendNotAvailable", "ConfigError", "ConfigWarning", "ModelError", "available", "backend_for",
-    "backends", "count_flops_params", "load_config", "load_configs", "normalize_config_list", "register_plugin",
-    "speedup_model",
+    "BackendNotAvailable", "CompressedFileError", "ConfigError", "ConfigWarning", "ModelError", "available",
+    "backend_for", "backends", "count_flops_params", "load_config", "load_configs", "normalize_config_list", "pack",
+    "register_plugin", "speedup_model", "unpack",
 ]
 
 

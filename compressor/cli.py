@@ -2,8 +2,10 @@
 
 ``compressor list`` (backends and algorithms, incl. plugins), ``compressor check CONFIG.yaml`` (validate a
 config file, print it normalised), ``compressor report MODEL_FILE`` (per-layer sparsity / bits of an
-exported model; ``--flops``: MACs and params dense vs. after speedup), ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is
-one readable line on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
+exported model; ``--flops``: MACs and params dense vs. after speedup), ``compressor pack MODEL_FILE OUT`` /
+``compressor unpack PACKED OUT`` (the compressed model file of :mod:`compressor.core.packing`),
+``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is one readable line
+on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
 nor tensorflow.
 """
 
@@ -17,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .core.errors import BackendNotAvailable, ConfigError, ModelError
+from .core.errors import BackendNotAvailable, CompressedFileError, ConfigError, ModelError
 
 BAD_INPUT = 2
 
@@ -194,6 +196,111 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- pack / unpack
+def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
+    """``({name: numpy array}, backend)`` of an exported model file: a torch state_dict (``.pt``/``.pth``,
+    loaded with ``weights_only=True``), a Keras ``.keras`` file (weights by layer path) or a ``.npz``."""
+    import os
+
+    from . import report
+
+    p = report._check_file(path, "model file")
+    suffix = os.path.splitext(p)[1].lower()
+    if suffix in report.TORCH_SUFFIXES:
+        state = report._torch_load(p)
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise ModelError(f"{p!r} is not a state_dict (a dict of parameter names to tensors)")
+        from .torch.packing import state_dict_arrays
+
+        try:
+            return state_dict_arrays(state), "torch"
+        except ValueError as e:
+            raise ModelError(f"{p!r}: {e}") from None
+    if suffix == ".keras":
+        from .report import load_keras
+
+        model = load_keras(p)
+        from .tf.packing import model_arrays
+
+        return model_arrays(model), "tf"
+    if suffix == ".npz":
+        return report._read_npz(p), None
+    raise ConfigError(f"cannot pack {p!r}: allowed model files are .pt/.pth (torch state_dict), .keras, .npz")
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    import os
+
+    from .core.packing import CODECS, pack, packed_sizes
+
+    arrays, backend = _read_exported(args.model)
+    try:
+        res = pack(arrays, args.output, codec=args.codec, backend=backend)
+        sizes = packed_sizes(arrays, ("auto", *CODECS)) if args.compare else None
+    except ValueError as e:
+        raise ModelError(f"cannot pack {args.model!r}: {e}") from None
+    dense = os.path.getsize(args.model)
+    data = {"input": args.model, "input_bytes": dense, "output": args.output, "bytes": res.bytes,
+            "ratio": round(dense / res.bytes, 2), "codec": args.codec,
+            "tensors": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in t.items()} for t in res.tensors]}
+    if sizes is not None:
+        data["sizes_by_codec"] = sizes
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"{args.model} ({dense:,} bytes) -> {args.output} ({res.bytes:,} bytes): {dense / res.bytes:.1f}x smaller")
+    for t in res.tensors:
+        print(f"  {t['name']}: {t['dtype']} {list(t['shape'])}, layout {t['layout']}, {'+'.join(t['codecs'])}, "
+              f"{t['raw_bytes']:,} -> {t['bytes']:,} bytes")
+    if sizes is not None:
+        print("file size by codec: " + ", ".join(f"{c} {b:,}" for c, b in sizes.items()))
+    return 0
+
+
+def _cmd_unpack(args: argparse.Namespace) -> int:
+    import os
+
+    import numpy as np
+
+    from .core.atomic import atomic_path
+    from .core.packing import unpack
+
+    arrays = unpack(args.packed)
+    suffix = os.path.splitext(args.output)[1].lower()
+    if suffix == ".npz":
+        with atomic_path(args.output) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    elif suffix in (".pt", ".pth"):
+        try:
+            import torch
+        except ImportError:
+            raise BackendNotAvailable("writing a .pt file needs torch (pip install 'compressor[torch]')") from None
+        with atomic_path(args.output) as tmp:
+            torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in arrays.items()}, tmp)
+    elif suffix == ".keras":
+        if args.model is None:
+            raise ConfigError("unpacking to .keras needs --model ARCH.keras (a .keras file of the same model whose "
+                              "architecture receives the weights)")
+        try:
+            import keras
+        except ImportError:
+            raise BackendNotAvailable("writing a .keras file needs tensorflow (pip install 'compressor[tf]')") from None
+        from .tf.packing import load_compressed
+
+        try:
+            model = keras.saving.load_model(args.model, compile=False)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"cannot load {args.model!r} as a Keras model ({_one_line(e)[:200]})") from None
+        load_compressed(model, args.packed)
+        with atomic_path(args.output) as tmp:
+            model.save(tmp)
+    else:
+        raise ConfigError(f"cannot write {args.output!r}: allowed outputs are .npz, .pt/.pth (torch state_dict) "
+                          f"and .keras (with --model)")
+    print(f"{args.packed} -> {args.output}: {len(arrays)} tensors")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- demo
 def _cmd_demo(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "args", []) or [])
@@ -251,6 +358,30 @@ def build_parser() -> argparse.ArgumentParser:
                          "'files': [...]})")
     rp.set_defaults(func=_cmd_report)
 
+    pk = sub.add_parser("pack", help="write an exported model as a compressed file (Deep Compression storage)",
+                        description="Store MODEL_FILE (a torch state_dict .pt/.pth, a Keras .keras file or a .npz of "
+                                    "weights, e.g. from export_model) as a compressed file: only the non-zero "
+                                    "values, their positions (bitmask or relative indices) and an entropy coder "
+                                    "per stream (Huffman, zlib, lzma: 'auto' keeps the smallest). Read it back with "
+                                    "'compressor unpack', compressor.unpack() or load_compressed().")
+    pk.add_argument("model", metavar="MODEL_FILE")
+    pk.add_argument("output", metavar="OUT")
+    pk.add_argument("--codec", choices=("auto", "huffman", "zlib", "lzma", "raw"), default="auto",
+                    help="entropy coder of every stream (default auto: the smallest per stream)")
+    pk.add_argument("--compare", action="store_true", help="also report the file size with each codec")
+    pk.add_argument("--json", action="store_true", help="machine-readable output")
+    pk.set_defaults(func=_cmd_pack)
+
+    up = sub.add_parser("unpack", help="turn a compressed file back into weights (.npz, .pt or .keras)",
+                        description="Decode PACKED (written by 'compressor pack' or export_model(compressed_path=...)) "
+                                    "into OUT: .npz (any backend), .pt/.pth (a torch state_dict, loadable into the "
+                                    "original model class) or .keras (with --model: a .keras file of the same model "
+                                    "whose architecture receives the weights). The values are bit-identical.")
+    up.add_argument("packed", metavar="PACKED")
+    up.add_argument("output", metavar="OUT")
+    up.add_argument("--model", metavar="ARCH.keras", help="for a .keras OUT: the model file giving the architecture")
+    up.set_defaults(func=_cmd_unpack)
+
     demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_cmd_demo)
@@ -265,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ModelError, BackendNotAvailable, FileNotFoundError) as e:
+    except (ConfigError, ModelError, BackendNotAvailable, FileNotFoundError, CompressedFileError) as e:
         print(f"compressor: error: {_one_line(e)}", file=sys.stderr)
         return BAD_INPUT
 

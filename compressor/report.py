@@ -114,19 +114,26 @@ def _from_state_dict(sd: dict[str, Any], path: str) -> tuple[list[tuple[str, np.
     return weights, masks
 
 
-def _read_keras(path: str) -> list[tuple[str, np.ndarray]]:
+def load_keras(path: str) -> Any:
+    """A ``.keras`` file as a Keras model (not compiled); BackendNotAvailable / ModelError otherwise."""
     try:
         import keras
     except ImportError:
         raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
+    try:
+        return keras.saving.load_model(path, compile=False)
+    except Exception as e:  # noqa: BLE001 - any Keras load failure is bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load {path!r} as a Keras model ({first[:200]})") from None
+
+
+def _read_keras(path: str) -> list[tuple[str, np.ndarray]]:
+    model = load_keras(path)
+    import keras
+
     from .tf.compressor import iter_layers
     from .tf.layout import weight_of
 
-    try:
-        model = keras.saving.load_model(path, compile=False)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load {path!r} as a Keras model ({first})") from None
     rows = []
     for name, layer in iter_layers(model):
         w = weight_of(layer)
@@ -520,17 +527,9 @@ def file_flops(path: str | os.PathLike, masks: str | os.PathLike | None = None,
     m = None if masks is None else _check_file(masks, "mask file")
     suffix = _suffix(p)
     if suffix == ".keras":
-        try:
-            import keras
-        except ImportError:
-            raise BackendNotAvailable(f"reading {p!r} needs tensorflow (pip install 'compressor[tf]')") from None
+        model = load_keras(p)
         from .tf.speedup import speedup_model
 
-        try:
-            model = keras.saving.load_model(p, compile=False)
-        except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelError(f"cannot load {p!r} as a Keras model ({first})") from None
         _, rep = speedup_model(model, masks=m, strict=False, return_report=True)
         return flops_summary(rep.macs_before, rep.params_before, rep.macs_after, rep.params_after, rep.notes)
     if suffix in TORCH_SUFFIXES:

@@ -20,3 +20,9 @@ class BackendNotAvailable(ImportError):
 
 class ConfigWarning(UserWarning):
     """A config entry is legal but probably not what the user meant (e.g. names matching no layer)."""
+
+
+class CompressedFileError(ValueError):
+    """A compressed model file (``export_model(..., compressed_path=...)``, ``compressor pack``) is missing,
+    truncated, corrupted or not one; or does not fit the model it is loaded into. Raised before any
+    weight is written, so the model is left exactly as it was."""

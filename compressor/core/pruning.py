@@ -205,19 +205,17 @@ def taylor_fo_contribution(ops: ArrayOps, weight: Array, grad: Array) -> Array:
     return ops.sum(ops.square(_filters(ops, weight * grad)), axis=1)
 
 
-def slim_masks(ops: ArrayOps, gammas: Sequence[Array], sparsity: float, masks: Sequence[Array] | None = None) -> list[Array]:
+def slim_masks(ops: ArrayOps, gammas: Sequence[Array], sparsity: float, masks: Sequence[Array] | None = None,
+               max_layer_sparsity: float | None = None) -> list[Array]:
     """Network slimming (Liu et al. 2017): one global threshold over ``|gamma|`` of all given BN layers.
 
-    ``floor(N * sparsity)`` channels are pruned across the ``N`` channels of all layers, ties broken
-    by (layer order, channel index). Returns one keep-mask per layer (apply to gamma and beta).
+    ``floor(N * sparsity)`` channels are pruned across the ``N`` channels of all layers; every layer keeps
+    at least one channel and ties at the threshold are spread evenly over the layers
+    (:func:`compressor.core.slimming.slim_plan`). Returns one keep-mask per layer (apply to gamma and beta).
     """
-    scores = [ops.abs(g) for g in gammas]
-    if masks is not None:
-        scores = [_with_mask(ops, s, m) for s, m in zip(scores, masks)]
-    sizes = [ops.numel(s) for s in scores]
-    flat = ops.concat([ops.reshape(s, (-1,)) for s in scores], axis=0)
-    keep = smallest_k_mask(ops, flat, prune_count(sum(sizes), sparsity))
-    return [ops.reshape(m, ops.shape(g)) for m, g in zip(ops.split(keep, sizes, 0), gammas)]
+    from .slimming import slim_plan
+
+    return slim_plan(ops, gammas, sparsity, masks, max_layer_sparsity)[0]
 
 
 def sparsity_of(ops: ArrayOps, mask: Array) -> Any:
@@ -244,3 +242,153 @@ def filter_masks(weight_mask: Array, filter_keep: Array, has_bias: bool) -> dict
     if has_bias:
         out["bias_mask"] = filter_keep
     return out
+
+
+# ------------------------------------------------------------------------------------------- N:M sparsity
+def parse_sparse_pattern(pattern: Any) -> tuple[int, int]:
+    """``(n, m)`` of an ``'N:M'`` pattern string (keep N of every M); ValueError unless ``1 <= N < M``."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"sparse_pattern must be a string 'N:M' (e.g. '2:4'), got {pattern!r}")
+    parts = pattern.strip().split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"sparse_pattern must look like 'N:M' with integers (e.g. '2:4'), got {pattern!r}")
+    n, m = (int(p) for p in parts)
+    if not 1 <= n < m:
+        raise ValueError(f"sparse_pattern {pattern!r}: need 1 <= N < M, got N={n}, M={m}")
+    return n, m
+
+
+def nm_sparsity(n: int, m: int) -> float:
+    """The sparsity of an N:M pattern, ``(m - n) / m``."""
+    return (m - n) / m
+
+
+def nm_input_dim(shape: Sequence[int]) -> int | None:
+    """The length of the axis N:M groups run along (axis 1, the input channels, of the canonical layout),
+    or None for a weight without one (fewer than 2 axes)."""
+    return int(shape[1]) if len(shape) >= 2 else None
+
+
+def _nm_perm(ndim: int) -> tuple[int, ...]:
+    """Canonical ``[out, in, k...]`` -> ``[out, k..., in]``: the input axis last, so groups are contiguous."""
+    return (0, *range(2, ndim), 1)
+
+
+def _nm_groups(ops: ArrayOps, x: Array, m: int) -> Array:
+    """``x`` (canonical layout) as ``[groups, m]``: M consecutive input channels per row."""
+    return ops.reshape(ops.transpose(x, _nm_perm(len(ops.shape(x)))), (-1, m))
+
+
+def _nm_ungroup(ops: ArrayOps, g: Array, shape: Sequence[int]) -> Array:
+    """Inverse of :func:`_nm_groups` for a canonical ``shape``."""
+    perm = _nm_perm(len(shape))
+    moved = ops.reshape(g, tuple(shape[p] for p in perm))
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return ops.transpose(moved, inverse)
+
+
+def nm_group_rank(ops: ArrayOps, scores: Array, m: int) -> Array:
+    """Rank (0 = smallest) of every score within its group of ``m`` (``[groups, m]``), ties by index."""
+    a = ops.reshape(scores, (-1, m, 1))  # the entry ranked
+    b = ops.reshape(scores, (-1, 1, m))  # the entries compared with it
+    idx = ops.arange(m, like=scores)
+    before = ops.less(ops.reshape(idx, (1, 1, m)), ops.reshape(idx, (1, m, 1)))  # [1, m, m]: j < i
+    smaller = ops.logical_or(ops.less(b, a), ops.logical_and(ops.equal(b, a), before))
+    return ops.sum(ops.cast(smaller, "int32"), axis=2)
+
+
+def nm_mask(ops: ArrayOps, weight: Array, n: int, m: int, sparsity: float | None = None,
+            mask: Array | None = None) -> Array:
+    """N:M keep-mask of ``weight`` (canonical layout, ``[out, in, k...]``, ``in`` divisible by ``m``).
+
+    Groups are ``m`` consecutive weights along the input axis (for a conv: for each output channel and
+    kernel position), so they are the same on every backend. Without ``sparsity`` (or at
+    ``sparsity >= (m - n) / m``) every group keeps exactly its ``n`` largest ``|w|`` (ties: the lower index
+    is pruned first). With a smaller ``sparsity`` (AGP's ramp) exactly ``floor(numel * sparsity)``
+    weights are pruned, the smallest ``|w|`` among those each group's final N:M pattern would prune
+    (at most ``m - n`` per group; global ties by position in group order), so every intermediate mask
+    contains the final one. ``mask``: the current keep-mask; its pruned weights go first and stay pruned
+    (monotone: the result is AND-ed with ``mask``, so a group that ``mask`` already prunes beyond ``m - n``
+    keeps fewer than ``n``; masks made by this function never do).
+    """
+    shape = ops.shape(weight)
+    if len(shape) < 2 or shape[1] % m:
+        raise ValueError(f"N:M sparsity needs a weight whose input axis (axis 1 of {tuple(shape)}) is a multiple "
+                         f"of M={m}")
+    target = nm_sparsity(n, m)
+    if sparsity is not None and sparsity > target + 1e-9:
+        raise ValueError(f"sparsity {sparsity} exceeds the {n}:{m} pattern's {target}")
+    scores = _nm_groups(ops, _with_mask(ops, ops.abs(weight), mask), m)
+    eligible = ops.less(nm_group_rank(ops, scores, m), m - n)  # the m - n each group prunes at the end
+    if sparsity is None or sparsity >= target - 1e-9:
+        keep = ops.logical_not(eligible)
+    else:
+        k = prune_count(ops.numel(weight), sparsity)
+        big = ops.max(scores) + 1.0  # above every eligible score: never chosen while k <= #eligible
+        keep = smallest_k_mask(ops, ops.where(eligible, scores, big), k)
+    keep = _nm_ungroup(ops, keep, shape)
+    return keep if mask is None else ops.logical_and(keep, mask)
+
+
+def is_nm(ops: ArrayOps, mask: Array, n: int, m: int) -> Any:
+    """True (0-d bool array) when every N:M group of ``mask`` (canonical layout) keeps at most ``n``."""
+    kept = ops.sum(ops.cast(_nm_groups(ops, mask, m), "int32"), axis=1)
+    return ops.logical_not(ops.greater(ops.max(kept), n))
+
+
+#: layer types whose canonical axis 1 is the input (torch and Keras names): the ones N:M applies to
+NM_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Dense", "Conv1D", "Conv2D", "Conv3D")
+
+
+def nm_validate_config(config_list: list[dict[str, Any]], what: str, sparsity_key: str = "sparsity",
+                       algorithm: str = "level") -> None:
+    """Config checks of a pruner taking ``sparse_pattern`` (LevelPruner, AGPPruner): the pattern needs the
+    magnitude criterion; its sparsity is filled in (``sparsity_key``) or must agree; LevelPruner entries
+    without a pattern need ``sparsity``. Raises ConfigError; mutates the normalised entries only."""
+    from .config import resolve_sparse_pattern
+    from .errors import ConfigError
+
+    for i, c in enumerate(config_list):
+        if "sparse_pattern" in c and not c["exclude"] and algorithm != "level":
+            raise ConfigError(f"config_list[{i}]: 'sparse_pattern' needs pruning_algorithm='level' (N:M keeps the "
+                              f"largest |w| of each group), not {algorithm!r}")
+    resolve_sparse_pattern(config_list, sparsity_key, what)
+    if sparsity_key == "sparsity":
+        for i, c in enumerate(config_list):
+            if not c["exclude"] and "sparsity" not in c:
+                raise ConfigError(f"config_list[{i}]: without 'sparse_pattern' (e.g. '2:4'), {what} needs key(s) "
+                                  f"['sparsity'] in every non-excluded entry")
+
+
+def nm_check_layer(layer: str, layer_type: str, canonical_shape: Sequence[int] | None, config: dict[str, Any],
+                   what: str) -> None:
+    """Refuse a layer that ``config['sparse_pattern']`` cannot apply to: not a Linear/Dense/Conv layer, or an
+    input dimension M does not divide (``canonical_shape`` None: not built yet, checked when masked)."""
+    from .errors import ConfigError
+
+    pattern = config.get("sparse_pattern")
+    if pattern is None:
+        return
+    n, m = parse_sparse_pattern(pattern)
+    if layer_type not in NM_LAYER_TYPES:
+        raise ConfigError(f"{what}: layer {layer!r} ({layer_type}) cannot take sparse_pattern {pattern!r}; N:M "
+                          f"groups run along the input channels of {list(NM_LAYER_TYPES)}")
+    if canonical_shape is None:
+        return
+    dim = nm_input_dim(canonical_shape)
+    if dim is None or dim % m:
+        raise ConfigError(f"{what}: layer {layer!r} ({layer_type}) has input dimension {dim} (weight "
+                          f"{tuple(canonical_shape)} in [out, in, ...] layout), not a multiple of M={m} of "
+                          f"sparse_pattern {pattern!r}; exclude the layer or pick an M that divides {dim}")
+
+
+def level_or_nm_mask(ops: ArrayOps, weight: Array, sparsity: float, mask: Array | None, config: dict[str, Any]) -> Array:
+    """The magnitude criterion of LevelPruner / AGP: :func:`nm_mask` when ``config`` has ``sparse_pattern``
+    (``sparsity`` at or above the pattern's gives exactly N:M), else :func:`level_mask`."""
+    pattern = config.get("sparse_pattern")
+    if pattern is None:
+        return level_mask(ops, weight, sparsity, mask)
+    n, m = parse_sparse_pattern(pattern)
+    return nm_mask(ops, weight, n, m, min(sparsity, nm_sparsity(n, m)), mask)

@@ -2,11 +2,15 @@
 
 from .graph import build_graph
 from .ops import TorchOps, ops
+from .packing import load_compressed, save_compressed
 from .pruning import *  # noqa: F401,F403
 from .pruning import __all__ as _pruning_all
 from .quantization import *  # noqa: F401,F403
 from .quantization import __all__ as _quant_all
+from .semi_structured import to_semi_structured
 from .speedup import count_flops_params, speedup_model, speedup_report
+from .weight_sharing import WeightSharingQuantizer
 
 __all__ = ["TorchOps", "ops", *_pruning_all, *_quant_all, "build_graph", "count_flops_params", "speedup_model",
-           "speedup_report"]
+           "speedup_report", "load_compressed", "save_compressed", "WeightSharingQuantizer",
+           "to_semi_structured"]

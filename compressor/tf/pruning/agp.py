@@ -17,6 +17,11 @@ groups), channels pruned at earlier updates first; norms and depthwise convs car
 masked with them. Weight criteria decide eagerly at ``update_epoch``; data criteria in-graph, one
 ``tf.cond`` per group.
 
+``sparse_pattern: 'N:M'`` (``pruning_algorithm='level'``): as on torch, the final sparsity is the
+pattern's ``(M - N) / M``, the last schedule update gives exactly N:M, and every intermediate update prunes
+exactly ``floor(n * s_t)`` weights among those the N:M groups may still drop (at most ``M - N`` per group;
+core :func:`~compressor.core.pruning.nm_mask`), so the masks are identical to torch's at every update.
+
 Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
 """
 
@@ -37,10 +42,11 @@ from ...core.agp import (
     validate_agp_config,
 )
 from ...core.matching import LayerInfo
+from ...core.pruning import nm_validate_config
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .dependency import DependencyAwareMixin
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
-from .level import LevelPrunerMasker
+from .level import LevelPrunerMasker, check_nm_layer
 from .masker import WeightMasker
 from .pruner import TfPruner
 from .slim import BN_TYPES, SlimPrunerMasker
@@ -64,6 +70,8 @@ AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
 class AGPPruner(DependencyAwareMixin, TfPruner):
     """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
 
+    config_keys = ("sparse_pattern",)
+
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
                  dependency_aware: bool = False, dummy_input: Any = None) -> None:
@@ -84,11 +92,13 @@ class AGPPruner(DependencyAwareMixin, TfPruner):
 
     # ------------------------------------------------------------ validation
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        nm_validate_config(config_list, type(self).__name__, "final_sparsity", self.pruning_algorithm)
         validate_agp_config(config_list, self.pruning_algorithm)
 
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
         super().validate_layer(layer_info, layer, config)
         self._masker_class.check_layer(layer_info, layer)
+        check_nm_layer(layer_info, layer, config, type(self).__name__)
 
     # ------------------------------------------------------------ schedule
     def _config_of(self, wrapper_idx: int) -> dict[str, Any]:

@@ -11,6 +11,12 @@ coupled layers (:mod:`compressor.core.dependency`) get one decision per group on
 at the epoch's target sparsity (summed member scores; slim: one global ranking over the groups), channels
 pruned at earlier updates first; norms and depthwise convs carrying the channels are masked with them.
 
+``sparse_pattern: 'N:M'`` (``pruning_algorithm='level'``): the final sparsity is the pattern's
+``(M - N) / M`` and the last schedule update gives exactly N:M. Every intermediate update prunes exactly
+``floor(n * s_t)`` weights, the smallest ``|w|`` among those that the layer's N:M groups may still drop
+(at most ``M - N`` per group, core :func:`~compressor.core.pruning.nm_mask`): the ramp is monotone and
+never prunes a weight the final N:M pattern would keep, so no group ever has more than ``M - N`` zeros.
+
 Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
 """
 
@@ -31,9 +37,10 @@ from ...core.agp import (
     validate_agp_config,
 )
 from ...core.matching import LayerInfo
+from ...core.pruning import nm_validate_config
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
-from .level import LevelPrunerMasker
+from .level import LevelPrunerMasker, check_nm_module
 from .masker import WeightMasker
 from .pruner import DependencyAwareMixin, TorchPruner
 from .slim import BN_TYPES, SlimPrunerMasker
@@ -57,6 +64,8 @@ AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
 class AGPPruner(DependencyAwareMixin, TorchPruner):
     """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
 
+    config_keys = ("sparse_pattern",)
+
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
                  pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
                  dependency_aware: bool = False, dummy_input: Any = None):
@@ -76,11 +85,13 @@ class AGPPruner(DependencyAwareMixin, TorchPruner):
 
     # ------------------------------------------------------------ validation
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        nm_validate_config(config_list, type(self).__name__, "final_sparsity", self.pruning_algorithm)
         validate_agp_config(config_list, self.pruning_algorithm)
 
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         super().validate_layer(layer_info, module, config)
         self._masker_class.check_layer(layer_info, module)
+        check_nm_module(layer_info, module, config, type(self).__name__)
 
     # ------------------------------------------------------------ schedule
     def _config_of(self, wrapper_idx: int) -> dict[str, Any]:

@@ -1,0 +1,604 @@
+"""The compressed model file (Deep Compression's storage, Han et al. 2016): numpy only, no torch/tensorflow.
+
+``pack(arrays, path)`` writes ``{name: numpy array}`` (a pruned, optionally weight-shared model's weights, as
+``export_model`` writes them) and :func:`unpack` reads back arrays equal BIT FOR BIT (dtype, shape and every
+bit of every value, ``-0.0`` and NaN payloads included). Per floating-point tensor it stores only:
+
+* **positions** of the kept (non-zero) weights, as a **bitmask** (1 bit per weight) or as **relative
+  indices** (the number of zeros before each kept weight, one byte per gap, 255 = "255 more zeros and
+  continue", as the paper's filler zeros), in row order or in column order (first axis innermost: a
+  Linear layer's dead input, e.g. an MNIST corner pixel, is then one run), whichever codes smallest;
+  nothing when (almost) no weight is zero;
+* **values**: the kept values' bytes, split into byte planes (all first bytes, then all second bytes, ...
+  : exponents and signs compress, mantissas mostly do not), or, when the tensor holds few distinct values
+  (weight sharing: at most 2**b centroids), a **codebook** of the distinct values plus one index per kept
+  weight (one byte up to 256 centroids, two byte planes up to 65536);
+
+(a weight is "zero" when all its bits are: ``-0.0`` is kept as a value, for bit-exactness, so writers should
+store pruned weights as ``+0.0``, as both backends' exports do)
+
+and every stream goes through an entropy coder: **huffman** (our canonical, length-limited Huffman coder
+below, as in the paper), **zlib** or **lzma** (Python's standard library), or **raw**. ``codec='auto'``
+(default) codes each stream with all of them and keeps the smallest, so the file is never larger than
+with any single codec; :func:`packed_sizes` reports the file size under each codec for comparison. Other
+tensors (integers, bools: e.g. BatchNorm's ``num_batches_tracked``) are stored as their raw bytes through
+the same coders.
+
+File layout (little-endian)::
+
+    magic b"CMPK" | u8 version | 3 reserved bytes | u32 header length | u64 payload length
+    header: zlib-compressed JSON {"v", "backend", "meta", "t": [[name, dtype, shape, layout, streams]]}
+    payload: the streams, back to back
+    u32 CRC-32 of everything before it
+
+Reading validates everything (magic, version, lengths, checksum, header, every stream decoding to exactly
+its recorded length, positions inside the tensor, indices inside the codebook) before returning anything;
+any problem raises :class:`~compressor.core.errors.CompressedFileError` (a ``ValueError``) naming the file
+and what is wrong. The backends load the result into a model only after this, so a bad file never leaves
+a partly loaded model.
+
+Huffman streams are cut into blocks of up to 4096 symbols whose bit offsets are stored (4 bytes each), so
+decoding runs over all blocks at once with numpy (one vectorised table lookup per symbol position of a
+block) instead of one Python step per symbol.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import lzma
+import math
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .atomic import atomic_path
+from .errors import CompressedFileError
+
+__all__ = [
+    "CODECS", "MAGIC", "PackResult", "huffman_decode", "huffman_encode", "pack", "pack_bytes", "packed_sizes",
+    "read_info", "unpack", "unpack_bytes",
+]
+
+MAGIC = b"CMPK"
+VERSION = 1
+#: the stream coders; ``'auto'`` picks the smallest per stream
+CODECS = ("huffman", "zlib", "lzma", "raw")
+_CODE = {"raw": "n", "huffman": "h", "zlib": "z", "lzma": "l"}
+_NAME = {v: k for k, v in _CODE.items()}
+_PREFIX = struct.Struct("<4sB3xIQ")
+_MAX_LEN = 15  # Huffman code length limit: 4-bit lengths, a 32768-entry decoding table
+_LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6}]
+#: layouts of a tensor: positions (a: none, m: bitmask, r: relative indices) + values (p: byte planes,
+#: s: shared codebook + indices); 'x': raw bytes of a non-float tensor
+#: (upper-case M / R: positions and values in column order, the first axis innermost)
+_STREAMS = {"x": 1, "ap": 1, "as": 2, "mp": 2, "ms": 3, "rp": 2, "rs": 3, "Mp": 2, "Ms": 3, "Rp": 2, "Rs": 3}
+
+
+# ------------------------------------------------------------------------------------------------ Huffman
+def _code_lengths(freq: np.ndarray, limit: int = _MAX_LEN) -> np.ndarray:
+    """Huffman code length per symbol (0 = unused) for counts ``freq``, at most ``limit`` bits: when the
+    tree is deeper, the counts are halved (keeping every used symbol) and the tree rebuilt."""
+    freq = freq.astype(np.int64)
+    used = np.flatnonzero(freq)
+    lengths = np.zeros(freq.size, np.int64)
+    if used.size == 0:
+        return lengths
+    if used.size == 1:
+        lengths[used[0]] = 1
+        return lengths
+    f = freq.copy()
+    while True:
+        heap = [(int(f[s]), int(s), (int(s),)) for s in used]  # (weight, tie-break, symbols below)
+        heapq.heapify(heap)
+        depth = dict.fromkeys(map(int, used), 0)
+        while len(heap) > 1:
+            w1, t1, a = heapq.heappop(heap)
+            w2, t2, b = heapq.heappop(heap)
+            for s in a + b:
+                depth[s] += 1
+            heapq.heappush(heap, (w1 + w2, min(t1, t2), a + b))
+        if max(depth.values()) <= limit:
+            for s, d in depth.items():
+                lengths[s] = d
+            return lengths
+        f[used] = np.maximum(f[used] // 2, 1)
+
+
+def _canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Canonical Huffman codes (shorter first, then by symbol) for the code ``lengths``."""
+    codes = np.zeros(lengths.size, np.int64)
+    order = sorted((int(L), s) for s, L in enumerate(lengths) if L)
+    code, prev = 0, order[0][0] if order else 0
+    for L, s in order:
+        code <<= L - prev
+        prev = L
+        codes[s] = code
+        code += 1
+    return codes
+
+
+def _block_size(n: int) -> int:
+    return int(min(4096, max(1024, math.ceil(n / 16))))
+
+
+def huffman_encode(symbols: np.ndarray) -> bytes:
+    """Canonical Huffman code of a byte stream (uint8 array): code lengths (4 bits per symbol up to the
+    largest used), the bit offsets of the blocks after the first, then the bits (MSB first)."""
+    sym = np.ascontiguousarray(symbols, np.uint8).reshape(-1)
+    n = sym.size
+    freq = np.bincount(sym, minlength=256)
+    lengths = _code_lengths(freq)
+    codes = _canonical_codes(lengths)
+    top = int(np.flatnonzero(lengths).max()) + 1 if n else 1
+    nib = np.zeros(top + (top & 1), np.uint8)
+    nib[:top] = lengths[:top]
+    table = (nib[0::2] << 4) | nib[1::2]
+    bsize = _block_size(n)
+    sym_len = lengths[sym]
+    starts = np.concatenate([[0], np.cumsum(sym_len)])
+    total_bits = int(starts[-1])
+    block_offsets = starts[bsize:n:bsize]
+    wide = total_bits >= 2**32
+    head = struct.pack("<BIB", int(wide), bsize, top - 1) + table.tobytes()
+    head += block_offsets.astype("<u8" if wide else "<u4").tobytes()
+    out = bytearray()
+    carry = np.zeros(0, np.uint8)
+    chunk = 1 << 18
+    for lo in range(0, n, chunk):
+        s = sym[lo:lo + chunk]
+        L = lengths[s]
+        c = codes[s]
+        cnt = int(L.sum())
+        owner = np.repeat(np.arange(s.size), L)
+        within = np.arange(cnt) - np.repeat(np.cumsum(L) - L, L)
+        bits = ((c[owner] >> (L[owner] - 1 - within)) & 1).astype(np.uint8)
+        bits = np.concatenate([carry, bits])
+        whole = bits.size - bits.size % 8
+        out += np.packbits(bits[:whole]).tobytes()
+        carry = bits[whole:]
+    if carry.size:
+        out += np.packbits(carry).tobytes()
+    return head + bytes(out)
+
+
+def huffman_decode(data: bytes, n: int) -> np.ndarray:
+    """Inverse of :func:`huffman_encode` for a stream of ``n`` symbols; ValueError when the data do not
+    decode to exactly ``n`` symbols filling every block exactly."""
+    if n == 0:
+        return np.zeros(0, np.uint8)
+    if len(data) < 6:
+        raise ValueError("Huffman stream too short")
+    wide, bsize, top = struct.unpack_from("<BIB", data, 0)
+    top += 1
+    if wide not in (0, 1) or not 1 <= bsize <= 1 << 20:
+        raise ValueError("bad Huffman stream header")
+    pos = 6
+    tbytes = (top + 1) // 2
+    table = np.frombuffer(data, np.uint8, tbytes, pos)
+    pos += tbytes
+    lengths = np.zeros(256, np.int64)
+    nib = np.empty(tbytes * 2, np.int64)
+    nib[0::2], nib[1::2] = table >> 4, table & 15
+    lengths[:top] = nib[:top]
+    used = np.flatnonzero(lengths)
+    if used.size == 0 or lengths.max() > _MAX_LEN:
+        raise ValueError("bad Huffman code lengths")
+    if used.size > 1 and sum(2.0 ** -lengths[used]) > 1.0 + 1e-12:
+        raise ValueError("Huffman code lengths are not a prefix code")
+    nblocks = math.ceil(n / bsize)
+    odt = np.dtype("<u8" if wide else "<u4")
+    if len(data) < pos + (nblocks - 1) * odt.itemsize:
+        raise ValueError("Huffman stream truncated (block offsets)")
+    offsets = np.concatenate([[0], np.frombuffer(data, odt, nblocks - 1, pos).astype(np.int64)])
+    pos += (nblocks - 1) * odt.itemsize
+    bits = np.frombuffer(data, np.uint8, len(data) - pos, pos)
+    total_bits = bits.size * 8
+    if np.any(np.diff(offsets) < 0) or offsets[-1] > total_bits:
+        raise ValueError("bad Huffman block offsets")
+    codes = _canonical_codes(lengths)
+    dec_sym = np.zeros(1 << _MAX_LEN, np.uint8)
+    dec_len = np.zeros(1 << _MAX_LEN, np.int64)
+    for s in used:
+        L = int(lengths[s])
+        lo = int(codes[s]) << (_MAX_LEN - L)
+        dec_sym[lo:lo + (1 << (_MAX_LEN - L))] = s
+        dec_len[lo:lo + (1 << (_MAX_LEN - L))] = L
+    buf = np.concatenate([bits, np.zeros(4, np.uint8)]).astype(np.int64)
+    out = np.empty((nblocks, bsize), np.uint8)
+    p = offsets.copy()
+    last = n - (nblocks - 1) * bsize  # symbols in the last block
+    for i in range(bsize if nblocks > 1 else last):
+        sel = slice(None) if i < last else slice(0, nblocks - 1)
+        q = p[sel]
+        byte = np.minimum(q >> 3, buf.size - 3)  # a damaged stream may run past its end: caught below
+        word = (buf[byte] << 16) | (buf[byte + 1] << 8) | buf[byte + 2]
+        window = (word >> (24 - _MAX_LEN - (q & 7))) & ((1 << _MAX_LEN) - 1)
+        L = dec_len[window]
+        if not L.all():
+            raise ValueError("invalid Huffman code in stream")
+        out[sel, i] = dec_sym[window]
+        p[sel] = q + L
+    ends = np.concatenate([offsets[1:], [p[-1]]])
+    if not np.array_equal(p, ends) or p[-1] > total_bits or total_bits - p[-1] >= 8:
+        raise ValueError("Huffman blocks do not decode to their recorded lengths")
+    return out.reshape(-1)[:n]
+
+
+# ------------------------------------------------------------------------------------------------ codecs
+def _compress(codec: str, data: bytes) -> bytes:
+    if codec == "raw":
+        return data
+    if codec == "zlib":
+        return zlib.compress(data, 9)
+    if codec == "lzma":
+        return lzma.compress(data, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+    if codec == "huffman":
+        return huffman_encode(np.frombuffer(data, np.uint8))
+    raise ValueError(f"unknown codec {codec!r}; allowed: {['auto', *CODECS]}")
+
+
+def _decompress(code: str, data: bytes, n: int) -> bytes:
+    if code == "n":
+        out = data
+    elif code == "z":
+        d = zlib.decompressobj()
+        out = d.decompress(data, n + 1)
+        if not d.eof:
+            raise ValueError("zlib stream incomplete")
+    elif code == "l":
+        d = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+        out = d.decompress(data, n + 1)
+    elif code == "h":
+        out = huffman_decode(data, n).tobytes()
+    else:
+        raise ValueError(f"unknown codec code {code!r}")
+    if len(out) != n:
+        raise ValueError(f"decodes to {len(out)} bytes, expected {n}")
+    return out
+
+
+def _best(data: bytes, codec: str) -> tuple[str, bytes]:
+    """(codec code, coded bytes): ``codec``, or with 'auto' the smallest of all (first wins a tie)."""
+    if codec != "auto":
+        return _CODE[codec], _compress(codec, data)
+    best = ("n", data)
+    if data:
+        for c in ("huffman", "zlib", "lzma"):
+            coded = _compress(c, data)
+            if len(coded) < len(best[1]):
+                best = (_CODE[c], coded)
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+def _uint(dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"<u{dtype.itemsize}")
+
+
+def _planes(bits: np.ndarray) -> bytes:
+    """Unsigned little-endian values -> their byte planes (all byte 0s, then all byte 1s, ...)."""
+    b = bits.astype(bits.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(bits.size, bits.dtype.itemsize)
+    return np.ascontiguousarray(b.T).tobytes()
+
+
+def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
+    size = _uint(dtype).itemsize
+    planes = np.frombuffer(data, np.uint8).reshape(size, count)
+    return np.ascontiguousarray(planes.T).view(_uint(dtype)).reshape(-1)
+
+
+def _relative(idx: np.ndarray) -> bytes:
+    """Gaps (zeros before each kept index) as bytes: 255 = 255 more zeros and continue."""
+    gaps = np.diff(np.concatenate([[-1], idx])) - 1
+    q, r = np.divmod(gaps, 255)
+    counts = q + 1
+    out = np.full(int(counts.sum()), 255, np.uint8)
+    out[np.cumsum(counts) - 1] = r
+    return out.tobytes()
+
+
+def _unrelative(data: bytes, numel: int) -> np.ndarray:
+    sym = np.frombuffer(data, np.uint8).astype(np.int64)
+    if sym.size and sym[-1] == 255:
+        raise ValueError("relative indices end inside a gap")
+    term = np.flatnonzero(sym != 255)
+    prev = np.concatenate([[-1], term[:-1]])
+    gaps = sym[term] + 255 * (term - prev - 1)
+    idx = np.cumsum(gaps + 1) - 1
+    if idx.size and idx[-1] >= numel:
+        raise ValueError("relative indices run past the end of the tensor")
+    return idx
+
+
+def _value_options(vals: np.ndarray) -> dict[str, list[bytes]]:
+    opts = {"p": [_planes(vals)]}
+    if vals.size:
+        book, inv = np.unique(vals, return_inverse=True)
+        if book.size <= 65536 and book.size * 2 <= vals.size:
+            idx = inv.astype(np.uint8 if book.size <= 256 else np.dtype("<u2")).reshape(-1)
+            opts["s"] = [_planes(book), _planes(idx) if idx.dtype.itemsize > 1 else idx.tobytes()]
+    return opts
+
+
+def _encode_tensor(name: str, arr: np.ndarray, codec: str) -> tuple[list[Any], list[bytes]]:
+    """Header entry and coded streams of one tensor."""
+    a = np.asarray(arr)
+    if a.dtype.kind not in "biuf" or a.dtype.itemsize > 8:
+        raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be packed; allowed: bool, integers, "
+                         f"float16/32/64 (cast bfloat16 to float32 first)")
+    dt = a.dtype.newbyteorder("<") if a.dtype.itemsize > 1 else a.dtype
+    flat = np.ascontiguousarray(a.reshape(-1)).astype(dt, copy=False)
+    coded: list[tuple[str, bytes, int]] = []
+    if a.dtype.kind != "f":
+        code, c = _best(flat.tobytes(), codec)
+        layout, coded = "x", [(code, c, flat.nbytes)]
+    else:
+        bits = flat.view(_uint(dt))
+        keep = bits != 0
+        k = int(keep.sum())
+        # candidates: (position codes, position streams, values in that order); positions and values are
+        # coded independently, so each order's best positions + best values is its best layout
+        candidates: list[tuple[str, list[bytes], np.ndarray]] = []
+        if k == bits.size or 16 * (bits.size - k) < bits.size:  # under 1/16 zeros: the dense layout may win
+            candidates.append(("a", [], bits))
+        if k < bits.size:
+            orders = [("mr", bits, keep)]
+            if a.ndim >= 2 and a.shape[0] > 1:  # also column order: e.g. a dead input's weights are one run
+                col = np.ascontiguousarray(bits.reshape(a.shape[0], -1).T).reshape(-1)
+                orders.append(("MR", col, col != 0))
+            for codes, b, kp in orders:
+                candidates.append((codes, [np.packbits(kp).tobytes(), _relative(np.flatnonzero(kp))], b[kp]))
+        best_layout, best_streams, best_size = None, None, None
+        for codes, pos_streams, vals in candidates:
+            if codes == "a":
+                pos_code, pc = "a", []
+            else:
+                coded_pos = [(c, [(*_best(s, codec), len(s))]) for c, s in zip(codes, pos_streams)]
+                pos_code, pc = min(coded_pos, key=lambda x: len(x[1][0][1]))
+            for v, vstreams in _value_options(vals).items():
+                vc = [(*_best(s, codec), len(s)) for s in vstreams]
+                size = sum(len(c) for _, c, _ in pc + vc)
+                if best_size is None or size < best_size:
+                    best_layout, best_streams, best_size = pos_code + v, pc + vc, size
+        layout, coded = best_layout, best_streams
+    entry = [name, dt.str, list(a.shape), layout, [[c, len(d), n] for c, d, n in coded]]
+    return entry, [d for _, d, _ in coded]
+
+
+def _decode_tensor(entry: Any, streams: list[bytes]) -> np.ndarray:
+    name, dts, shape, layout, _ = entry
+    dt = np.dtype(dts)
+    numel = math.prod(shape)
+    if layout == "x":
+        if len(streams[0]) != numel * dt.itemsize:
+            raise ValueError(f"holds {len(streams[0])} bytes for {numel} values of {dt}")
+        return np.frombuffer(streams[0], dt).reshape(shape).copy()
+    pos, val = layout
+    column = pos in "MR"
+    pos = pos.lower()
+    if pos == "a":
+        idx, k, rest = None, numel, streams
+    elif pos == "m":
+        if len(streams[0]) != (numel + 7) // 8:
+            raise ValueError("bitmask has the wrong length")
+        keep = np.unpackbits(np.frombuffer(streams[0], np.uint8), count=numel).astype(bool)
+        if numel % 8 and np.unpackbits(np.frombuffer(streams[0][-1:], np.uint8))[numel % 8:].any():
+            raise ValueError("bitmask padding bits are set")
+        idx = np.flatnonzero(keep)
+        k, rest = idx.size, streams[1:]
+    else:
+        idx = _unrelative(streams[0], numel)
+        k, rest = idx.size, streams[1:]
+    udt = _uint(dt)
+    if val == "p":
+        if len(rest[0]) != k * dt.itemsize:
+            raise ValueError(f"holds {len(rest[0])} value bytes for {k} kept values of {dt}")
+        vals = _unplanes(rest[0], dt, k)
+    else:
+        if len(rest[0]) % dt.itemsize or not rest[0]:
+            raise ValueError("codebook has the wrong length")
+        book = _unplanes(rest[0], dt, len(rest[0]) // dt.itemsize)
+        wide = book.size > 256
+        if len(rest[1]) != k * (2 if wide else 1):
+            raise ValueError(f"holds {len(rest[1])} index bytes for {k} kept values")
+        ind = (_unplanes(rest[1], np.dtype("<u2"), k) if wide else np.frombuffer(rest[1], np.uint8)).astype(np.int64)
+        if ind.size and ind.max() >= book.size:
+            raise ValueError("a codebook index is out of range")
+        vals = book[ind]
+    if idx is not None and pos != "a" and np.any(vals == 0):
+        raise ValueError("a kept value is zero")
+    if idx is None:
+        bits = vals
+    else:
+        bits = np.zeros(numel, udt)
+        bits[idx] = vals
+    if column:
+        if len(shape) < 2 or shape[0] == 0:
+            raise ValueError("column order needs a tensor with at least 2 axes")
+        bits = bits.reshape(-1, shape[0]).T
+    return np.ascontiguousarray(bits).view(dt).reshape(shape).copy()
+
+
+# ------------------------------------------------------------------------------------------------ files
+@dataclass
+class PackResult:
+    """What :func:`pack` wrote: the file size, the arrays' raw size, and per tensor its layout and codecs."""
+
+    path: str
+    bytes: int
+    raw_bytes: int
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Raw array bytes / file bytes."""
+        return self.raw_bytes / max(self.bytes, 1)
+
+
+def pack_bytes(arrays: Mapping[str, Any], codec: str = "auto", backend: str | None = None,
+               meta: Mapping[str, Any] | None = None) -> tuple[bytes, list[dict[str, Any]]]:
+    """The file content for ``arrays`` and a per-tensor summary (see :func:`pack`)."""
+    if codec != "auto" and codec not in CODECS:
+        raise ValueError(f"codec = {codec!r} is invalid; allowed: {['auto', *CODECS]}")
+    if not isinstance(arrays, Mapping):
+        raise TypeError(f"arrays must be a mapping {{name: array}}, got {type(arrays).__name__}")
+    entries, payload, summary = [], [], []
+    for name, arr in arrays.items():
+        if not isinstance(name, str):
+            raise ValueError(f"tensor names must be strings, got {name!r}")
+        entry, streams = _encode_tensor(name, np.asarray(arr), codec)
+        entries.append(entry)
+        payload += streams
+        summary.append({"name": name, "dtype": entry[1], "shape": tuple(entry[2]), "layout": entry[3],
+                        "codecs": [_NAME[s[0]] for s in entry[4]], "raw_bytes": int(np.asarray(arr).nbytes),
+                        "bytes": sum(s[1] for s in entry[4])})
+    header = {"v": VERSION, "backend": backend, "meta": dict(meta or {}), "t": entries}
+    hz = zlib.compress(json.dumps(header, separators=(",", ":")).encode(), 9)
+    body = b"".join(payload)
+    out = _PREFIX.pack(MAGIC, VERSION, len(hz), len(body)) + hz + body
+    return out + struct.pack("<I", zlib.crc32(out)), summary
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file next to it: ``path`` is the old file or the whole
+    new one, never a partial write."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def pack(arrays: Mapping[str, Any], path: str | os.PathLike, codec: str = "auto", backend: str | None = None,
+         meta: Mapping[str, Any] | None = None) -> PackResult:
+    """Write ``arrays`` (``{name: numpy array}``) to the compressed file ``path`` (atomically).
+
+    ``codec``: 'auto' (smallest per stream), 'huffman', 'zlib', 'lzma' or 'raw'. ``backend`` ('torch' /
+    'tf') and ``meta`` (JSON-able) are recorded in the header. Returns a :class:`PackResult`.
+    """
+    data, summary = pack_bytes(arrays, codec, backend, meta)
+    p = os.fspath(path)
+    _atomic_write(p, data)
+    raw = sum(s["raw_bytes"] for s in summary)
+    return PackResult(p, len(data), raw, summary)
+
+
+def packed_sizes(arrays: Mapping[str, Any], codecs: tuple[str, ...] = ("auto", *CODECS)) -> dict[str, int]:
+    """File size in bytes of ``arrays`` packed with each codec (nothing is written)."""
+    return {c: len(pack_bytes(arrays, c)[0]) for c in codecs}
+
+
+def _parse(data: bytes, where: str) -> tuple[dict[str, Any], bytes]:
+    def bad(why: str) -> CompressedFileError:
+        return CompressedFileError(f"{where}: {why}")
+
+    if len(data) < _PREFIX.size + 4:
+        raise bad(f"too short to be a compressed model file ({len(data)} bytes)")
+    magic, version, hlen, plen = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise bad(f"not a compressed model file (magic {magic!r}, expected {MAGIC!r}); write one with "
+                  f"export_model(..., compressed_path=...) or 'compressor pack'")
+    if version != VERSION:
+        raise bad(f"format version {version} is not supported (this compressor reads version {VERSION})")
+    expected = _PREFIX.size + hlen + plen + 4
+    if len(data) != expected:
+        raise bad(f"file has {len(data)} bytes, its header says {expected} (truncated or appended to)")
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if zlib.crc32(data[:-4]) != crc:
+        raise bad("checksum mismatch: the file is corrupted")
+    try:
+        header = json.loads(zlib.decompress(data[_PREFIX.size:_PREFIX.size + hlen]))
+    except (zlib.error, ValueError) as e:
+        raise bad(f"unreadable header ({e})") from None
+    payload = data[_PREFIX.size + hlen:_PREFIX.size + hlen + plen]
+    if not isinstance(header, dict) or not isinstance(header.get("t"), list):
+        raise bad("header has no tensor list")
+    return header, payload
+
+
+def _check_entry(e: Any) -> str | None:
+    """Why a header entry is malformed, or None."""
+    if not (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], str)
+            and isinstance(e[2], list) and isinstance(e[3], str) and isinstance(e[4], list)):
+        return "malformed entry"
+    try:
+        dt = np.dtype(e[1])
+    except TypeError:
+        return f"unknown dtype {e[1]!r}"
+    if dt.kind not in "biuf" or dt.itemsize > 8:
+        return f"unsupported dtype {e[1]!r}"
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e[2]):
+        return f"bad shape {e[2]!r}"
+    if e[3] not in _STREAMS or (e[3] != "x") != (dt.kind == "f"):
+        return f"bad layout {e[3]!r} for dtype {dt}"
+    if len(e[4]) != _STREAMS[e[3]]:
+        return f"layout {e[3]!r} needs {_STREAMS[e[3]]} streams, header lists {len(e[4])}"
+    for s in e[4]:
+        if not (isinstance(s, list) and len(s) == 3 and s[0] in _NAME
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s[1:])):
+            return f"bad stream record {s!r}"
+    return None
+
+
+def unpack_bytes(data: bytes, where: str = "compressed file") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``({name: array}, header)`` of a compressed file's content; CompressedFileError when anything is off."""
+    header, payload = _parse(bytes(data), where)
+    out: dict[str, np.ndarray] = {}
+    pos = 0
+    for e in header["t"]:
+        why = _check_entry(e)
+        name = e[0] if isinstance(e, list) and e and isinstance(e[0], str) else "?"
+        if why is not None:
+            raise CompressedFileError(f"{where}: tensor {name!r}: {why}")
+        if name in out:
+            raise CompressedFileError(f"{where}: tensor {name!r} appears twice")
+        streams = []
+        for code, clen, rlen in e[4]:
+            if pos + clen > len(payload):
+                raise CompressedFileError(f"{where}: tensor {name!r}: streams run past the payload")
+            raw_limit = math.prod(e[2]) * np.dtype(e[1]).itemsize * 2 + 1024
+            if rlen > raw_limit:
+                raise CompressedFileError(f"{where}: tensor {name!r}: a stream claims {rlen} bytes")
+            try:
+                streams.append(_decompress(code, payload[pos:pos + clen], rlen))
+            except (ValueError, zlib.error, lzma.LZMAError, EOFError) as err:
+                raise CompressedFileError(f"{where}: tensor {name!r}: {_NAME[code]} stream is corrupt ({err})") from None
+            pos += clen
+        try:
+            out[name] = _decode_tensor(e, streams)
+        except ValueError as err:
+            raise CompressedFileError(f"{where}: tensor {name!r}: {err}") from None
+    if pos != len(payload):
+        raise CompressedFileError(f"{where}: {len(payload) - pos} payload bytes belong to no tensor")
+    return out, header
+
+
+def _read(path: str | os.PathLike) -> tuple[bytes, str]:
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise CompressedFileError(f"compressed file {p!r} does not exist")
+    with open(p, "rb") as f:
+        return f.read(), p
+
+
+def unpack(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """``{weight name: numpy array}`` stored in the compressed file ``path``, bit for bit as packed (torch:
+    state_dict keys; tf: Keras weight paths). Raises CompressedFileError (a ValueError) for a missing,
+    truncated, corrupted or foreign file, before returning anything."""
+    data, p = _read(path)
+    return unpack_bytes(data, repr(p))[0]
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The header of a compressed file (backend, meta, per tensor: name, dtype, shape, layout, codecs,
+    bytes), after validating the whole file."""
+    data, p = _read(path)
+    arrays, header = unpack_bytes(data, repr(p))
+    tensors = [{"name": e[0], "dtype": e[1], "shape": tuple(e[2]), "layout": e[3],
+                "codecs": [_NAME[s[0]] for s in e[4]], "bytes": sum(s[1] for s in e[4]),
+                "raw_bytes": int(arrays[e[0]].nbytes)} for e in header["t"]]
+    return {"backend": header.get("backend"), "meta": header.get("meta", {}), "bytes": len(data),
+            "raw_bytes": sum(t["raw_bytes"] for t in tensors), "tensors": tensors}

@@ -1,0 +1,73 @@
+"""Compressed model files on PyTorch: state_dict <-> :mod:`compressor.core.packing` (the format is core's).
+
+* :func:`state_dict_arrays` -- ``{key: numpy array}`` of a state_dict, bit for bit (on the CPU);
+* :func:`save_compressed` -- pack a state_dict (what ``pruner.export_model(..., compressed_path=...)`` does
+  with the state_dict it writes to ``model_path``);
+* :func:`load_compressed` -- load a compressed file into the ORIGINAL model class: every key, shape and
+  dtype is checked against ``model.state_dict()`` before any weight is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.errors import CompressedFileError, ModelError
+from ..core.packing import PackResult, pack, unpack
+
+__all__ = ["load_compressed", "save_compressed", "state_dict_arrays"]
+
+
+def state_dict_arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The tensors of ``state`` as numpy arrays on the host (same dtype and bits; non-tensor entries are
+    refused). bfloat16 has no numpy dtype: cast such a model to float32 first."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            raise ValueError(f"state_dict entry {key!r} is a {type(value).__name__}, not a tensor; only tensors are packed")
+        if value.dtype == torch.bfloat16:
+            raise ValueError(f"state_dict entry {key!r} is bfloat16, which numpy (and the compressed format) "
+                             f"cannot hold; cast the model to float32 before exporting")
+        out[key] = value.detach().cpu().contiguous().numpy()
+    return out
+
+
+def save_compressed(state: Mapping[str, Any], path: str | os.PathLike, codec: str = "auto") -> PackResult:
+    """Pack a state_dict into the compressed file ``path`` (see :func:`compressor.core.packing.pack`)."""
+    return pack(state_dict_arrays(state), path, codec=codec, backend="torch")
+
+
+def load_compressed(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load the compressed file ``path`` (``export_model(..., compressed_path=...)``, ``compressor pack``)
+    into ``model``, a plain instance of the model class it was exported from. The file is fully decoded
+    and every key, shape and dtype checked against ``model.state_dict()`` first; on any mismatch a
+    :class:`~compressor.core.errors.CompressedFileError` is raised and the model is left untouched.
+    Returns ``model``."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"load_compressed: model must be a torch.nn.Module, got {type(model).__name__}")
+    arrays = unpack(path)
+    target = model.state_dict()
+    where = repr(os.fspath(path))
+    missing = [k for k in target if k not in arrays]
+    unexpected = [k for k in arrays if k not in target]
+    if missing or unexpected:
+        raise CompressedFileError(
+            f"{where} does not fit {type(model).__name__}: missing keys {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+            f" (load it into a plain instance of the model class it was exported from)")
+    state: dict[str, torch.Tensor] = {}
+    for key, have in target.items():
+        arr = arrays[key]
+        if tuple(arr.shape) != tuple(have.shape):
+            raise CompressedFileError(f"{where}: {key!r} has shape {tuple(arr.shape)}, the model's is {tuple(have.shape)}")
+        want = torch.empty(0, dtype=have.dtype).numpy().dtype if have.dtype != torch.bfloat16 else None
+        if want is None or arr.dtype.newbyteorder("=") != want.newbyteorder("="):
+            raise CompressedFileError(f"{where}: {key!r} is {arr.dtype}, the model's is {have.dtype}")
+        state[key] = torch.from_numpy(np.array(arr, dtype=want, order="C"))  # (keeps 0-d arrays 0-d)
+    model.load_state_dict(state, strict=True)
+    return model
