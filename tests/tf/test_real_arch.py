@@ -4,7 +4,8 @@ model. Per architecture a pruner and a quantizer, with ``'default'`` (and, for t
 embedding / recurrent / attention types): one training step, export to ``.keras``, reload in a FRESH
 Python process (without compressor imported), same outputs. Also: what ``'default'`` says it leaves out.
 
-The keras.applications cases take 20-40 s each on a CPU and are marked ``slow``."""
+The keras.applications cases take 25-40 s each on an idle 2-core CPU (about 100 s together); they run in CI,
+which stays far inside its budget with them (issue 16 asks for them in the tests)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,6 @@ def test_text_model_lstm_attention(tmp_path):
     run_matrix("text", text_model, cases, tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0"])
 def test_keras_applications(name, tmp_path):
     run_matrix("image", application(name), [("pruner", ["default"]), ("quantizer", ["default"])], tmp_path)
