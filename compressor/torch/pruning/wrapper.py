@@ -80,12 +80,26 @@ def _masked(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return tensor - torch.where(mask, 0, tensor).detach()
 
 
+class ReadThrough(nn.Module):
+    """Base of the compressors' module wrappers: an attribute the wrapper lacks is read from the wrapped
+    layer (see :func:`read_through_target`), so model code reading ``conv.stride`` keeps working."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # the wrapper's own parameters, buffers and submodules
+        except AttributeError:
+            layer = read_through_target(self, name)
+            if layer is None:
+                raise
+        return getattr(layer, name)
+
+
 def replica_origin(module: nn.Module) -> nn.Module:
     """The module a DataParallel replica was copied from (``module`` itself if it is not a replica)."""
     return module.__dict__.get("_replica_of", module)
 
 
-class PrunerModuleWrapper(nn.Module):
+class PrunerModuleWrapper(ReadThrough):
     """Wraps ``module`` (name ``module_name``, type name ``module_type``) for ``pruner`` with ``config``.
 
     ``multiplier_cache`` (class or instance attribute): keep a copy of each mask in the weight's dtype
@@ -129,15 +143,6 @@ class PrunerModuleWrapper(nn.Module):
         """The pruner that owns this wrapper (None in a pickled or deep-copied model)."""
         ref = self._pruner_ref
         return None if ref is None else ref()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)  # the wrapper's own parameters, buffers and submodules
-        except AttributeError:
-            layer = read_through_target(self, name)
-            if layer is None:
-                raise
-        return getattr(layer, name)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # torch.save(model) / deepcopy: drop the weak link to the pruner

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..compressor import innermost_module
-from ..pruning.wrapper import effective_weight, read_through_target
+from ..pruning.wrapper import ReadThrough, effective_weight
 from .grad import QuantType
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -46,7 +46,7 @@ def quant_axis(layer: nn.Module, quant_type: str) -> int:
     return weight_channel_axis(layer) if quant_type == "weight" else activation_channel_axis(layer)
 
 
-class QuantizerModuleWrapper(nn.Module):
+class QuantizerModuleWrapper(ReadThrough):
     """Wraps ``module`` (called ``module_name``, of type ``module_type``) for ``quantizer`` with ``config``.
 
     Attributes the quantizers use: ``module`` (the wrapped module), ``name``, ``type``, ``config``,
@@ -138,15 +138,6 @@ class QuantizerModuleWrapper(nn.Module):
         if rng is None:
             return None
         return getattr(self, f"{t}_scale"), getattr(self, f"{t}_zero_point"), rng[0], rng[1]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)  # the wrapper's own parameters, buffers and submodules
-        except AttributeError:
-            layer = read_through_target(self, name)
-            if layer is None:
-                raise
-        return getattr(layer, name)  # model code reading the layer's attributes (stride, in_features, ...)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # torch.save(model): do not pickle the quantizer (and its optimizer)
