@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -38,6 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks._interleave import artifact_row, interleaved_medians  # noqa: E402
 from compressor.demo import TfHarness  # noqa: E402
 from compressor.tf import PtqQuantizer  # noqa: E402
 from examples.models_tf import lenet_5  # noqa: E402
@@ -156,25 +154,11 @@ def main() -> None:
                 details = it.get_tensor_details()
                 int8[v] = f"{sum(d['dtype'] == np.int8 for d in details)}/{len(details)}"
             feeds = {1: x_eval[:1], 32: x_eval[:32]}
-            times: dict[tuple[str, int], list[float]] = {k: [] for k in its}
-            order = list(times)
-            for v, b in order:
-                run(its[(v, b)], feeds[b])
-            rng = random.Random(0)
-            for _ in range(args.rounds):
-                rng.shuffle(order)
-                for v, b in order:
-                    t0 = time.perf_counter()
-                    for _ in range(args.calls):
-                        run(its[(v, b)], feeds[b])
-                    times[(v, b)].append((time.perf_counter() - t0) / args.calls)
-        med = {k: statistics.median(t) for k, t in times.items()}
+            med = interleaved_medians({(v, b): (lambda it=its[(v, b)], x=feeds[b]: run(it, x)) for v, b in its},
+                                      args.rounds, args.calls, warmup=1)
         for v in paths:
-            print(f"| {name} | {v} | {sizes[v] / 1024:.1f} | {sizes[v] / sizes['float']:.2f}x | "
-                  f"{med[(v, 1)] * 1e3:.3f} | {med[(v, 1)] / med[('float', 1)]:.2f}x | {med[(v, 32)] * 1e3:.2f} | "
-                  f"{med[(v, 32)] / med[('float', 32)]:.2f}x | {agree[v]:.1%} "
-                  f"({'fake-quant Keras' if v == 'ours-int8' else 'float Keras'}) | {int8[v]} |", flush=True)
-
+            print(artifact_row(name, v, sizes[v], sizes["float"], med, agree[v],
+                               "fake-quant Keras" if v == "ours-int8" else "float Keras", int8[v]), flush=True)
 
 if __name__ == "__main__":
     main()

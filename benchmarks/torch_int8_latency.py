@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import random
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -37,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._interleave import artifact_row, interleaved_medians  # noqa: E402
 from benchmarks.torch_speedup import ResNet18, randomize_norms  # noqa: E402
 from compressor.demo import TorchHarness  # noqa: E402
 from compressor.torch import PtqQuantizer  # noqa: E402
@@ -131,26 +129,11 @@ def main() -> None:
                 got = np.concatenate([sess.run(None, {"input": x_eval[i:i + 32]})[0] for i in range(0, 256, 32)])
                 agree[v] = float((got.argmax(1) == reference[v].argmax(1)).mean())
             feeds = {b: {"input": x_eval[:b]} for b in (1, 32)}
-            times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in sessions for b in feeds}
-            order = list(times)
-            for v, b in order:  # warm-up
-                for _ in range(2):
-                    sessions[v].run(None, feeds[b])
-            rng = random.Random(0)
-            for _ in range(args.rounds):
-                rng.shuffle(order)
-                for v, b in order:
-                    t0 = time.perf_counter()
-                    for _ in range(args.calls):
-                        sessions[v].run(None, feeds[b])
-                    times[(v, b)].append((time.perf_counter() - t0) / args.calls)
-        med = {k: statistics.median(t) for k, t in times.items()}
+            med = interleaved_medians({(v, b): (lambda s=sessions[v], f=feeds[b]: s.run(None, f))
+                                       for v in sessions for b in feeds}, args.rounds, args.calls)
         for v in sessions:
-            print(f"| {name} | {v} | {sizes[v] / 1024:.1f} | {sizes[v] / sizes['float']:.2f}x | "
-                  f"{med[(v, 1)] * 1e3:.3f} | {med[(v, 1)] / med[('float', 1)]:.2f}x | {med[(v, 32)] * 1e3:.2f} | "
-                  f"{med[(v, 32)] / med[('float', 32)]:.2f}x | {agree[v]:.1%} "
-                  f"({'fake-quant torch' if v == 'ours-int8' else 'float torch'}) | {kernels[v]} |", flush=True)
-
+            print(artifact_row(name, v, sizes[v], sizes["float"], med, agree[v],
+                               "fake-quant torch" if v == "ours-int8" else "float torch", kernels[v]), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,38 @@
+"""Interleaved timing shared by the artifact benchmarks: every callable runs ``calls`` times per round, in a
+freshly shuffled order each round, so load on the machine hits all of them alike; medians per callable."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Hashable
+
+
+def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int,
+                        warmup: int = 2, seed: int = 0) -> dict[Hashable, float]:
+    """``{key: median seconds per call}`` over ``rounds`` shuffled rounds of ``calls`` calls each."""
+    order = list(fns)
+    for key in order:
+        for _ in range(warmup):
+            fns[key]()
+    times: dict[Hashable, list[float]] = {k: [] for k in order}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for key in order:
+            fn = fns[key]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[key].append((time.perf_counter() - t0) / calls)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def artifact_row(model: str, variant: str, size: int, float_size: int, med: dict, agree: float, against: str,
+                 extra: str) -> str:
+    """One markdown row: size, batch 1 / 32 latency and their ratios to ``('float', b)``, agreement."""
+    return (f"| {model} | {variant} | {size / 1024:.1f} | {size / float_size:.2f}x | "
+            f"{med[(variant, 1)] * 1e3:.3f} | {med[(variant, 1)] / med[('float', 1)]:.2f}x | "
+            f"{med[(variant, 32)] * 1e3:.2f} | {med[(variant, 32)] / med[('float', 32)]:.2f}x | "
+            f"{agree:.1%} ({against}) | {extra} |")
