@@ -2,19 +2,21 @@
 
 For each model and channel sparsity (30 / 50 / 70 %): ours = ``L1FilterPruner(dependency_aware=True)`` on
 every Conv2d, ``compress()``, ``speedup_model``; Torch-Pruning (if installed) = ``MagnitudePruner`` with L1
-magnitude importance at the same ratio, the classifier ignored. Prints params, MACs (ours counted by
-``count_flops_params``; Torch-Pruning's own counter for its model) and measured CPU latency at batch 1 and
-32 as ratios to the dense model, interleaved in one run (median of ``--rounds``), and the time to prune +
+magnitude importance at the same ratio, the classifier ignored. Prints params, MACs (every variant
+counted by ``count_flops_params``, so the ratios compare) and measured CPU latency at batch 1 and
+32 as ratios to the dense model, interleaved in one run in a shuffled order (median of ``--rounds``), and the time to prune +
 speed up. Models: a CIFAR-style ResNet-18 (written here; torchvision is not a dependency) and HF
 transformers ResNet / MobileNetV2 from small configs when transformers is installed.
 
-    python benchmarks/torch_speedup.py [--rounds 15] [--threads 2] [--ratios 0.3 0.5 0.7]
+    python benchmarks/torch_speedup.py [--rounds 15] [--threads 2] [--ratios 0.3 0.5 0.7] [--channels-last]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
+import random
 import statistics
 import time
 
@@ -105,17 +107,31 @@ def ours(model: nn.Module, x: torch.Tensor, ratio: float, ignore: list[str]) -> 
     return small.eval(), time.perf_counter() - t0
 
 
-def run_torch_pruning(model: nn.Module, x: torch.Tensor, ratio: float, ignore: list[str]) -> tuple[nn.Module, float, int, int]:
+def run_torch_pruning(model: nn.Module, x: torch.Tensor, ratio: float, ignore: list[str],
+                      floor: bool = False) -> tuple[nn.Module, float]:
+    """Torch-Pruning's MagnitudePruner (L1). It removes round(C * ratio) channels per group; with ``floor`` each
+    conv gets the per-layer ratio floor(C * ratio) / C, so it removes exactly the channels ours does (same
+    shapes, checked by the caller) and the latencies compare like for like."""
     import torch_pruning as tp
 
     t0 = time.perf_counter()
     ignored = [m for n, m in model.named_modules() if n in ignore]
+    per_layer = None
+    if floor:
+        per_layer = {m: math.floor(m.out_channels * ratio) / m.out_channels for m in model.modules()
+                     if isinstance(m, nn.Conv2d) and m.groups == 1}
     pruner = tp.pruner.MagnitudePruner(model, x, importance=tp.importance.MagnitudeImportance(p=1),
-                                       pruning_ratio=ratio, ignored_layers=ignored)
+                                       pruning_ratio=ratio, pruning_ratio_dict=per_layer, ignored_layers=ignored)
     pruner.step()
-    seconds = time.perf_counter() - t0
-    macs, params = tp.utils.count_ops_and_params(model, x)
-    return model.eval(), seconds, int(macs), int(params)
+    return model.eval(), time.perf_counter() - t0
+
+
+def deployed(model: nn.Module, x: torch.Tensor, channels_last: bool) -> tuple[nn.Module, torch.Tensor]:
+    """The model and input as they are timed: as built, or in channels-last memory format (oneDNN then needs
+    no channel padding to its vector width, which matters for the odd widths pruning leaves)."""
+    if not channels_last:
+        return model, x
+    return model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
 
 
 @torch.no_grad()
@@ -132,6 +148,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     p.add_argument("--models", nargs="+", default=None)
+    p.add_argument("--channels-last", action="store_true",
+                   help="time every variant, the dense baseline included, in channels-last memory format")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -141,10 +159,12 @@ def main() -> None:
     except ImportError:
         have_tp = False
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} interleaved rounds, medians; "
-          f"ratios = variant / dense of the same round")
+          f"ratios = variant / dense of the same round; memory format "
+          f"{'channels-last' if args.channels_last else 'as built (contiguous)'}; MACs of every variant by "
+          f"count_flops_params")
     # "b32 / MACs": the batch-32 latency ratio over the MACs ratio (1 = time shrinks exactly with the MACs).
-    # Torch-Pruning prunes round(C * ratio) channels, we prune floor(C * ratio) (issue 14's rule), so at 70 %
-    # it keeps e.g. 19 of 64 channels where we keep 20: compare efficiency, not only latency
+    # Torch-Pruning prunes round(C * ratio) channels, we prune floor(C * ratio) (issue 14's rule): the
+    # "torch-pruning floor" variant removes our channel counts with Torch-Pruning, so its model has our shapes
     print("| model | sparsity | variant | params | MACs | latency b1 | latency b32 | b32 / MACs | prune+speedup s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (model, shape, ignore) in models().items():
@@ -156,25 +176,37 @@ def main() -> None:
         dmacs, dparams, _ = cth.count_flops_params(model, x1)
         print(f"| {name} | 0 | dense | {dparams / 1e6:.2f} M | {dmacs / 1e6:.1f} M | 1 | 1 | 1 | - |")
         for ratio in args.ratios:
-            variants: dict[str, tuple[nn.Module, float, int, int]] = {}
-            small, secs = ours(copy.deepcopy(model), x1, ratio, ignore)
-            macs, params, _ = cth.count_flops_params(small, x1)
-            variants["ours"] = (small, secs, macs, params)
+            built: dict[str, tuple[nn.Module, float]] = {"ours": ours(copy.deepcopy(model), x1, ratio, ignore)}
             if have_tp:
-                variants["torch-pruning"] = run_torch_pruning(copy.deepcopy(model), x1, ratio, ignore)
-            ratios: dict[str, dict[str, list[float]]] = {k: {"b1": [], "b32": []} for k in variants}
-            for v in [model, *[m for m, *_ in variants.values()]]:
-                latency(v, x32, 2)
-            for _ in range(args.rounds):
-                base = {"b1": latency(model, x1, 20), "b32": latency(model, x32, 2)}
-                for k, (m, *_rest) in variants.items():
-                    ratios[k]["b1"].append(latency(m, x1, 20) / base["b1"])
-                    ratios[k]["b32"].append(latency(m, x32, 2) / base["b32"])
-            for k, (_m, secs, macs, params) in variants.items():
+                built["torch-pruning"] = run_torch_pruning(copy.deepcopy(model), x1, ratio, ignore)
+                built["torch-pruning floor"] = run_torch_pruning(copy.deepcopy(model), x1, ratio, ignore, floor=True)
+                same = [p.shape for p in built["ours"][0].state_dict().values()] == \
+                    [p.shape for p in built["torch-pruning floor"][0].state_dict().values()]
+                if not same:
+                    print(f"(torch-pruning floor: shapes differ from ours on {name} at {ratio:.0%})")
+            counts = {k: cth.count_flops_params(m, x1)[:2] for k, (m, _s) in built.items()}
+            dense, xb1 = deployed(copy.deepcopy(model), x1, args.channels_last)
+            xb32 = x32.contiguous(memory_format=torch.channels_last) if args.channels_last else x32
+            timed = {k: deployed(m, x1, args.channels_last)[0] for k, (m, _s) in built.items()}
+            ratios: dict[str, dict[str, list[float]]] = {k: {"b1": [], "b32": []} for k in timed}
+            with torch.inference_mode():
+                for v in [dense, *timed.values()]:
+                    latency(v, xb32, 2)
+                for r in range(args.rounds):
+                    # a fresh order every round: whatever runs right after another model pays for its
+                    # caches, which alone made identical shapes differ by 5-8 % in a fixed order
+                    order = ["dense", *timed]
+                    random.Random(r).shuffle(order)
+                    t = {k: {"b1": latency(dense if k == "dense" else timed[k], xb1, 20),
+                             "b32": latency(dense if k == "dense" else timed[k], xb32, 2)} for k in order}
+                    for k in timed:
+                        ratios[k]["b1"].append(t[k]["b1"] / t["dense"]["b1"])
+                        ratios[k]["b32"].append(t[k]["b32"] / t["dense"]["b32"])
+            for k, (_m, secs) in built.items():
+                macs, params = counts[k]
+                b1, b32 = statistics.median(ratios[k]["b1"]), statistics.median(ratios[k]["b32"])
                 print(f"| {name} | {ratio:.0%} | {k} | {params / dparams:.3f}x | {macs / dmacs:.3f}x | "
-                      f"{statistics.median(ratios[k]['b1']):.3f}x | {statistics.median(ratios[k]['b32']):.3f}x | "
-                      f"{statistics.median(ratios[k]['b32']) / (macs / dmacs):.2f} | {secs:.2f} |", flush=True)
-
+                      f"{b1:.3f}x | {b32:.3f}x | {b32 / (macs / dmacs):.2f} | {secs:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()
