@@ -3,8 +3,9 @@
 Pipeline per model (the paper's Tables 2-3; LeNet-300-100: 1070 KB -> 27 KB, 40x; LeNet-5: 1720 KB -> 44 KB,
 39x; both without loss of accuracy):
 
-1. dense training (``examples.reproduce_han2015`` recipes);
-2. **pruning**: our Han et al. 2015 recipe, ``LevelPruner`` rounds to the paper's per-layer kept fractions,
+1. dense training (``examples.reproduce_han2015`` schedules, with decoupled weight decay 0.3);
+2. **pruning**: our Han et al. 2015 recipe, ``LevelPruner`` rounds to the per-layer kept fractions (the
+   paper's, except fc1 at 6.5 % (LeNet-300-100) / 6 % (LeNet-5) instead of 8 %; ``--paper-fractions``: all the paper's, no weight decay),
    retraining after each round, export + reload between rounds;
 3. **trained quantization**: ``WeightSharingQuantizer`` on the reloaded plain model: k-means of each
    layer's kept weights into ``2**bits`` centroids (linear initialisation), then fine-tuning the centroids
@@ -23,7 +24,7 @@ dense error. Also the file size with each single codec, and the size after pruni
 retrained; error vs dense (issue 18, item 4).
 
     python -m examples.reproduce_deep_compression [--models lenet300 lenet5] [--nm] [--backend torch|tf|all]
-                                                 [--quick] [--json out.json]
+                                                 [--paper-fractions] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -74,12 +75,19 @@ class Recipe:
     retrain: Train  # per pruning round
     share: Train  # centroid fine-tuning
     nm: Train  # 2:4 retraining
+    kept: dict[str, float] | None = None  # per-layer kept fractions; None: the paper's (reproduce_han2015.PAPER)
 
 
-RECIPES: dict[tuple[str, bool], Recipe] = {
-    # pruning: the Han recipe of reproduce_han2015 (LeNet-300-100 as there; LeNet-5 shortened to fit a
-    # shared 2-core CPU); centroid fine-tuning: Adam at a small rate (Adam is scale-free, so summed and
-    # averaged member gradients give the same step)
+def _with_decay(t: Train, weight_decay: float) -> Train:
+    return replace(t, weight_decay=weight_decay)
+
+
+#: the recipes at the paper's per-layer kept fractions (``--paper-fractions``): 36-37x, below the paper's
+#: 40x / 39x, because our coding of those weights costs ~10.3 bits per kept weight where the paper's implies
+#: ~9.9 (see RESULTS.md); pruning: the Han recipe of reproduce_han2015 (LeNet-300-100 as there; LeNet-5
+#: shortened to fit a shared 2-core CPU); centroid fine-tuning: Adam at a small rate (Adam is scale-free, so
+#: summed and averaged member gradients give the same step)
+PAPER_FRACTION_RECIPES: dict[tuple[str, bool], Recipe] = {
     ("lenet300", False): Recipe(HAN_RECIPES[("lenet300", False)].dense, 3, HAN_RECIPES[("lenet300", False)].retrain,
                                 share=Train(3, 1e-4, decay=0.7), nm=Train(8, 1e-3, decay=0.8)),
     ("lenet5", False): Recipe(Train(6, 1e-3, decay=0.8), 3, Train(4, 5e-4, decay=0.75),
@@ -88,6 +96,18 @@ RECIPES: dict[tuple[str, bool], Recipe] = {
                                nm=Train(1, 5e-4, 64)),
     ("lenet5", True): Recipe(Train(2, 2e-3, 64), 2, Train(1, 2e-4, 64), share=Train(1, 1e-4, 64),
                              nm=Train(1, 5e-4, 64)),
+}
+#: the default recipes, which reach the paper's rates: the same schedules plus decoupled weight decay 0.3
+#: (AdamW on torch, Adam(weight_decay) on Keras; the paper trained with Caffe's L2 weight decay) in dense
+#: training and retraining, and the largest layer (fc1, 88 % / 94 % of the weights) pruned to 6.5 % kept on
+#: LeNet-300-100 and 6 % on LeNet-5 instead of the paper's 8 % (the others at the paper's fractions; at 6 %
+#: LeNet-300-100 met the error bound on only 5 of 6 seed x backend runs, see RESULTS.md)
+WEIGHT_DECAY = 0.3
+FC1_KEPT = {"lenet300": 0.065, "lenet5": 0.06}
+RECIPES: dict[tuple[str, bool], Recipe] = {
+    key: replace(r, dense=_with_decay(r.dense, WEIGHT_DECAY), retrain=_with_decay(r.retrain, WEIGHT_DECAY),
+                 kept=dict(HAN[key[0]]["kept"], fc1=FC1_KEPT[key[0]]))
+    for key, r in PAPER_FRACTION_RECIPES.items()
 }
 
 
@@ -117,7 +137,7 @@ def params(weights: dict[str, np.ndarray]) -> int:
 
 def deep_compression(h: Any, name: str, dense: Any, ds: Any, recipe: Recipe, seed: int, progress: Any,
                      tmp: str) -> dict[str, Any]:
-    kept, bits = HAN[name]["kept"], PAPER[name]["bits"]
+    kept, bits = recipe.kept or HAN[name]["kept"], PAPER[name]["bits"]
     model, pruner = h.copy(dense), None
     for r in range(1, recipe.rounds + 1):  # 2. pruning (Han 2015 rounds)
         if pruner is not None:
@@ -182,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(p)
     p.add_argument("--models", nargs="*", choices=sorted(PAPER), default=["lenet300", "lenet5"])
     p.add_argument("--nm", action="store_true", help="also LeNet-300-100 at 2:4 sparsity")
+    p.add_argument("--paper-fractions", action="store_true",
+                   help="prune to the paper's per-layer kept fractions, no weight decay (36-37x; default: fc1 at "
+                        "6.5 %% / 6 %% kept and weight decay, which reach the paper's rates)")
     p.add_argument("--save-dir", metavar="DIR",
                    help="keep the dense, pruned and compressed files in DIR/<backend>/ (default: a temporary folder)")
     args = p.parse_args(argv)
+    recipes = PAPER_FRACTION_RECIPES if args.paper_fractions else RECIPES
     progress = False if args.no_progress else None
 
     def one_backend(h: Any, ds: Any) -> dict[str, Any]:
@@ -194,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = os.path.join(args.save_dir, h.name) if args.save_dir else scratch
             os.makedirs(tmp, exist_ok=True)
             for name in names:
-                recipe = RECIPES[(name, args.quick)]
+                recipe = recipes[(name, args.quick)]
                 dense = dense_baseline(h, name, ds, recipe.dense, args.seed, progress)
                 r: dict[str, Any] = {"dense_acc": h.evaluate(dense, ds.x_test, ds.y_test),
                                      "dense_bytes": dense_file_bytes(h, dense, ds, tmp, name)}
@@ -215,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_backends(args, one_backend)
     print()
     print(report(results, args.models, args.nm, backends_of(args)))
-    save_json(args.json, results, args, {f"{m}": RECIPES[(m, args.quick)] for m in PAPER})
+    save_json(args.json, results, args, {f"{m}": recipes[(m, args.quick)] for m in PAPER})
     return 0
 
 
