@@ -1,5 +1,5 @@
 """Interleaved timing shared by the artifact benchmarks: every callable runs ``calls`` times per round, in a
-freshly shuffled order each round, so load on the machine hits all of them alike; medians per callable."""
+freshly shuffled order each round, so load on the machine hits all of them alike; medians per callable; and the structured random inputs they feed their models."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Hashable
+
+import numpy as np
 
 
 def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int,
@@ -36,3 +38,10 @@ def artifact_row(model: str, variant: str, size: int, float_size: int, med: dict
             f"{med[(variant, 1)] * 1e3:.3f} | {med[(variant, 1)] / med[('float', 1)]:.2f}x | "
             f"{med[(variant, 32)] * 1e3:.2f} | {med[(variant, 32)] / med[('float', 32)]:.2f}x | "
             f"{agree:.1%} ({against}) | {extra} |")
+
+
+def inputs(shape: tuple[int, ...], n: int, seed: int) -> np.ndarray:
+    """Class prototypes plus noise: structured inputs, so a random network's logits have margins."""
+    rng = np.random.default_rng(seed)
+    proto = rng.standard_normal((10, *shape)).astype(np.float32)
+    return (proto[rng.integers(0, 10, n)] + 0.5 * rng.standard_normal((n, *shape))).astype(np.float32)

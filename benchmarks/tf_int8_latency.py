@@ -35,7 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks._interleave import artifact_row, interleaved_medians  # noqa: E402
+from benchmarks._interleave import artifact_row, inputs, interleaved_medians  # noqa: E402
 from compressor.demo import TfHarness  # noqa: E402
 from compressor.tf import PtqQuantizer  # noqa: E402
 from examples.models_tf import lenet_5  # noqa: E402
@@ -75,12 +75,6 @@ def randomize_norms(model: keras.Model) -> None:
             c = layer.gamma.shape[0]
             layer.set_weights([rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c), rng.normal(0, 0.1, c),
                                rng.uniform(0.5, 1.5, c)])
-
-
-def inputs(shape: tuple[int, ...], n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    proto = rng.standard_normal((10, *shape)).astype(np.float32)
-    return (proto[rng.integers(0, 10, n)] + 0.5 * rng.standard_normal((n, *shape))).astype(np.float32)
 
 
 def export(name: str, tmp: str) -> tuple[dict[str, str], dict[str, np.ndarray], np.ndarray]:

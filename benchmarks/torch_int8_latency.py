@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._interleave import artifact_row, interleaved_medians  # noqa: E402
+from benchmarks._interleave import artifact_row, inputs, interleaved_medians  # noqa: E402
 from benchmarks.torch_speedup import ResNet18, randomize_norms  # noqa: E402
 from compressor.demo import TorchHarness  # noqa: E402
 from compressor.torch import PtqQuantizer  # noqa: E402
@@ -46,13 +46,6 @@ MODELS = {
     "lenet5": (lambda: lenet_5(10, 28), (1, 28, 28)),
     "resnet18-cifar": (ResNet18, (3, 32, 32)),
 }
-
-
-def inputs(shape: tuple[int, ...], n: int, seed: int) -> np.ndarray:
-    """Class prototypes plus noise: structured inputs, so a random network's logits have margins."""
-    rng = np.random.default_rng(seed)
-    proto = rng.standard_normal((10, *shape)).astype(np.float32)
-    return (proto[rng.integers(0, 10, n)] + 0.5 * rng.standard_normal((n, *shape))).astype(np.float32)
 
 
 def export(name: str, tmp: str) -> tuple[dict[str, str], dict[str, np.ndarray], np.ndarray]:
