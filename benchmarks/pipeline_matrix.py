@@ -209,6 +209,42 @@ def _torch_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]
     }
 
 
+def _torch_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
+    """Architectures the pipeline was not developed on (``--extra``): the generalisation check."""
+    def hf(cls_name: str, cfg_name: str, **cfg):
+        def build():
+            import transformers
+
+            cfg.setdefault("num_labels", N_CLASSES)
+            model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**cfg))
+            shape = (3, 32, 32) if "pixel" in model.main_input_name else (16,)
+            vocab = getattr(model.config, "vocab_size", 0) if "input_ids" == model.main_input_name else 0
+            return model, shape, vocab
+        return build
+
+    return {
+        "hf-regnet": hf("RegNetForImageClassification", "RegNetConfig", embedding_size=16, hidden_sizes=[16, 32],
+                        depths=[1, 1], groups_width=8),
+        "hf-efficientnet": hf("EfficientNetForImageClassification", "EfficientNetConfig", image_size=32,
+                              width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320),
+        "hf-convnextv2": hf("ConvNextV2ForImageClassification", "ConvNextV2Config", num_stages=2,
+                            hidden_sizes=[16, 32], depths=[1, 1], image_size=32),
+        "hf-deit": hf("DeiTForImageClassification", "DeiTConfig", image_size=32, patch_size=8, hidden_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+        "hf-distilbert": hf("DistilBertForSequenceClassification", "DistilBertConfig", vocab_size=64, dim=32,
+                            n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=32),
+        "hf-roberta": hf("RobertaForSequenceClassification", "RobertaConfig", vocab_size=64, hidden_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         max_position_embeddings=40, pad_token_id=1),
+        "hf-opt": hf("OPTForSequenceClassification", "OPTConfig", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, ffn_dim=64, max_position_embeddings=32, word_embed_proj_dim=32,
+                     pad_token_id=1, use_cache=False),
+        "hf-llama": hf("LlamaForSequenceClassification", "LlamaConfig", vocab_size=64, hidden_size=32,
+                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=32, pad_token_id=0, use_cache=False),
+    }
+
+
 def _logits(out: Any) -> Any:
     if hasattr(out, "logits"):
         return out.logits
@@ -227,7 +263,7 @@ def run_torch(name: str, latency: bool = False, workdir: str | None = None) -> R
     row = Row(name, "torch")
     step = _Step(row)
     torch.manual_seed(0)
-    model, shape, vocab = _torch_models()[name]()
+    model, shape, vocab = {**_torch_models(), **_torch_extra_models()}[name]()
     model.eval()
     xs, ys = prototypes(shape, N_CALIB * BATCH + N_EVAL, 0, vocab)
     as_t = (lambda a: torch.from_numpy(a)) if not vocab else (lambda a: torch.from_numpy(a).long())
@@ -406,6 +442,36 @@ def _keras_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]
     }
 
 
+def _keras_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
+    """Architectures the pipeline was not developed on (``--extra``): the generalisation check."""
+    import keras
+
+    def app(fn_name: str, size: int = 32, **kw):
+        def build():
+            fn = getattr(keras.applications, fn_name)
+            model = fn(weights=None, input_shape=(size, size, 3), classes=N_CLASSES, classifier_activation=None, **kw)
+            return model, (size, size, 3), 0
+        return build
+
+    def gru():
+        vocab, seq = 64, 16
+        inp = keras.Input((seq,), dtype="int32")
+        h = keras.layers.Embedding(vocab, 32)(inp)
+        h = keras.layers.Bidirectional(keras.layers.GRU(24))(h)
+        h = keras.layers.Dense(64, activation="relu", name="fc1")(h)
+        return keras.Model(inp, keras.layers.Dense(N_CLASSES, name="fc2")(h)), (seq,), vocab
+
+    return {
+        "keras-vgg16": app("VGG16"),
+        "keras-xception": app("Xception", size=71),
+        "keras-efficientnetv2b0": app("EfficientNetV2B0"),
+        "keras-regnetx002": app("RegNetX002"),
+        "keras-nasnetmobile": app("NASNetMobile", size=32),
+        "keras-mobilenet": app("MobileNet", alpha=0.25),
+        "keras-bigru": gru,
+    }
+
+
 def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
     import keras
     import tensorflow as tf
@@ -415,7 +481,7 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
     row = Row(name, "tf")
     step = _Step(row)
     keras.utils.set_random_seed(0)
-    model, shape, vocab = _keras_models()[name]()
+    model, shape, vocab = {**_keras_models(), **_keras_extra_models()}[name]()
     xs, ys = prototypes(shape, N_CALIB * BATCH + N_EVAL, 0, vocab)
     if vocab:
         xs = xs.astype(np.int32)
@@ -569,12 +635,12 @@ def _tflite_latency(paths: dict[str, str], xs: np.ndarray) -> dict[tuple[str, in
 # ------------------------------------------------------------------------------------------------- main
 
 
-def model_names(backend: str = "all") -> list[str]:
+def model_names(backend: str = "all", extra: bool = False) -> list[str]:
     names = []
     if backend in ("torch", "all"):
-        names += list(_torch_models())
+        names += list(_torch_extra_models() if extra else _torch_models())
     if backend in ("tf", "all"):
-        names += list(_keras_models())
+        names += list(_keras_extra_models() if extra else _keras_models())
     return names
 
 
@@ -587,10 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["torch", "tf", "all"], default="all")
     p.add_argument("--models", default="", help="comma-separated subset (default: all of the backend)")
     p.add_argument("--latency", action="store_true", help="also time the int8 vs dense float artifacts")
+    p.add_argument("--extra", action="store_true", help="the architectures not developed on (generalisation)")
     p.add_argument("--warnings", action="store_true", help="print the warnings each run raised")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    names = args.models.split(",") if args.models else model_names(args.backend)
+    names = args.models.split(",") if args.models else model_names(args.backend, args.extra)
     print(HEADER, flush=True)
     rows = []
     for name in names:
