@@ -31,7 +31,13 @@ _ACTIVATIONS = {
     "ReluBackward0": True, "GeluBackward0": True, "SiluBackward0": True, "HardswishBackward0": True,
     "TanhBackward0": True, "LeakyReluBackward0": True, "EluBackward0": True, "MishBackward0": True,
     "NegBackward0": True, "AbsBackward0": True, "SigmoidBackward0": False, "HardsigmoidBackward0": False,
-    "ExpBackward0": False, "SoftplusBackward0": False,
+    "ExpBackward0": False, "SoftplusBackward0": False, "ErfBackward0": True, "CeluBackward0": True,
+    "SqrtBackward0": True, "SinBackward0": True, "SinhBackward0": True, "AsinhBackward0": True,
+    "AtanBackward0": True, "Expm1Backward0": True, "Log1PBackward0": True, "SignBackward0": True,
+    "SgnBackward0": True, "ErfinvBackward0": True, "SoftshrinkBackward0": True, "HardshrinkBackward0": True,
+    "RreluWithNoiseBackward0": True, "LogSigmoidBackward0": False, "CosBackward0": False,
+    "RsqrtBackward0": False, "ReciprocalBackward0": False, "LogBackward0": False, "ErfcBackward0": False,
+    "ThresholdBackward0": False, "PowBackward2": False,
     # scalar operands: x * s, x / s keep zeros; x + s, x - s, s - x do not
     "MulBackward1": True, "DivBackward1": True, "AddBackward1": False, "SubBackward1": False,
     "RsubBackward1": False,
@@ -196,6 +202,7 @@ class _Builder:
         self.layer_modules: dict[str, nn.Module] = {}
         self.calls: dict[str, int] = {}
         self.pad_values: dict[int, tuple[Any, float]] = {}  # id(grad_fn) -> (grad_fn, constant pad value)
+        self.operand_shapes: dict[int, tuple[Any, list]] = {}  # id(grad_fn) -> (grad_fn, shapes of add/sub/mul/div operands)
 
     # -------------------------------------------------------------- helpers
     def unique(self, base: str) -> str:
@@ -504,6 +511,15 @@ class _Builder:
         if out_axis is None:
             return self.add(name, "other", [nm for _, nm in graph], out_shape, self.default_axis(out_shape), op=op)
         C = out_shape[out_axis]
+        # shapes of the constant operands (a Python number is a 0-d tensor: it broadcasts), as recorded by the
+        # trace: the recorded operands less one of each graph operand's shape
+        const_shapes: list[tuple[int, ...]] = []
+        seen = self.operand_shapes.get(id(fn))
+        if seen is not None and seen[0] is fn:
+            const_shapes = list(seen[1])
+            for _, nm in graph:
+                if self.info[nm][0] in const_shapes:
+                    const_shapes.remove(self.info[nm][0])
         inputs = []
         for pos, nm, key in operands:
             if nm is not None:
@@ -524,6 +540,8 @@ class _Builder:
                         shape = tuple(t.shape) if torch.is_tensor(t) else None
                     except Exception:
                         shape = None
+                if shape is None and const_shapes:
+                    shape = const_shapes.pop(0)
                 label = self.params.get(key[1], "parameter") if key is not None and key[0] == "leaf" else "constant"
                 inputs.append(self.const(shape, out_shape, out_axis, f"{label} ({op})" if label == "constant" else label))
         zero = _BINARY[op]
@@ -592,13 +610,15 @@ def _prepare_inputs(dummy_input: Any) -> tuple[tuple, dict, list[tuple[str, torc
 
 
 class _PadValues(torch.overrides.TorchFunctionMode):
-    """Records the value of every constant pad of the traced forward (``F.pad`` / ``constant_pad_nd``),
-    keyed by the result's grad_fn, since the autograd graph does not keep it: a zero pad keeps a zero
-    channel zero (HF MobileNetV2's TF-style padding), any other value does not."""
+    """Records what the autograd graph does not keep, keyed by the result's grad_fn: the value of every
+    constant pad of the traced forward (``F.pad`` / ``constant_pad_nd``: a zero pad keeps a zero channel
+    zero, HF MobileNetV2's TF-style padding; any other value does not), and the operand shapes of every
+    add / sub / mul / div (``x + 3`` broadcasts a scalar; a per-channel constant does not)."""
 
-    def __init__(self, out: dict[int, tuple[Any, float]]):
+    def __init__(self, out: dict[int, tuple[Any, float]], shapes: dict[int, tuple[Any, list]] | None = None):
         super().__init__()
         self.out = out
+        self.shapes = shapes if shapes is not None else {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -610,6 +630,9 @@ class _PadValues(torch.overrides.TorchFunctionMode):
             fn = result.grad_fn
             if mode == "constant" and fn is not None:
                 self.out[id(fn)] = (fn, float(0.0 if value is None else value))
+        elif isinstance(result, torch.Tensor) and type(result.grad_fn).__name__ in _BINARY:
+            self.shapes[id(result.grad_fn)] = (result.grad_fn, [tuple(int(d) for d in a.shape) if torch.is_tensor(a)
+                                                                else () for a in args[:2]])
         return result
 
 
@@ -663,7 +686,7 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
         for p in grads:
             if p.is_floating_point():
                 p.requires_grad_(True)
-        with torch.enable_grad(), _PadValues(b.pad_values):
+        with torch.enable_grad(), _PadValues(b.pad_values, b.operand_shapes):
             try:
                 output = model(*args, **kwargs)
             except Exception as e:

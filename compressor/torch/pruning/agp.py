@@ -128,12 +128,8 @@ class AGPPruner(DependencyAwareMixin, TorchPruner):
         self._mask_round += 1
         self._pending.difference_update(self._group_round(lambda i: i in self._pending, self.target_sparsity,
                                                           monotone=True))
-        grouped = self._grouped_indices()
-        for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
-            if idx not in grouped:
-                masks = self.calc_mask(wrapper, wrapper_idx=idx)
-                if masks is not None:
-                    wrapper.set_masks(masks)
+        # selected layers in no group (the plan's warning says why) stay unpruned: speedup could not remove them
+        self._pending.difference_update(self._ungrouped_indices())
         if not self._pending:
             self.masker.stop_statistics()
         self.apply_masks()
