@@ -88,7 +88,9 @@ class PtqQuantizer(QAT_Quantizer):
         # warning, and only for the features the model has modules for (no BatchNorm2d: nothing to fold)
         types = {type(m) for m in model.modules()}
         wanted = {"bn_fold": bool(bn_fold) and any(issubclass(t, nn.BatchNorm2d) for t in types),
-                  "fuse_relu": fuse_relu is True and nn.ReLU in types,
+                  # ReLU: an nn.ReLU, or no activation module at all (then it may be functional, fx would see it)
+                  "fuse_relu": fuse_relu is True and (nn.ReLU in types or not any(
+                      t.__module__ in ("torch.nn.modules.activation", "transformers.activations") for t in types)),
                   "share_ranges": share_ranges and bool(types & set(_GRID_MODULES) - {nn.Identity})}
         self._input_sources: dict[str, str] = {}
         failed = None
