@@ -8,10 +8,10 @@ summed scores, ties by index); every member, the norms and depthwise convs carry
 included ("followers", wrapped automatically), gets the same channels masked, weight and bias. So the
 masked model has truly dead channels and :func:`~compressor.core.graph.speedup_plan` can remove them.
 
-Choices: when members ask for different sparsities the group uses the largest; members the config does
-not select are not touched (a warning names them: their channels then stay, so speedup cannot remove the
-group's channels either); groups whose channels reach a model output or an op that cannot be cut are
-not pruned at all (their classes are fixed).
+Choices: when members ask for different sparsities the group uses the largest; a pruner chooses only
+channels speedup can remove (:func:`plan_dependency`): channels that reach a model output or an op that
+cannot be cut, or that a coupled layer the config does not select still writes, are not pruned, and one
+warning lists per layer what was skipped and why.
 
 Gradual pruning (AGP) repeats the decision at growing sparsities; passing the members' current
 per-channel keep-masks (``kept``) makes it monotone: classes pruned before get the lowest score, so they
@@ -27,7 +27,6 @@ from typing import Any
 
 from .errors import ConfigWarning
 from .graph import (
-    PRODUCERS,
     ChannelGroup,
     Graph,
     channel_groups,
@@ -52,6 +51,8 @@ class DependencyPlan:
     groups: list[ChannelGroup]
     followers: list[str]
     warnings: list[str] = field(default_factory=list)
+    #: selected layer -> why some or all of its channels are not pruned
+    skipped: dict[str, list[str]] = field(default_factory=dict)
 
     def group_of(self, layer: str) -> ChannelGroup | None:
         for g in self.groups:
@@ -62,32 +63,73 @@ class DependencyPlan:
 
 def plan_dependency(graph: Graph, selected: Sequence[str], what: str = "pruner",
                     producers_needed: bool = True) -> DependencyPlan:
-    """Which groups the selected layers belong to and which followers must be masked with them.
+    """Which groups the selected layers belong to, which followers must be masked with them, and which
+    channels a dependency-aware pruner may choose at all.
 
-    ``producers_needed=False`` when masking the group's norms alone makes its channels zero (network
-    slimming selects the norms): unselected convs are then no reason for a warning."""
+    A pruner may only choose channels that speedup can remove (:func:`~compressor.core.graph.removal_blockers`,
+    decided here once for both backends): a class that would stay (it reaches a model output, an op the
+    graph cannot classify, a grouped conv, a split; a coupled layer the config does not select still
+    writes it; an op turns its zeros into nonzeros) is made *fixed* in its group, so it is never pruned.
+    Selected layers that belong to no group (the trace did not reach them, they are inside a module traced
+    as one node, or they are an op speedup cannot slice) are not pruned either (``plan.skipped``). One
+    ``ConfigWarning`` lists per layer what was skipped and why.
+
+    ``producers_needed``: kept for callers; whether unselected producers matter is read off the graph (a
+    norm that is masked zeroes its channels whatever the conv before it writes, as network slimming needs)."""
+    from .graph import removal_blockers
+
     chosen = set(selected)
-    groups, followers, notes = [], [], []
+    groups, followers = [], []
     for g in channel_groups(graph):
         if not chosen.intersection(g.layers):
             continue
         groups.append(g)
         for layer, kind, _ in g.members:
-            if layer in chosen:
-                continue
-            if kind in FOLLOWER_KINDS:
-                if layer not in followers:
-                    followers.append(layer)
-            elif kind in PRODUCERS and producers_needed:
-                notes.append(f"{what}: layer {layer!r} shares channels with {sorted(chosen.intersection(g.layers))} "
-                             f"but is not selected by the config; it keeps all its channels, so the group's "
-                             f"pruned channels cannot be removed by speedup. Select it too")
-        if len(g.fixed) == g.n:
-            notes.append(f"{what}: the channels of {sorted(chosen.intersection(g.layers))} reach a model output or "
-                         f"an op that cannot be cut; dependency-aware pruning leaves them unpruned")
+            if layer not in chosen and kind in FOLLOWER_KINDS and layer not in followers:
+                followers.append(layer)
+    blocked = removal_blockers(graph, chosen | set(followers))
+    skipped: dict[str, list[str]] = {}
+    for g in groups:
+        fixed = set(g.fixed)
+        why: dict[str, int] = {}
+        for i, c in enumerate(g.classes):
+            if i in fixed or c in blocked:
+                fixed.add(i)
+                r = blocked.get(c, "they cannot be cut")
+                why[r] = why.get(r, 0) + 1
+        if g.unit > 1:  # a head goes whole or not at all
+            fixed |= {k for i in fixed for k in range(i - i % g.unit, i - i % g.unit + g.unit)}
+        if fixed:
+            reasons = "; ".join(f"{k}: {r}" for r, k in sorted(why.items(), key=lambda kv: -kv[1]))
+            for name in sorted(chosen.intersection(g.layers)):
+                skipped.setdefault(name, []).append(f"{len(fixed)} of {g.n} channels never pruned ({reasons})")
+        g.fixed = sorted(fixed)
+    layer_kind = {n.layer: n for n in graph.nodes if n.layer is not None and n.kind not in ("input", "output")}
+    grouped = {layer for g in groups for layer in g.layers}
+    for name in selected:
+        if name in grouped or name in skipped:
+            continue
+        n = layer_kind.get(name)
+        block = next((a.layer for a in graph.nodes if a.kind == "attention" and a.layer
+                      and name.startswith(a.layer + ".")), None)
+        if block is not None:
+            reason = (f"it is a projection inside the attention block {block!r}, which is pruned by whole heads: "
+                      f"name that block's type in op_types to prune heads")
+        elif n is not None and n.kind in FOLLOWER_KINDS:
+            reason = (f"it only carries the channels of the layers before it ({n.kind}), and no selected layer "
+                      f"produces channels that speedup could remove there")
+        elif n is None:
+            reason = "the trace on dummy_input does not reach it (not run on that input, or inside a module traced as one node)"
+        else:
+            reason = f"its channels are not channels speedup can cut ({n.describe()} is of kind {n.kind!r})"
+        skipped[name] = [f"not pruned: {reason}"]
+    notes = []
+    if skipped:
+        lines = "\n".join(f"  {layer}: {'; '.join(r)}" for layer, r in skipped.items())
+        notes.append(f"{what}: dependency-aware pruning chooses only channels speedup can remove; skipped:\n{lines}")
     for n in notes:
         warnings.warn(n, ConfigWarning, stacklevel=3)
-    return DependencyPlan(groups=groups, followers=followers, warnings=notes)
+    return DependencyPlan(groups=groups, followers=followers, warnings=notes, skipped=skipped)
 
 
 def follower_configs(plan: DependencyPlan, config_of: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

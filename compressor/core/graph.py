@@ -54,6 +54,7 @@ from .errors import ModelError
 __all__ = [
     "KINDS", "PRODUCERS", "Node", "Graph", "ChannelGroup", "SpeedupPlan", "channel_groups", "speedup_plan",
     "count_graph", "conv_macs", "linear_macs", "classify_reshape", "group_keep_classes", "class_scores", "member_keep",
+    "removal_blockers",
 ]
 
 #: every node kind the graph knows
@@ -320,27 +321,7 @@ def speedup_plan(graph: Graph, strict: bool = True) -> SpeedupPlan:
     cls = graph.classes()
     zero = graph.zero_slots()
     fixed = graph.fixed_classes()
-    n_cls = {c for c in cls}
-    # a class is removable when every consumer sees zero in it, and at least one producer made it zero
-    consumed_nonzero: set[int] = set()
-    consumed: set[int] = set()
-    for n in graph.nodes:
-        if n.kind in CONSUMERS or n.kind in ("other", "group_conv", "output"):
-            for i in n.inputs:
-                b = graph.offset[i]
-                for j in range(graph.by_name[i].channels):
-                    c = cls[b + j]
-                    consumed.add(c)
-                    if not zero[b + j]:
-                        consumed_nonzero.add(c)
-    produced_dead: set[int] = set()
-    for n in graph.nodes:
-        dead = n.attrs.get("dead")
-        if dead is None:
-            continue
-        b = graph.offset[n.name]
-        produced_dead.update(cls[b + j] for j in range(n.channels) if dead[j])
-    removable = {c for c in n_cls if c in consumed and c not in consumed_nonzero and c in produced_dead}
+    removable, consumed, consumed_nonzero, produced_dead = _zero_classes(graph, zero)
     notes: list[str] = []
     live = (produced_dead & consumed_nonzero) - fixed
     if live:
@@ -390,6 +371,112 @@ def speedup_plan(graph: Graph, strict: bool = True) -> SpeedupPlan:
     return SpeedupPlan(keep=keep, heads=heads, removed=len(removable), graph=graph, notes=notes)
 
 
+def _zero_classes(graph: Graph, zero: list[bool]) -> tuple[set[int], set[int], set[int], set[int]]:
+    """``(removable, consumed, consumed_nonzero, produced_dead)`` classes under the zero analysis ``zero``:
+    a class is removable (fixed or not) when every consumer sees zero in it and a producer made it zero."""
+    cls = graph.classes()
+    consumed_nonzero: set[int] = set()
+    consumed: set[int] = set()
+    for n in graph.nodes:
+        if n.kind in CONSUMERS or n.kind in ("other", "group_conv", "output"):
+            for i in n.inputs:
+                b = graph.offset[i]
+                for j in range(graph.by_name[i].channels):
+                    c = cls[b + j]
+                    consumed.add(c)
+                    if not zero[b + j]:
+                        consumed_nonzero.add(c)
+    produced_dead: set[int] = set()
+    for n in graph.nodes:
+        dead = n.attrs.get("dead")
+        if dead is None:
+            continue
+        b = graph.offset[n.name]
+        produced_dead.update(cls[b + j] for j in range(n.channels) if dead[j])
+    removable = {c for c in set(cls) if c in consumed and c not in consumed_nonzero and c in produced_dead}
+    return removable, consumed, consumed_nonzero, produced_dead
+
+
+def removal_blockers(graph: Graph, layers: Iterable[str]) -> dict[int, str]:
+    """Why speedup could not remove channels of ``layers``: ``{class: reason}`` for every class carried by
+    a producer, norm or depthwise node of ``layers`` that would NOT be removable even if every channel
+    of every node of ``layers`` were pruned (filters zero, biases zero). The one place where "can the
+    pruner choose this channel?" is decided, for both backends: reasons name the op and its layer.
+
+    Reasons: the class is fixed (it reaches a model input or output, an ``other`` op, a grouped conv:
+    the node is named), it is still nonzero where a layer consumes it (a layer of the class that is not
+    in ``layers`` writes it, or an op turns zero into nonzero: both named), or no layer consumes it."""
+    chosen = set(layers)
+    owned = PRODUCERS + ("norm", "depthwise")
+    nodes = []
+    for n in graph.nodes:
+        if n.layer in chosen and n.kind in owned:
+            attrs = {**n.attrs, "dead": [True] * n.channels, "passes_zero": [True] * n.channels}
+            n = Node(n.name, n.kind, list(n.inputs), n.channels, n.layer, n.op, attrs, n.params, n.macs)
+        nodes.append(n)
+    sim = Graph(nodes)
+    cls = sim.classes()
+    zero = sim.zero_slots()
+    fixed = sim.fixed_classes()
+    removable, consumed, consumed_nonzero, _ = _zero_classes(sim, zero)
+    wanted: set[int] = set()
+    for n in sim.nodes:
+        if n.layer in chosen and n.kind in owned:
+            b = sim.offset[n.name]
+            wanted.update(cls[b + j] for j in range(n.channels))
+    todo = wanted - (removable - fixed)
+    if not todo:
+        return {}
+    out: dict[int, str] = {}
+    blockers = sim.blockers()
+    for c in todo:
+        if c in fixed:
+            out[c] = f"they reach {_where(sim, blockers[c])}, which speedup cannot cut"
+        elif c not in consumed:
+            out[c] = "no layer consumes them (speedup removes a channel where a layer reads it)"
+    culprits: dict[int, str] = {}
+    for n in sim.nodes:
+        b = sim.offset[n.name]
+        maps = sim.input_slot_map(n)
+        for j in range(n.channels):
+            c = cls[b + j]
+            if c not in todo or c in out or c in culprits or zero[b + j]:
+                continue
+            if n.kind in owned and n.layer is not None and n.layer not in chosen:
+                culprits[c] = (f"layer {n.layer!r} ({n.op or n.kind}) shares them but is not selected by the config, "
+                               f"so they stay nonzero")
+            elif any(m[j] is not None and zero[sim.offset[src] + m[j]] for src, m in maps):
+                culprits[c] = f"{_where(sim, n)} does not keep zero channels zero (f(0) != 0)"
+    for c in todo:
+        if c not in out:
+            out[c] = culprits.get(c, "they stay nonzero where a layer uses them")
+    return out
+
+
+def _where(graph: Graph, node: Node) -> str:
+    """``node`` for a message: a layer by its name, a model output as such, an op by its name and the
+    nearest layer before it."""
+    if node.kind == "output":
+        return "a model output"
+    if node.layer is not None:
+        return f"layer {node.layer!r} ({node.op or node.kind})"
+    if node.kind == "input" and not node.inputs and node.op != "input":
+        return f"the constant operand {node.op!r}"
+    if node.kind == "input":
+        return f"the model input {node.name!r}"
+    seen, todo = set(), list(node.inputs)
+    while todo:
+        nm = todo.pop(0)
+        if nm in seen:
+            continue
+        seen.add(nm)
+        up = graph.by_name[nm]
+        if up.layer is not None:
+            return f"op {node.op or node.kind} (after layer {up.layer!r})"
+        todo.extend(up.inputs)
+    return f"op {node.op or node.kind}"
+
+
 # ---------------------------------------------------------------------------------- dependency groups
 @dataclass
 class ChannelGroup:
@@ -406,6 +493,8 @@ class ChannelGroup:
     n: int
     fixed: list[int]
     unit: int = 1
+    #: the graph's class id of each of the ``n`` classes (see :meth:`Graph.classes`)
+    classes: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> list[str]:
@@ -464,7 +553,10 @@ def channel_groups(graph: Graph) -> list[ChannelGroup]:
                 unit = head_dim[members[0][0]]
             else:
                 fx = list(range(len(index)))
-        out.append(ChannelGroup(members=members, n=len(index), fixed=fx, unit=unit))
+        ids = [0] * len(index)
+        for c, i in index.items():
+            ids[i] = c
+        out.append(ChannelGroup(members=members, n=len(index), fixed=fx, unit=unit, classes=ids))
     return out
 
 

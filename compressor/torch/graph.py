@@ -31,7 +31,13 @@ _ACTIVATIONS = {
     "ReluBackward0": True, "GeluBackward0": True, "SiluBackward0": True, "HardswishBackward0": True,
     "TanhBackward0": True, "LeakyReluBackward0": True, "EluBackward0": True, "MishBackward0": True,
     "NegBackward0": True, "AbsBackward0": True, "SigmoidBackward0": False, "HardsigmoidBackward0": False,
-    "ExpBackward0": False, "SoftplusBackward0": False,
+    "ExpBackward0": False, "SoftplusBackward0": False, "ErfBackward0": True, "CeluBackward0": True,
+    "SqrtBackward0": True, "SinBackward0": True, "SinhBackward0": True, "AsinhBackward0": True,
+    "AtanBackward0": True, "Expm1Backward0": True, "Log1PBackward0": True, "SignBackward0": True,
+    "SgnBackward0": True, "ErfinvBackward0": True, "SoftshrinkBackward0": True, "HardshrinkBackward0": True,
+    "RreluWithNoiseBackward0": True, "LogSigmoidBackward0": False, "CosBackward0": False,
+    "RsqrtBackward0": False, "ReciprocalBackward0": False, "LogBackward0": False, "ErfcBackward0": False,
+    "ThresholdBackward0": False, "PowBackward2": False,
     # scalar operands: x * s, x / s keep zeros; x + s, x - s, s - x do not
     "MulBackward1": True, "DivBackward1": True, "AddBackward1": False, "SubBackward1": False,
     "RsubBackward1": False,
@@ -166,7 +172,42 @@ def _facts(kind: str, m: nn.Module) -> dict[str, Any]:
     return {}
 
 
-def _macs(kind: str, m: nn.Module, out_shape: tuple[int, ...]) -> int:
+def _rnn_macs(m: nn.RNNBase, out_shape: tuple[int, ...]) -> int:
+    """Per sample: ``T * sum over layers and directions of gates * H * (in + H_r)`` (+ ``T * P * H`` per
+    layer and direction for an LSTM projection), gates = 4 (LSTM), 3 (GRU), 1 (RNN); ``in`` = the input
+    size for layer 0, ``dirs * H_r`` after; ``H_r`` = ``proj_size`` or ``hidden_size``."""
+    gates = {"LSTM": 4, "GRU": 3}.get(m.mode, 1)
+    if len(out_shape) == 3:
+        steps = out_shape[1] if m.batch_first else out_shape[0]
+    else:
+        steps = out_shape[0] if out_shape else 1
+    h = m.hidden_size
+    proj = getattr(m, "proj_size", 0) or 0
+    hr = proj or h
+    dirs = 2 if m.bidirectional else 1
+    total = 0
+    for layer in range(m.num_layers):
+        fin = m.input_size if layer == 0 else dirs * hr
+        total += dirs * (gates * h * (fin + hr) + (proj * h if proj else 0))
+    return int(steps) * total
+
+
+def _mha_macs(m: nn.MultiheadAttention, in_shapes: list[tuple[int, ...]]) -> int:
+    """Per sample: projections ``L*E*E + S*kdim*E + S*vdim*E + L*E*E`` plus the two attention matmuls
+    ``Q @ K^T`` and ``attn @ V``, ``L*S*E`` each (``L``, ``S``: query and key lengths)."""
+    if len(in_shapes) < 2:
+        return 0
+    q, k = in_shapes[0], in_shapes[1]
+    axis = 1 if (m.batch_first and len(q) == 3) else 0
+    seq_l, seq_s, e = int(q[axis]), int(k[axis]), m.embed_dim
+    return seq_l * e * e + seq_s * (m.kdim + m.vdim) * e + 2 * seq_l * seq_s * e + seq_l * e * e
+
+
+def _macs(kind: str, m: nn.Module, out_shape: tuple[int, ...], in_shapes: list | None = None) -> int:
+    if isinstance(m, nn.RNNBase):
+        return _rnn_macs(m, out_shape)
+    if isinstance(m, nn.MultiheadAttention):
+        return _mha_macs(m, in_shapes or [])
     if kind in ("conv", "depthwise", "group_conv"):
         nd = len(m.kernel_size)
         spatial = out_shape[-nd:] if len(out_shape) >= nd else ()
@@ -196,6 +237,9 @@ class _Builder:
         self.layer_modules: dict[str, nn.Module] = {}
         self.calls: dict[str, int] = {}
         self.pad_values: dict[int, tuple[Any, float]] = {}  # id(grad_fn) -> (grad_fn, constant pad value)
+        self.operand_shapes: dict[int, tuple[Any, list]] = {}  # id(grad_fn) -> (grad_fn, shapes of add/sub/mul/div operands)
+        self.op_macs: dict[int, tuple[Any, int]] = {}  # id(grad_fn) -> (grad_fn, MACs of a matmul / attention op)
+        self.batch = 1
 
     # -------------------------------------------------------------- helpers
     def unique(self, base: str) -> str:
@@ -367,10 +411,17 @@ class _Builder:
         name = self.unique(base if n == 0 else f"{base}#call{n}")
         self.layer_modules[path] = leaf
         rec["node"] = self.add(name, kind, inputs, out_shape, out_axis, layer=path, op=type(leaf).__name__,
-                               attrs=attrs, params=params, macs=_macs(kind, leaf, out_shape))
+                               attrs=attrs, params=params, macs=_macs(kind, leaf, out_shape, rec.get("in_shapes")))
 
     # -------------------------------------------------------------- ops
     def make_op(self, fn: Any, nr: int) -> str:
+        name = self._make_op(fn, nr)
+        seen = self.op_macs.get(id(fn))
+        if seen is not None and seen[0] is fn and nr == 0:  # a matmul / attention op: per sample
+            self.nodes[-1].macs += seen[1] // max(self.batch, 1)
+        return name
+
+    def _make_op(self, fn: Any, nr: int) -> str:
         op = type(fn).__name__
         try:
             out_shape = tuple(int(s) for s in fn._input_metadata[nr].shape)
@@ -504,6 +555,15 @@ class _Builder:
         if out_axis is None:
             return self.add(name, "other", [nm for _, nm in graph], out_shape, self.default_axis(out_shape), op=op)
         C = out_shape[out_axis]
+        # shapes of the constant operands (a Python number is a 0-d tensor: it broadcasts), as recorded by the
+        # trace: the recorded operands less one of each graph operand's shape
+        const_shapes: list[tuple[int, ...]] = []
+        seen = self.operand_shapes.get(id(fn))
+        if seen is not None and seen[0] is fn:
+            const_shapes = list(seen[1])
+            for _, nm in graph:
+                if self.info[nm][0] in const_shapes:
+                    const_shapes.remove(self.info[nm][0])
         inputs = []
         for pos, nm, key in operands:
             if nm is not None:
@@ -524,6 +584,8 @@ class _Builder:
                         shape = tuple(t.shape) if torch.is_tensor(t) else None
                     except Exception:
                         shape = None
+                if shape is None and const_shapes:
+                    shape = const_shapes.pop(0)
                 label = self.params.get(key[1], "parameter") if key is not None and key[0] == "leaf" else "constant"
                 inputs.append(self.const(shape, out_shape, out_axis, f"{label} ({op})" if label == "constant" else label))
         zero = _BINARY[op]
@@ -563,7 +625,7 @@ def _layers_to_hook(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if attention_spec(m) is not None:  # one node: its projections are not traced one by one
             out.append((path, m))
             inside.append(path)
-        elif is_wrapper(m):
+        elif is_wrapper(m) or isinstance(m, nn.MultiheadAttention):  # MHA: one layer (its out_proj module never runs)
             out.append((path, m))
             inside.append(path)
         elif not m._modules and (m._parameters or isinstance(m, nn.modules.batchnorm._BatchNorm)):
@@ -591,14 +653,45 @@ def _prepare_inputs(dummy_input: Any) -> tuple[tuple, dict, list[tuple[str, torc
     return args, kwargs, [(n, t) for n, t in named if torch.is_tensor(t) and t.requires_grad]
 
 
-class _PadValues(torch.overrides.TorchFunctionMode):
-    """Records the value of every constant pad of the traced forward (``F.pad`` / ``constant_pad_nd``),
-    keyed by the result's grad_fn, since the autograd graph does not keep it: a zero pad keeps a zero
-    channel zero (HF MobileNetV2's TF-style padding), any other value does not."""
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
+            torch.Tensor.bmm, torch.mm, torch.Tensor.mm, torch.nn.functional.scaled_dot_product_attention)
 
-    def __init__(self, out: dict[int, tuple[Any, float]]):
+
+def _matmul_macs(func: Any, args: tuple, kwargs: dict) -> int:
+    """MACs of one matmul (``[..., n, k] @ [..., k, m]``: ``batch * n * k * m``, batch dims broadcast) or
+    of ``scaled_dot_product_attention`` (``Q @ K^T`` and ``attn @ V``: ``batch * L * S * (E + Ev)``)."""
+    ts = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
+    if func is torch.nn.functional.scaled_dot_product_attention:
+        if len(ts) < 3:
+            return 0
+        q, k, v = ts[0].shape, ts[1].shape, ts[2].shape
+        batch = torch.broadcast_shapes(q[:-2], k[:-2]).numel()
+        return int(batch * q[-2] * k[-2] * (q[-1] + v[-1]))
+    if len(ts) < 2:
+        return 0
+    a, b = ts[0].shape, ts[1].shape
+    if func is torch.Tensor.__rmatmul__:
+        a, b = b, a
+    if len(a) == 0 or len(b) == 0:
+        return 0
+    n, k = (a[-2] if len(a) > 1 else 1), a[-1]
+    m = b[-1] if len(b) > 1 else 1
+    batch = torch.broadcast_shapes(a[:-2], b[:-2]).numel() if len(a) > 2 or len(b) > 2 else 1
+    return int(batch * n * k * m)
+
+
+class _PadValues(torch.overrides.TorchFunctionMode):
+    """Records what the autograd graph does not keep, keyed by the result's grad_fn: the value of every
+    constant pad of the traced forward (``F.pad`` / ``constant_pad_nd``: a zero pad keeps a zero channel
+    zero, HF MobileNetV2's TF-style padding; any other value does not), and the operand shapes of every
+    add / sub / mul / div (``x + 3`` broadcasts a scalar; a per-channel constant does not)."""
+
+    def __init__(self, out: dict[int, tuple[Any, float]], shapes: dict[int, tuple[Any, list]] | None = None,
+                 macs: dict[int, tuple[Any, int]] | None = None):
         super().__init__()
         self.out = out
+        self.shapes = shapes if shapes is not None else {}
+        self.macs = macs if macs is not None else {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -610,6 +703,13 @@ class _PadValues(torch.overrides.TorchFunctionMode):
             fn = result.grad_fn
             if mode == "constant" and fn is not None:
                 self.out[id(fn)] = (fn, float(0.0 if value is None else value))
+        elif isinstance(result, torch.Tensor) and result.grad_fn is not None and func in _MATMULS:
+            n = _matmul_macs(func, args, kwargs)
+            if n:
+                self.macs[id(result.grad_fn)] = (result.grad_fn, n)
+        elif isinstance(result, torch.Tensor) and type(result.grad_fn).__name__ in _BINARY:
+            self.shapes[id(result.grad_fn)] = (result.grad_fn, [tuple(int(d) for d in a.shape) if torch.is_tensor(a)
+                                                                else () for a in args[:2]])
         return result
 
 
@@ -631,12 +731,15 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
         b.leaves[id(t)] = (nm, t)
         b.done[("leaf", id(t))] = nm
 
+    for first in (_tensors(args) + _tensors(kwargs))[:1]:
+        b.batch = int(first.shape[0]) if first.dim() > 1 else 1  # MACs are per sample
     handles = []
 
     def pre_hook(rec_list: list, path: str, module: nn.Module):
         def hook(mod: nn.Module, a: tuple, kw: dict) -> None:
             rec_list.append({"path": path, "module": mod, "leaf": innermost_module(mod), "op": type(innermost_module(mod)).__name__,
-                             "in_keys": [b.tensor_key(t) for t in _tensors(a) + _tensors(kw)]})
+                             "in_keys": [b.tensor_key(t) for t in _tensors(a) + _tensors(kw)],
+                             "in_shapes": [tuple(t.shape) for t in _tensors(a) + _tensors(kw)]})
         return hook
 
     def post_hook(rec_list: list):
@@ -663,7 +766,7 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
         for p in grads:
             if p.is_floating_point():
                 p.requires_grad_(True)
-        with torch.enable_grad(), _PadValues(b.pad_values):
+        with torch.enable_grad(), _PadValues(b.pad_values, b.operand_shapes, b.op_macs):
             try:
                 output = model(*args, **kwargs)
             except Exception as e:

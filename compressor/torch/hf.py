@@ -8,6 +8,9 @@
   writes the ORIGINAL keys with the compressed values (pruned weights zero, quantized weights holding
   their quantized values; tied weights stay tied), so ``from_pretrained`` gives the compressed model;
   ``model.resize_token_embeddings()`` is refused while an embedding or the LM head is wrapped.
+* :func:`speedup_config` (called by ``speedup_model``): the new widths of a sped-up model written into
+  its config, so ``save_pretrained`` / ``from_pretrained`` round-trip; where the config cannot express
+  them, ``save_pretrained`` raises instead of writing a checkpoint that would not load.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 
 from ..core.errors import ModelError
 
-__all__ = ["is_hf_conv1d", "is_hf_model", "export_ready", "install", "compressed_state_dict"]
+__all__ = ["is_hf_conv1d", "is_hf_model", "export_ready", "install", "compressed_state_dict", "speedup_config"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -64,6 +67,9 @@ class _CompressedMethod:
         from .compressor import named_wrappers
 
         original = getattr(type(self.model), self.name)
+        refused = self.model.__dict__.get("_speedup_config_error")
+        if self.name == "save_pretrained" and refused:
+            raise ModelError(refused)
         if not named_wrappers(self.model):
             return original(self.model, *args, **kwargs)
         return _OVERRIDES[self.name](self.model, original, *args, **kwargs)
@@ -206,3 +212,91 @@ def _resize_token_embeddings(model: nn.Module, original: Any, *args: Any, **kwar
 
 
 _OVERRIDES = {"save_pretrained": _save_pretrained, "resize_token_embeddings": _resize_token_embeddings}
+
+
+# ---------------------------------------------------------------------------------- after speedup
+#: config attributes that hold layer widths speedup can change (per model family, the names HF uses)
+_WIDTH_KEYS = ("intermediate_size", "n_inner", "hidden_sizes", "embedding_size")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def speedup_config(model: nn.Module, layers: list[dict[str, Any]]) -> str | None:
+    """Write the widths of a sped-up ``PreTrainedModel`` into ``model.config``; returns a note.
+
+    ``layers``: the speedup report's rows (``out = (before, after)`` per changed layer). Each width
+    attribute (``intermediate_size``, ``n_inner``, ``hidden_sizes``, ``embedding_size``; heads:
+    ``num_attention_heads`` with ``head_dim`` kept) whose old value was cut to ONE new value everywhere
+    takes it; the result is accepted only if the model class built from the new config (on the meta
+    device, no memory) has exactly the sped-up model's parameter shapes, so ``from_pretrained`` reloads
+    it. Otherwise the config stays, and ``save_pretrained`` of this model raises :class:`ModelError`
+    naming the layers whose widths the config cannot express (e.g. widths that differ per layer, or
+    ConvNext / MobileNetV2 inner widths derived from fixed ratios); save with ``torch.save(model)`` or
+    export ONNX instead."""
+    import copy
+
+    if not is_hf_model(model):
+        return None
+    install(model)
+    config = model.config
+    new = copy.deepcopy(config)
+    cut: dict[int, set[int]] = {}
+    heads: dict[int, set[int]] = {}
+    for row in layers:
+        if row.get("out") is None:
+            continue
+        before, after = row["out"]
+        cut.setdefault(int(before), set()).add(int(after))
+        if row.get("heads") is not None:
+            h0, h1 = row["heads"]
+            heads.setdefault(int(h0), set()).add(int(h1))
+
+    def mapped(v: Any, table: dict[int, set[int]]) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and len(table.get(v, ())) == 1:
+            return next(iter(table[v]))
+        return v
+
+    for key in _WIDTH_KEYS:
+        v = getattr(config, key, None)
+        if key == "n_inner" and v is None and isinstance(getattr(config, "n_embd", None), int):
+            v = 4 * config.n_embd  # GPT-2: None means 4 * n_embd
+            if v not in cut:
+                continue
+        if isinstance(v, (list, tuple)):
+            setattr(new, key, type(v)(mapped(x, cut) for x in v))
+        elif v is not None:
+            setattr(new, key, mapped(v, cut))
+    for key in _HEAD_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and len(heads.get(v, ())) == 1:
+            d = getattr(config, "head_dim", None)
+            hidden = getattr(config, "hidden_size", None)
+            if d is None and isinstance(hidden, int) and v:
+                new.head_dim = hidden // v  # models that read head_dim from the config keep theirs
+            setattr(new, key, next(iter(heads[v])))
+    have = _shapes(model)
+    try:
+        with torch.device("meta"):
+            ref = type(model)(new)
+        want = _shapes(ref)
+    except Exception as e:  # noqa: BLE001 - any failure means the config cannot express the model
+        want, why = None, f"{type(model).__name__}({type(e).__name__}: {e})"
+    if want is not None:
+        bad = sorted(k for k in have if k in want and have[k] != want[k])
+        missing = sorted(set(have) ^ set(want))
+        if not bad and not missing:
+            model.config = new
+            model.__dict__.pop("_speedup_config_error", None)
+            changed = {k: getattr(new, k) for k in (*_WIDTH_KEYS, *_HEAD_KEYS, "head_dim")
+                       if getattr(new, k, None) != getattr(config, k, None)}
+            return f"config updated for save_pretrained / from_pretrained: {changed}" if changed else None
+        why = "; ".join([f"{k}: {have[k]} (the config gives {want[k]})" for k in bad[:6]]
+                        + ([f"keys differ: {missing[:4]}"] if missing else []))
+    msg = (f"save_pretrained: this sped-up {type(model).__name__} has layer widths its config cannot express "
+           f"({why}); a checkpoint written now would not load with from_pretrained. Save it with "
+           f"torch.save(model) (or export ONNX), or prune with the same sparsity in every repeated block")
+    model.__dict__["_speedup_config_error"] = msg
+    return "save_pretrained is refused: the config cannot express the new widths (see the error it raises)"

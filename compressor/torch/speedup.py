@@ -311,10 +311,19 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
         if fn is None:
             continue
         co, ci = _sizes(module)
+        spec = attention_spec(module) if fn is _slice_attention else None
         fn(module, out, inp)
-        report.layers.append({"layer": layer, "type": type(module).__name__,
-                              "out": (co, len(out)) if out is not None else None,
-                              "in": (ci, len(inp)) if inp is not None else None})
+        row = {"layer": layer, "type": type(module).__name__,
+               "out": (co, len(out)) if out is not None else None,
+               "in": (ci, len(inp)) if inp is not None else None}
+        if spec is not None and out is not None:
+            row["heads"] = (spec["heads"], len(out) // spec["head_dim"])
+        report.layers.append(row)
+    from .hf import speedup_config
+
+    note = speedup_config(model, report.layers)
+    if note:
+        report.notes.append(note)
     report.macs_after, report.params_after, _ = count_flops_params(model, dummy_input)
     zeros, where = 0, 0
     for module in {id(m): m for m in leaves.values()}.values():

@@ -237,3 +237,55 @@ def test_masked_but_live_channels_are_kept_and_named_in_the_notes():
     plan = speedup_plan(residual(d, False, d))  # the norms do not pass zero: channel 5 lives on
     assert plan.removed == 0
     assert plan.notes and plan.notes[0].startswith("kept 1 channel(s) whose filters are pruned")
+
+
+def _chain(mid_kind="activation", zero_preserving=True, tail="linear"):
+    return Graph([
+        Node("x", "input", channels=3),
+        Node("a", "linear", ["x"], 6, layer="a", op="Linear"),
+        Node("f", mid_kind, ["a"], 6, op="Fn", attrs={"zero_preserving": zero_preserving}),
+        Node("b", tail, ["f"], 2, layer="b", op="Linear"),
+        Node("out", "output", ["b"], 2),
+    ])
+
+
+def test_removal_blockers_name_the_op_and_the_layer_before_it():
+    from compressor.core.graph import removal_blockers
+
+    g = _chain()
+    cls = g.classes()
+    a = {cls[g.slot("a", j)] for j in range(6)}
+    b = {cls[g.slot("b", j)] for j in range(2)}
+    # 'a' alone is removable; 'b' reaches the model output
+    assert removal_blockers(g, ["a"]) == {}
+    assert removal_blockers(g, ["a", "b"]) == {c: "they reach a model output, which speedup cannot cut" for c in b}
+    # f(0) != 0 (sigmoid, x + 3): a's channels stay nonzero at b, named with the layer before the op
+    g = _chain(zero_preserving=False)
+    assert removal_blockers(g, ["a"]) == {c: "op Fn (after layer 'a') does not keep zero channels zero (f(0) != 0)"
+                                          for c in a}
+    # an op the graph cannot classify fixes every class it touches
+    g = _chain(mid_kind="other")
+    assert removal_blockers(g, ["a"]) == {c: "they reach op Fn (after layer 'a'), which speedup cannot cut" for c in a}
+
+
+def test_plan_dependency_fixes_blocked_classes_and_warns_per_layer():
+    from compressor.core.dependency import plan_dependency
+    from compressor.core.errors import ConfigWarning
+
+    g = Graph([
+        Node("x", "input", channels=3),
+        Node("a", "conv", ["x"], 4, layer="a", op="Conv2d"),
+        Node("s", "conv", ["x"], 4, layer="s", op="Conv2d"),
+        Node("add", "elementwise", ["a", "s"], 4, attrs={"zero": "all"}),
+        Node("b", "conv", ["add"], 2, layer="b", op="Conv2d"),
+        Node("out", "output", ["b"], 2),
+    ])
+    with pytest.warns(ConfigWarning, match=r"a: 4 of 4 channels never pruned \(4: layer 's' \(Conv2d\) shares them but "
+                                           r"is not selected by the config, so they stay nonzero\)"):
+        plan = plan_dependency(g, ["a"], "P")
+    assert [grp.fixed for grp in plan.groups] == [[0, 1, 2, 3]]
+    assert plan.skipped == {"a": ["4 of 4 channels never pruned (4: layer 's' (Conv2d) shares them but is not "
+                                  "selected by the config, so they stay nonzero)"]}
+    with pytest.warns(ConfigWarning, match="b: 2 of 2 channels never pruned"):
+        plan = plan_dependency(g, ["a", "s", "b"], "P")
+    assert [grp.fixed for grp in plan.groups] == [[], [0, 1]]

@@ -67,7 +67,8 @@ def test_untraceable_model_is_a_clear_error_for_qat_and_a_warning_for_ptq():
     cfg = [{"op_types": ["Linear"], "quant_types": TYPES, "quant_bits": 8}]
     with pytest.raises(ConfigError, match="fuse_relu.*torch.fx.*use fuse_relu=False"):
         QAT_Quantizer(Branchy(), cfg, fuse_relu=True)
-    with pytest.warns(UserWarning, match="ReLU fusion disabled"):
+    with pytest.warns(UserWarning, match=r"cannot be traced with torch.fx .*; so outputs feeding a ReLU are quantized "
+                                         r"before it \(fuse_relu\)\. Pass fuse_relu=False"):
         q = PtqQuantizer(Branchy(), cfg, bn_fold=False)
     assert [w.fused_relu for w in q.get_modules_wrapper()] == [False]
     with pytest.raises(ConfigError, match="fuse_relu must be True or False"):

@@ -28,10 +28,11 @@ from ...core.pruning import (
     importance_filter_masks,
     mean_activation_importance,
 )
+from ..compressor import innermost_module
 from ..layout import canonical_shape, to_canonical
 from ..ops import ops
 from .filters import filter_result
-from .masker import WeightMasker, check_filter_layer
+from .masker import FILTER_DEFAULT_TYPES, WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
 from .wrapper import replica_origin
 
@@ -86,7 +87,10 @@ class ActivationFilterMasker(WeightMasker):
         seen = self._batches[idx]
         if seen.get(output.device, 0) >= self.statistics_batch_num:
             return
-        batch = activation_stats(ops, output.detach(), 1, self.activation)
+        # channels: axis 1 of a conv output, the last axis of a Linear's ([..., features])
+        conv = isinstance(innermost_module(origin), nn.modules.conv._ConvNd)
+        batch = activation_stats(ops, output.detach(), 1 if conv or output.dim() < 2 else output.dim() - 1,
+                                 self.activation)
         home = origin.weight_mask.device
         if output.device != home:
             batch = tuple(x.to(home, non_blocking=True) for x in batch)
@@ -139,7 +143,7 @@ class ActivationMeanRankFilterPrunerMasker(ActivationFilterMasker):
 
 
 class _ActivationPruner(OneShotPruner):
-    default_types = ("Conv2d",)
+    default_types = FILTER_DEFAULT_TYPES
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
                  activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,

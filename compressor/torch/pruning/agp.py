@@ -41,7 +41,7 @@ from ...core.pruning import nm_validate_config
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
 from .level import LevelPrunerMasker, check_nm_module
-from .masker import WeightMasker
+from .masker import FILTER_DEFAULT_TYPES, WeightMasker
 from .pruner import DependencyAwareMixin, TorchPruner
 from .slim import BN_TYPES, SlimPrunerMasker
 from .taylor import TaylorFOWeightFilterPrunerMasker
@@ -51,13 +51,13 @@ __all__ = ["AGPPruner", "AGP_CRITERIA", "agp_schedule"]
 #: pruning_algorithm -> (masker class, what op_types 'default' means)
 AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
     "level": (LevelPrunerMasker, torch_plugin.DEFAULT_TYPES),
-    "l1": (L1FilterPrunerMasker, ("Conv2d",)),
-    "l2": (L2FilterPrunerMasker, ("Conv2d",)),
-    "fpgm": (FPGMPrunerMasker, ("Conv2d",)),
+    "l1": (L1FilterPrunerMasker, FILTER_DEFAULT_TYPES),
+    "l2": (L2FilterPrunerMasker, FILTER_DEFAULT_TYPES),
+    "fpgm": (FPGMPrunerMasker, FILTER_DEFAULT_TYPES),
     "slim": (SlimPrunerMasker, BN_TYPES),
-    "apoz": (ActivationAPoZRankFilterPrunerMasker, ("Conv2d",)),
-    "mean_activation": (ActivationMeanRankFilterPrunerMasker, ("Conv2d",)),
-    "taylorfo": (TaylorFOWeightFilterPrunerMasker, ("Conv2d",)),
+    "apoz": (ActivationAPoZRankFilterPrunerMasker, FILTER_DEFAULT_TYPES),
+    "mean_activation": (ActivationMeanRankFilterPrunerMasker, FILTER_DEFAULT_TYPES),
+    "taylorfo": (TaylorFOWeightFilterPrunerMasker, FILTER_DEFAULT_TYPES),
 }
 
 
@@ -128,12 +128,8 @@ class AGPPruner(DependencyAwareMixin, TorchPruner):
         self._mask_round += 1
         self._pending.difference_update(self._group_round(lambda i: i in self._pending, self.target_sparsity,
                                                           monotone=True))
-        grouped = self._grouped_indices()
-        for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
-            if idx not in grouped:
-                masks = self.calc_mask(wrapper, wrapper_idx=idx)
-                if masks is not None:
-                    wrapper.set_masks(masks)
+        # selected layers in no group (the plan's warning says why) stay unpruned: speedup could not remove them
+        self._pending.difference_update(self._ungrouped_indices())
         if not self._pending:
             self.masker.stop_statistics()
         self.apply_masks()

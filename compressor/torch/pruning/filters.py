@@ -15,7 +15,7 @@ from ...core.matching import LayerInfo
 from ...core.pruning import filter_masks, filter_prune_masks, filter_scores
 from ..layout import from_canonical, to_canonical
 from ..ops import ops
-from .masker import WeightMasker, check_filter_layer
+from .masker import FILTER_DEFAULT_TYPES, WeightMasker, check_filter_layer
 from .pruner import OneShotPruner
 
 __all__ = [
@@ -61,7 +61,7 @@ class FPGMPrunerMasker(FilterMasker):
 
 
 class _FilterPruner(OneShotPruner):
-    default_types = ("Conv2d",)
+    default_types = FILTER_DEFAULT_TYPES
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
                  dependency_aware: bool = False, dummy_input: Any = None):

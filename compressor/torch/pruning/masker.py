@@ -19,7 +19,12 @@ from ...core.matching import LayerInfo
 from ...core.pruner_config import check_statistics_batch_num
 from ..distributed import all_reduce_sum
 
-__all__ = ["WeightMasker", "all_reduce_sum", "check_filter_layer", "check_statistics_batch_num"]
+__all__ = ["WeightMasker", "all_reduce_sum", "check_filter_layer", "check_statistics_batch_num", "FILTER_DEFAULT_TYPES"]
+
+#: what ``op_types: ['default']`` means for filter pruners: the convolutions and Linear layers (Hugging
+#: Face ``Conv1D`` is an alias of ``Conv1d``). A Linear whose outputs are a model output (the classifier)
+#: is left whole by dependency-aware pruning (core: its channels are fixed)
+FILTER_DEFAULT_TYPES = ("Conv1d", "Conv2d", "Conv3d", "Linear")
 
 
 class WeightMasker:

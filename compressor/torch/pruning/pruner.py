@@ -244,6 +244,10 @@ class DependencyAwareMixin:
         index = self._member_index()
         return {index[layer] for g in self._dependency.groups for layer in g.layers if layer in index}
 
+    def _ungrouped_indices(self) -> set[int]:
+        """Wrapper indices of the selected layers that belong to no group (never masked)."""
+        return set(range(len(self._wrappers))) - self._grouped_indices()
+
     def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str], Any]]) -> dict[str, Any]:
         """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members, kept)``:
         one decision per group, or one global ranking (``_rank_globally``)."""
@@ -326,12 +330,8 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
             return super().update_mask()
         self._mask_round += 1
         self._update_groups()
-        grouped = self._grouped_indices()
-        for idx, wrapper in enumerate(self._wrappers):  # selected layers the trace did not reach
-            if idx not in grouped:
-                masks = self.calc_mask(wrapper, wrapper_idx=idx)
-                if masks is not None:
-                    wrapper.set_masks(masks)
+        # selected layers in no group (the plan's warning says why) stay unpruned: speedup could not remove them
+        self._calculated.update(self._ungrouped_indices())
         if len(self._calculated) == len(self._wrappers):
             self.masker.stop_statistics()
         self.apply_masks()

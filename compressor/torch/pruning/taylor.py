@@ -16,7 +16,7 @@ from ...core.pruning import importance_filter_masks, taylor_fo_contribution
 from ..layout import canonical_shape, to_canonical
 from ..ops import ops
 from .filters import filter_result
-from .masker import WeightMasker, check_filter_layer, check_statistics_batch_num
+from .masker import FILTER_DEFAULT_TYPES, WeightMasker, check_filter_layer, check_statistics_batch_num
 from .pruner import OneShotPruner
 
 __all__ = ["TaylorFOWeightFilterPruner", "TaylorFOWeightFilterPrunerMasker"]
@@ -86,7 +86,7 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
 class TaylorFOWeightFilterPruner(OneShotPruner):
     """Prune filters by Taylor FO contribution measured over ``statistics_batch_num`` optimizer steps."""
 
-    default_types = ("Conv2d",)
+    default_types = FILTER_DEFAULT_TYPES
     masker_class = TaylorFOWeightFilterPrunerMasker
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,

@@ -45,7 +45,7 @@ from torch import nn
 
 from ...core import observers as cobs
 from ...core.errors import ConfigError, ConfigWarning, ModelError
-from .bn_fold import find_conv_bn_pairs, find_input_sources, find_relu_followers, fold_factor
+from .bn_fold import _GRID_MODULES, find_conv_bn_pairs, find_input_sources, find_relu_followers, fold_factor
 from .fakequant import fake_quant, ops
 from .qat import QAT_Quantizer
 from .quantizer import builtin_ste
@@ -82,26 +82,36 @@ class PtqQuantizer(QAT_Quantizer):
         self.dummy_input = dummy_input
         self._calibrating = False
         self._act_observers: dict[tuple[str, str], cobs.Observer] = {}
-        if bn_fold:
-            try:
-                find_conv_bn_pairs(model)
-            except ConfigError as e:
-                warnings.warn(f"PtqQuantizer: BN folding disabled: {e}", ConfigWarning, stacklevel=2)
-                bn_fold = False
-        if fuse_relu is True and not bn_fold:
-            try:
-                find_relu_followers(model, folded=False)
-            except ConfigError as e:
-                warnings.warn(f"PtqQuantizer: ReLU fusion disabled: {e}", ConfigWarning, stacklevel=2)
-                fuse_relu = False
         if not isinstance(share_ranges, bool):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
+        # the three graph features need torch.fx; a model it cannot trace (most Hugging Face models) gets ONE
+        # warning, and only for the features the model has modules for (no BatchNorm2d: nothing to fold)
+        types = {type(m) for m in model.modules()}
+        wanted = {"bn_fold": bool(bn_fold) and any(issubclass(t, nn.BatchNorm2d) for t in types),
+                  # ReLU: an nn.ReLU, or no activation module at all (then it may be functional, fx would see it)
+                  "fuse_relu": fuse_relu is True and (nn.ReLU in types or not any(
+                      t.__module__ in ("torch.nn.modules.activation", "transformers.activations") for t in types)),
+                  "share_ranges": share_ranges and bool(types & set(_GRID_MODULES) - {nn.Identity})}
         self._input_sources: dict[str, str] = {}
-        if share_ranges:
-            try:
+        failed = None
+        try:
+            if bn_fold:
+                find_conv_bn_pairs(model)
+            if fuse_relu is True and not bn_fold:
+                find_relu_followers(model, folded=False)
+            if share_ranges:
                 self._input_sources = find_input_sources(model, folded=bool(bn_fold))
-            except ConfigError as e:
-                warnings.warn(f"PtqQuantizer: range sharing disabled: {e}", ConfigWarning, stacklevel=2)
+        except ConfigError as e:
+            failed = str(e).split(": ", 1)[-1].split("); ")[0] + ")"
+            bn_fold, fuse_relu, self._input_sources = False, (False if fuse_relu is True else fuse_relu), {}
+        lost = [k for k, v in wanted.items() if v]
+        if failed and lost:
+            what = {"bn_fold": "Conv2d -> BatchNorm2d pairs are quantized unfolded (bn_fold)",
+                    "fuse_relu": "outputs feeding a ReLU are quantized before it (fuse_relu)",
+                    "share_ranges": "each quantized input gets its own range (share_ranges)"}
+            warnings.warn(f"PtqQuantizer: {failed}; so {'; '.join(what[k] for k in lost)}. Pass "
+                          f"{', '.join(f'{k}=False' for k in lost)} to quantize so without this warning",
+                          ConfigWarning, stacklevel=2)
         super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold), fuse_relu=fuse_relu)
 
     # ------------------------------------------------------------------ construction
