@@ -39,7 +39,7 @@ import torch
 from ...core.atomic import atomic_path
 from .wrapper import QuantizerModuleWrapper, quant_axis
 
-__all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx"]
+__all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx", "float_layers", "integer_kernel_layer"]
 
 #: ops through which values on a quantization grid stay on the same grid (first input = data)
 GRID_PRESERVING = {"Relu", "MaxPool", "Flatten", "Reshape", "Identity", "Transpose", "Squeeze", "Unsqueeze"}
@@ -55,8 +55,23 @@ def _containers(qmin: int, qmax: int) -> np.dtype | None:
     return None
 
 
+def integer_kernel_layer(w: QuantizerModuleWrapper) -> bool:
+    """Whether ``w``'s layer maps to an onnxruntime integer kernel: Conv / Linear / HF Conv1D with a quantized
+    weight (QLinearConv, QGemm, QLinearMatMul)."""
+    from ..layout import is_hf_conv1d
+
+    return "weight" in w.quant_types and (w._fn in ("conv", "linear") or is_hf_conv1d(w.layer))
+
+
+def float_layers(quantizer: Any) -> list[QuantizerModuleWrapper]:
+    """The quantized layers the integer ONNX graph keeps in float (no onnxruntime integer kernel)."""
+    return [w for w in quantizer.get_modules_wrapper() if not integer_kernel_layer(w)]
+
+
 def int8_export_problem(quantizer: Any) -> str | None:
-    """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can)."""
+    """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can). Layers without
+    an integer kernel (LSTM, Embedding, ...) do not block it: they stay float (see :func:`float_layers`), as
+    long as at least one layer is integer."""
     from .qat import QAT_Quantizer
 
     if not isinstance(quantizer, QAT_Quantizer):
@@ -64,11 +79,14 @@ def int8_export_problem(quantizer: Any) -> str | None:
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     if not wrappers:
         return "no layer is quantized"
+    if not any(integer_kernel_layer(w) for w in wrappers):
+        return (f"no quantized layer maps to an integer kernel (only Conv/Linear/Conv1D layers with quantized "
+                f"weights do; quantized: {', '.join(f'{w.name!r} ({w.type})' for w in wrappers)})")
     for w in wrappers:
-        if "weight" not in w.quant_types or w._fn not in ("conv", "linear"):
-            return f"layer {w.name!r}: only Conv/Linear layers with quantized weights map to integer kernels"
         if not w.quant_active:
             return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"
+        if not integer_kernel_layer(w):
+            continue
         for t in w.quant_types:
             qp = w.qparams(t)
             if qp is None or w.quant_bits.get(t) != 8 or _containers(qp[2], qp[3]) is None:
@@ -127,13 +145,17 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
     elif kwargs.get("dynamo"):
         if "dynamic_shapes" not in kwargs:
             kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch")},)
-    else:
+    else:  # batch dynamic; also the sequence axis of a token-id tensor (rank 2, integer)
+        from ..onnx_io import dynamic_axes_for
+
         kwargs.setdefault("input_names", ["input"])
-        kwargs.setdefault("dynamic_axes", {kwargs["input_names"][0]: {0: "batch"}})
+        kwargs.setdefault("dynamic_axes", dynamic_axes_for(model, (dummy_input,), {}, kwargs["input_names"][:1]))
     args = dummy_input if isinstance(dummy_input, tuple) else (dummy_input,)
     buf = io.BytesIO()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        from ..hf import export_ready  # a causal LM runs without its key/value cache while exporting
+
+        with torch.no_grad(), warnings.catch_warnings(), export_ready(model):
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)
@@ -232,7 +254,8 @@ class _Graph:
                 else:
                     rest.append(n)
             if len(rest) == len(pending):
-                raise RuntimeError("int8 ONNX rewrite: the graph has a cycle or a dangling input")
+                missing = sorted({i for n in rest for i in n.input if i not in ready} - {o for n in rest for o in n.output})
+                raise RuntimeError(f"int8 ONNX rewrite: the graph has a cycle or a dangling input: {missing[:5]}")
             pending = rest
         del self.g.node[:]
         self.g.node.extend(ordered)
@@ -253,13 +276,66 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
     return None
 
 
+def _matmul_as_gemm(graph: _Graph, node: Any, init: str) -> None:
+    """Rewrite ``y = MatMul(x, W) (+ b)`` as ``Reshape(Gemm(Reshape(x, [-1, K]), W', b, transB=1), [..., N])``
+    with ``W'`` the ``[N, K]`` weight (the nodes are appended: call ``graph.finish()`` afterwards)."""
+    from onnx import helper
+
+    w_kn = graph.arrays[init]  # MatMul's B: [K, N]
+    k, n = w_kn.shape
+    w_nk = graph.add_init(init + ".nk", np.ascontiguousarray(w_kn.T))
+    graph.arrays[w_nk] = np.ascontiguousarray(w_kn.T)
+    x, y = node.input[0], node.output[0]
+    bias, end = "", node
+    users = graph.consumers(y)
+    if len(users) == 1 and users[0].op_type == "Add":
+        add = users[0]
+        other = add.input[1] if add.input[0] == y else add.input[0]
+        b = graph.arrays.get(other)
+        if b is not None and b.shape == (n,) and b.dtype == np.float32:
+            bias, end = other, add
+    base = node.name or y
+    shape_in = graph.unique(base + ".in_shape")
+    lead = graph.unique(base + ".lead_shape")
+    out_shape = graph.unique(base + ".out_shape")
+    x2 = graph.unique(base + ".in_2d")
+    y2 = graph.unique(base + ".out_2d")
+    final = end.output[0]
+    new = [
+        helper.make_node("Shape", [x], [shape_in], name=graph.unique(base + "/Shape")),
+        helper.make_node("Slice", [shape_in, graph.add_init(base + ".zero", np.array([0], np.int64)),
+                                   graph.add_init(base + ".minus1", np.array([-1], np.int64))], [lead],
+                         name=graph.unique(base + "/Slice")),
+        helper.make_node("Concat", [lead, graph.add_init(base + ".n", np.array([n], np.int64))], [out_shape],
+                         axis=0, name=graph.unique(base + "/Concat")),
+        helper.make_node("Reshape", [x, graph.add_init(base + ".k", np.array([-1, k], np.int64))], [x2],
+                         name=graph.unique(base + "/Reshape_in")),
+        helper.make_node("Gemm", [x2, w_nk] + ([bias] if bias else []), [y2], transB=1,
+                         name=graph.unique(base + "/Gemm")),
+        helper.make_node("Reshape", [y2, out_shape], [final], name=graph.unique(base + "/Reshape_out")),
+    ]
+    graph.g.node.remove(node)
+    if end is not node:
+        graph.g.node.remove(end)
+    graph.g.node.extend(new)
+    if not graph.consumers(init):
+        del graph.arrays[init]  # (so the weight search finds the [N, K] copy)
+
+
 def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                     onnx_path: str | os.PathLike, dummy_input: torch.Tensor, **onnx_kwargs: Any) -> dict[str, Any]:
+                     onnx_path: str | os.PathLike, dummy_input: Any, weight_dtype: str = "int8",
+                     **onnx_kwargs: Any) -> dict[str, Any]:
     """Write the integer (QDQ, int8 weights) ONNX graph to ``onnx_path``; returns a per-layer summary
-    ``{layer: {'op', 'weight', 'input', 'output', 'bias'}}``. Nothing is left at ``onnx_path`` on error."""
+    ``{layer: {'op', 'weight', 'input', 'output', 'bias'}}``. Nothing is left at ``onnx_path`` on error.
+
+    ``weight_dtype='uint8'`` stores symmetric int8 weight codes ``c`` as uint8 ``c + 128`` with zero point 128
+    (the same dequantized values): onnxruntime then runs u8u8 kernels, which are exact on x86 CPUs with AVX2
+    but without VNNI, where its u8s8 kernels add pairs of products in saturating int16 (several % error on
+    layers with wide activations, e.g. ConvNeXt's and ViT's MLPs). ``'int8'`` (default) keeps int8 codes: the
+    fast path on VNNI / ARM and the form onnxruntime's own quantizer writes."""
     import onnx
 
-    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    wrappers: list[QuantizerModuleWrapper] = [w for w in quantizer.get_modules_wrapper() if integer_kernel_layer(w)]
     params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
     proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
     model = onnx.load_from_string(proto)
@@ -267,6 +343,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     summary: dict[str, Any] = {}
     taken: set[str] = set()
     layers = []  # (wrapper, compute node, weight axis in the initializer)
+    rewrites: list[tuple[Any, str]] = []
+    found_nodes: dict[str, tuple[str, bool]] = {}
     for w in wrappers:
         weight = exported[w.name][0].detach().cpu().float().numpy()
         found = _find_weight(graph, weight, taken)
@@ -280,8 +358,24 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: expected one Conv/Gemm/MatMul using its weight, "
                                f"found {[n.op_type for n in nodes]}")
         node = nodes[0]
-        qp = params[w.name]["weight"]
-        axis = qp["axis"]
+        if node.op_type == "MatMul" and graph.arrays[init].ndim == 2 and node.input[1] == init:
+            # a Linear / Conv1D on a >2-D input: onnxruntime runs DQ -> MatMul with per-channel weights as
+            # MatMulIntegerToFloat, which scales the wrong axis; as a 2-D Gemm it becomes QGemm
+            rewrites.append((node, init))
+        else:
+            found_nodes[w.name] = (init, transposed)
+    if rewrites:
+        for node, init in rewrites:
+            _matmul_as_gemm(graph, node, init)
+        graph.finish()  # one topological re-sort (it copies the nodes: look them up again below)
+    for w in wrappers:
+        if w.name in found_nodes:
+            init, transposed = found_nodes[w.name]
+        else:
+            init, transposed = _find_weight(graph, exported[w.name][0].detach().cpu().float().numpy(), taken)
+            taken.add(init)
+        node = next(n for n in graph.consumers(init) if n.op_type in COMPUTE_OPS)
+        axis = params[w.name]["weight"]["axis"]
         if axis is not None and transposed:
             axis = 1 - axis
         layers.append((w, node, init, transposed, axis))
@@ -341,12 +435,15 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if err > 1e-5 * max(1.0, float(np.max(np.abs(weight))) if weight.size else 1.0):
             raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: the exported weight is not on its recorded grid "
                                f"(max error {err:.3g}); was the weight scale changed after the last forward?")
-        q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(qp["dtype"]))
+        dtype = qp["dtype"]
+        if weight_dtype == "uint8" and dtype == np.int8 and not np.any(z) and qp["qmin"] >= -127:
+            codes, z, dtype = codes + 128, np.full_like(z, 128), np.dtype(np.uint8)  # same values, u8u8 kernels
+        q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(dtype))
         s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
-        z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(qp["dtype"]))
+        z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(dtype))
         deq = graph.dq(f"{w.name}.weight_dequantized", q_name, s_name, z_name, axis)
         node.input[1] = deq
-        info["weight"] = f"{qp['dtype'].name}{' per-channel' if axis is not None else ''}"
+        info["weight"] = f"{dtype.name}{' per-channel' if axis is not None else ''}"
 
         # input: configured, or inherited through grid-preserving ops from a quantized output
         in_qp = params[w.name].get("input")
