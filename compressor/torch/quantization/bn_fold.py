@@ -23,7 +23,6 @@ from torch import nn
 
 from ...core.errors import ConfigError
 
-
 _LAST_FLOW: list[Any] = []
 
 

@@ -82,6 +82,11 @@ def int8_export_problem(quantizer: Any) -> str | None:
     if not any(integer_kernel_layer(w) for w in wrappers):
         return (f"no quantized layer maps to an integer kernel (only Conv/Linear/Conv1D layers with quantized "
                 f"weights do; quantized: {', '.join(f'{w.name!r} ({w.type})' for w in wrappers)})")
+    left = [w for w in wrappers if not integer_kernel_layer(w)]
+    if left:  # (their functional forward cannot be traced by the TorchScript exporter the int8 form uses)
+        return (f"layers {', '.join(f'{w.name!r} ({w.type})' for w in left)} have no onnxruntime integer kernel "
+                f"(only Conv/Linear/Conv1D layers with quantized weights do); leave them out of the config to get "
+                f"the int8 form for the others, with those layers in float")
     for w in wrappers:
         if not w.quant_active:
             return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"
@@ -128,7 +133,10 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
         w._export_weight, w._export_bias = exported[w.name]
         w._export_plan = {t: "skip" for t in w.quant_types if t != "weight"}
         w._export_qparams = {t: None for t in w.quant_types}
-    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True}
+    # PRESERVE (the model is in eval mode): the TorchScript exporter's EVAL mode would fold every unfolded
+    # Conv -> BatchNorm pair into new conv weights, which are then no longer the quantized ones
+    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True,
+                              "training": torch.onnx.TrainingMode.PRESERVE}
     kwargs.update(onnx_kwargs)
     kwargs.pop("external_data", None)
     if not torch.is_tensor(dummy_input):  # (args, kwargs) of one forward: see compressor.torch.onnx_io
@@ -170,7 +178,8 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
 
 
 class _Graph:
-    """Small helper around a GraphProto: initializers, consumers, node insertion."""
+    """Small helper around a GraphProto: initializers, consumers, node insertion. The Q/DQ nodes it adds
+    have no names (their tensors are named after the layer): names are ~20% of a small model's file."""
 
     def __init__(self, model: Any):
         from onnx import numpy_helper
@@ -211,8 +220,7 @@ class _Graph:
 
         out = self.unique(base)
         kw = {} if axis is None else {"axis": axis}
-        self.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zp], [out],
-                                               name=self.unique(base + "/DequantizeLinear"), **kw))
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zp], [out], **kw))
         return out
 
     def qdq(self, base: str, src: str, qp: dict[str, Any], out: str | None = None) -> str:
@@ -224,13 +232,11 @@ class _Graph:
         scale = self.add_init(base + ".scale", np.float32(qp["scale"]))
         zp = self.add_init(base + ".zero_point", qp["zp"].astype(qp["dtype"]))
         q = self.unique(base + ".quantized")
-        self.new_nodes.append(helper.make_node("QuantizeLinear", [src, scale, zp], [q],
-                                               name=self.unique(base + "/QuantizeLinear")))
+        self.new_nodes.append(helper.make_node("QuantizeLinear", [src, scale, zp], [q]))
         if out is None:
             return self.dq(base + ".dequantized", q, scale, zp, None)
         self.names.add(out)
-        self.new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [out],
-                                          name=self.unique(base + "/DequantizeLinear")))
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [out]))
         return out
 
     def drop_unused_initializers(self) -> None:
@@ -276,52 +282,6 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
     return None
 
 
-def _matmul_as_gemm(graph: _Graph, node: Any, init: str) -> None:
-    """Rewrite ``y = MatMul(x, W) (+ b)`` as ``Reshape(Gemm(Reshape(x, [-1, K]), W', b, transB=1), [..., N])``
-    with ``W'`` the ``[N, K]`` weight (the nodes are appended: call ``graph.finish()`` afterwards)."""
-    from onnx import helper
-
-    w_kn = graph.arrays[init]  # MatMul's B: [K, N]
-    k, n = w_kn.shape
-    w_nk = graph.add_init(init + ".nk", np.ascontiguousarray(w_kn.T))
-    graph.arrays[w_nk] = np.ascontiguousarray(w_kn.T)
-    x, y = node.input[0], node.output[0]
-    bias, end = "", node
-    users = graph.consumers(y)
-    if len(users) == 1 and users[0].op_type == "Add":
-        add = users[0]
-        other = add.input[1] if add.input[0] == y else add.input[0]
-        b = graph.arrays.get(other)
-        if b is not None and b.shape == (n,) and b.dtype == np.float32:
-            bias, end = other, add
-    base = node.name or y
-    shape_in = graph.unique(base + ".in_shape")
-    lead = graph.unique(base + ".lead_shape")
-    out_shape = graph.unique(base + ".out_shape")
-    x2 = graph.unique(base + ".in_2d")
-    y2 = graph.unique(base + ".out_2d")
-    final = end.output[0]
-    new = [
-        helper.make_node("Shape", [x], [shape_in], name=graph.unique(base + "/Shape")),
-        helper.make_node("Slice", [shape_in, graph.add_init(base + ".zero", np.array([0], np.int64)),
-                                   graph.add_init(base + ".minus1", np.array([-1], np.int64))], [lead],
-                         name=graph.unique(base + "/Slice")),
-        helper.make_node("Concat", [lead, graph.add_init(base + ".n", np.array([n], np.int64))], [out_shape],
-                         axis=0, name=graph.unique(base + "/Concat")),
-        helper.make_node("Reshape", [x, graph.add_init(base + ".k", np.array([-1, k], np.int64))], [x2],
-                         name=graph.unique(base + "/Reshape_in")),
-        helper.make_node("Gemm", [x2, w_nk] + ([bias] if bias else []), [y2], transB=1,
-                         name=graph.unique(base + "/Gemm")),
-        helper.make_node("Reshape", [y2, out_shape], [final], name=graph.unique(base + "/Reshape_out")),
-    ]
-    graph.g.node.remove(node)
-    if end is not node:
-        graph.g.node.remove(end)
-    graph.g.node.extend(new)
-    if not graph.consumers(init):
-        del graph.arrays[init]  # (so the weight search finds the [N, K] copy)
-
-
 def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                      onnx_path: str | os.PathLike, dummy_input: Any, weight_dtype: str = "int8",
                      **onnx_kwargs: Any) -> dict[str, Any]:
@@ -343,8 +303,6 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     summary: dict[str, Any] = {}
     taken: set[str] = set()
     layers = []  # (wrapper, compute node, weight axis in the initializer)
-    rewrites: list[tuple[Any, str]] = []
-    found_nodes: dict[str, tuple[str, bool]] = {}
     for w in wrappers:
         weight = exported[w.name][0].detach().cpu().float().numpy()
         found = _find_weight(graph, weight, taken)
@@ -358,24 +316,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: expected one Conv/Gemm/MatMul using its weight, "
                                f"found {[n.op_type for n in nodes]}")
         node = nodes[0]
-        if node.op_type == "MatMul" and graph.arrays[init].ndim == 2 and node.input[1] == init:
-            # a Linear / Conv1D on a >2-D input: onnxruntime runs DQ -> MatMul with per-channel weights as
-            # MatMulIntegerToFloat, which scales the wrong axis; as a 2-D Gemm it becomes QGemm
-            rewrites.append((node, init))
-        else:
-            found_nodes[w.name] = (init, transposed)
-    if rewrites:
-        for node, init in rewrites:
-            _matmul_as_gemm(graph, node, init)
-        graph.finish()  # one topological re-sort (it copies the nodes: look them up again below)
-    for w in wrappers:
-        if w.name in found_nodes:
-            init, transposed = found_nodes[w.name]
-        else:
-            init, transposed = _find_weight(graph, exported[w.name][0].detach().cpu().float().numpy(), taken)
-            taken.add(init)
-        node = next(n for n in graph.consumers(init) if n.op_type in COMPUTE_OPS)
-        axis = params[w.name]["weight"]["axis"]
+        qp = params[w.name]["weight"]
+        axis = qp["axis"]
         if axis is not None and transposed:
             axis = 1 - axis
         layers.append((w, node, init, transposed, axis))
