@@ -23,18 +23,62 @@ from torch import nn
 
 from ...core.errors import ConfigError
 
+_LAST_FLOW: list[Any] = []
 
-def _trace(model: nn.Module, what: str, way_out: str) -> Any:
+
+def _trace(model: nn.Module, what: str, way_out: str, example: tuple | None = None) -> Any:
+    """The model's ``torch.fx`` graph; when fx cannot trace it and ``example`` (``(args, kwargs)`` of one
+    forward) is given, a :class:`~.dataflow.Flow` recorded by running the model on it instead."""
     import torch.fx
 
     try:
         return torch.fx.symbolic_trace(model).graph
     except Exception as e:  # noqa: BLE001  (fx raises many kinds)
-        raise ConfigError(f"{what}: the model cannot be traced with torch.fx ({type(e).__name__}: {e}); "
-                          f"{way_out}") from None
+        reason = f"{type(e).__name__}: {e}"
+    if example is not None:
+        from .dataflow import record_flow
+
+        args, kwargs = example
+        key = (id(model), tuple(id(m) for m in model.modules()),
+               tuple(id(t) for t in (*args, *kwargs.values())), tuple(kwargs))
+        if _LAST_FLOW and _LAST_FLOW[0] == key:
+            return _LAST_FLOW[2]  # the same model and input: the searches of one quantizer share one run
+        try:
+            flow = record_flow(model, args, kwargs)
+            _LAST_FLOW[:] = [key, (model, args, kwargs), flow]  # (keeps the keyed objects alive: ids stay valid)
+            return flow
+        except Exception as e:  # noqa: BLE001  (the user's model failed on the example input)
+            raise ConfigError(f"{what}: the model cannot be traced with torch.fx ({reason}) and failed on "
+                              f"dummy_input ({type(e).__name__}: {e}); {way_out}") from None
+    raise ConfigError(f"{what}: the model cannot be traced with torch.fx ({reason}); pass dummy_input= (an "
+                      f"example model input: the model is then run once instead) or {way_out}") from None
+
+
+def _is_flow(graph: Any) -> bool:
+    from .dataflow import Flow
+
+    return isinstance(graph, Flow)
+
+
+def _flow_pairs(flow: Any, modules: dict[str, nn.Module]) -> dict[str, str]:
+    from .dataflow import only_reader
+
+    pairs: dict[str, str] = {}
+    for name, conv in modules.items():
+        if not isinstance(conv, nn.Conv2d):
+            continue
+        reader = only_reader(flow, name)
+        if reader is None or reader.module is None or len(flow.calls.get(reader.module, [])) != 1:
+            continue
+        bn = modules.get(reader.module)
+        if isinstance(bn, nn.BatchNorm2d) and bn.num_features == conv.out_channels and bn.track_running_stats:
+            pairs[name] = reader.module
+    return pairs
 
 
 def _pairs(graph: Any, modules: dict[str, nn.Module]) -> dict[str, str]:
+    if _is_flow(graph):
+        return _flow_pairs(graph, modules)
     pairs: dict[str, str] = {}
     for node in graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Conv2d):
@@ -49,9 +93,10 @@ def _pairs(graph: Any, modules: dict[str, nn.Module]) -> dict[str, str]:
     return pairs
 
 
-def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
-    """``{conv name: bn name}`` for every Conv2d whose output feeds only a BatchNorm2d."""
-    graph = _trace(model, "bn_fold", "to find Conv2d -> BatchNorm2d pairs use bn_fold=False")
+def find_conv_bn_pairs(model: nn.Module, example: tuple | None = None) -> dict[str, str]:
+    """``{conv name: bn name}`` for every Conv2d whose output feeds only a BatchNorm2d (called once each).
+    ``example``: ``(args, kwargs)`` of one forward, used when ``torch.fx`` cannot trace the model."""
+    graph = _trace(model, "bn_fold", "use bn_fold=False", example)
     return _pairs(graph, dict(model.named_modules()))
 
 
@@ -66,13 +111,15 @@ def _is_relu(node: Any, modules: dict[str, nn.Module]) -> bool:
     return node.op == "call_method" and node.target in ("relu", "relu_")
 
 
-def find_relu_followers(model: nn.Module, folded: bool) -> set[str]:
+def find_relu_followers(model: nn.Module, folded: bool, example: tuple | None = None) -> set[str]:
     """Names of the modules whose output feeds only a ReLU (``nn.ReLU``, ``torch.relu``, ``F.relu``,
     ``.relu()``). With ``folded``, a Conv2d -> BatchNorm2d pair counts by the BN's output (the folded
     wrapper runs the BN itself)."""
-    graph = _trace(model, "fuse_relu", "use fuse_relu=False")
+    graph = _trace(model, "fuse_relu", "use fuse_relu=False", example)
     modules = dict(model.named_modules())
     pairs = _pairs(graph, modules) if folded else {}
+    if _is_flow(graph):
+        return _flow_relu_followers(graph, modules, pairs)
     found = set()
     for node in graph.nodes:
         if node.op != "call_module":
@@ -85,12 +132,30 @@ def find_relu_followers(model: nn.Module, folded: bool) -> set[str]:
     return found
 
 
+def _flow_relu_followers(flow: Any, modules: dict[str, nn.Module], pairs: dict[str, str]) -> set[str]:
+    from .dataflow import only_reader
+
+    found = set()
+    for name in modules:
+        if not name:
+            continue
+        reader = only_reader(flow, pairs.get(name, name))
+        if reader is None:
+            continue
+        if reader.module is not None:
+            if type(modules.get(reader.module)) is nn.ReLU:
+                found.add(name)
+        elif reader.func in _RELU_FUNCTIONS or reader.func in (torch.Tensor.relu, torch.Tensor.relu_):
+            found.add(name)
+    return found
+
+
 class BNFolding:
     """The folding state of one QAT_Quantizer (pairs, and which wrappers own which BN)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, example: tuple | None = None):
         self.model = model
-        self.pairs = find_conv_bn_pairs(model)
+        self.pairs = find_conv_bn_pairs(model, example)
         self._modules = dict(model.named_modules())
         self._owned: dict[str, nn.BatchNorm2d] = {}  # conv (wrapper) name -> bn
 
@@ -191,13 +256,15 @@ def _grid_preserving(node: Any, modules: dict[str, nn.Module]) -> bool:
     return node.op == "call_method" and node.target in _GRID_METHODS
 
 
-def find_input_sources(model: nn.Module, folded: bool) -> dict[str, str]:
+def find_input_sources(model: nn.Module, folded: bool, example: tuple | None = None) -> dict[str, str]:
     """``{module: producer module}`` where ``module``'s first input is ``producer``'s output passed only through
     grid-preserving ops (ReLU, max pooling, flatten / view / reshape, identity). With ``folded``, a
     Conv2d -> BatchNorm2d pair's BN output counts as the conv's (the folded wrapper produces it)."""
-    graph = _trace(model, "share_ranges", "use share_ranges=False")
+    graph = _trace(model, "share_ranges", "use share_ranges=False", example)
     modules = dict(model.named_modules())
     bn_of = {bn: conv for conv, bn in _pairs(graph, modules).items()} if folded else {}
+    if _is_flow(graph):
+        return _flow_input_sources(graph, modules, bn_of)
     sources: dict[str, str] = {}
     for node in graph.nodes:
         if node.op != "call_module" or not node.args or not hasattr(node.args[0], "op"):
@@ -211,3 +278,30 @@ def find_input_sources(model: nn.Module, folded: bool) -> dict[str, str]:
             sources[node.target] = bn_of.get(src.target, src.target)
     return sources
 
+
+
+def _flow_input_sources(flow: Any, modules: dict[str, nn.Module], bn_of: dict[str, str]) -> dict[str, str]:
+    sources: dict[str, str] = {}
+    for name, calls in flow.calls.items():
+        if not name or len(calls) != 1 or not calls[0].inputs:
+            continue
+        value, src = calls[0].inputs[0], None
+        for _ in range(10_000):
+            made = [c for c in flow.made_by_module.get(value, []) if c is not calls[0]]
+            if made:  # innermost module that returned the value
+                inner = made[0]
+                if type(modules.get(inner.module)) not in _GRID_MODULES:
+                    src = inner.module
+                    break
+                if not inner.inputs:
+                    break
+                value = inner.inputs[0]
+                continue
+            func = flow.made_by_func.get(value)
+            if func is None or not func.inputs or not (
+                    func.func in _GRID_FUNCTIONS or getattr(func.func, "__name__", None) in _GRID_METHODS):
+                break
+            value = func.inputs[0]
+        if src is not None and len(flow.calls.get(src, [])) == 1:
+            sources[name] = bn_of.get(src, src)
+    return sources

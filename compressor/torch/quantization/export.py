@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -90,19 +91,33 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
     if onnx_path is not None and input_shape is None and dummy_input is None:
         raise ValueError("export_model: onnx_path needs input_shape (or dummy_input)")
     fmt = onnx_kwargs.pop("onnx_format", "auto")
+    weight_dtype = onnx_kwargs.pop("onnx_weight_dtype", "int8")
+    if weight_dtype not in ("int8", "uint8"):
+        raise ValueError(f"export_model: onnx_weight_dtype must be 'int8' or 'uint8', got {weight_dtype!r}")
     if fmt not in ("auto", "int8", "fake_quant"):
         raise ValueError(f"export_model: onnx_format must be 'auto', 'int8' or 'fake_quant', got {fmt!r}")
     if onnx_path is not None and fmt != "fake_quant":
-        from .onnx_qdq import check_int8_ready, int8_export_problem
+        from .onnx_qdq import check_int8_ready, float_layers, int8_export_problem
 
         problem = int8_export_problem(quantizer)
         if problem is None:
             check_int8_ready(quantizer)  # before anything is written
             fmt = "int8"
+            left = float_layers(quantizer)
+            if left:
+                warnings.warn(
+                    f"export_model: the int8 ONNX graph keeps {len(left)} quantized layer(s) in float, with their "
+                    f"quantized weight values but float storage and no activation quantization: "
+                    f"{', '.join(f'{w.name!r} ({type(w.layer).__name__})' for w in left)}; onnxruntime runs "
+                    f"integer kernels only for Conv / Linear / Conv1D (QLinearConv, QGemm, QLinearMatMul)",
+                    UserWarning, stacklevel=3)
         elif fmt == "int8":
             raise ValueError(f"export_model: onnx_format='int8': {problem}")
         else:
             fmt = "fake_quant"
+            warnings.warn(f"export_model: writing the fake-quant ONNX form (float weights, no integer kernels), not "
+                          f"int8: {problem}; onnx_format='fake_quant' selects it without this warning",
+                          UserWarning, stacklevel=3)
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     args: tuple = ()
@@ -129,7 +144,8 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
 
                     quantizer.onnx_int8_summary = export_int8_onnx(quantizer, exported, tmp_onnx,
                                                                    args[0] if len(args) == 1 and not kwargs
-                                                                   else (args, kwargs), **onnx_kwargs)
+                                                                   else (args, kwargs), weight_dtype=weight_dtype,
+                                                                   **onnx_kwargs)
                 else:
                     export_onnx(quantizer, exported, tmp_onnx, args, kwargs, **onnx_kwargs)
     finally:

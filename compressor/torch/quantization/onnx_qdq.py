@@ -39,7 +39,7 @@ import torch
 from ...core.atomic import atomic_path
 from .wrapper import QuantizerModuleWrapper, quant_axis
 
-__all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx"]
+__all__ = ["int8_export_problem", "check_int8_ready", "export_int8_onnx", "float_layers", "integer_kernel_layer"]
 
 #: ops through which values on a quantization grid stay on the same grid (first input = data)
 GRID_PRESERVING = {"Relu", "MaxPool", "Flatten", "Reshape", "Identity", "Transpose", "Squeeze", "Unsqueeze"}
@@ -55,8 +55,23 @@ def _containers(qmin: int, qmax: int) -> np.dtype | None:
     return None
 
 
+def integer_kernel_layer(w: QuantizerModuleWrapper) -> bool:
+    """Whether ``w``'s layer maps to an onnxruntime integer kernel: Conv / Linear / HF Conv1D with a quantized
+    weight (QLinearConv, QGemm, QLinearMatMul)."""
+    from ..layout import is_hf_conv1d
+
+    return "weight" in w.quant_types and (w._fn in ("conv", "linear") or is_hf_conv1d(w.layer))
+
+
+def float_layers(quantizer: Any) -> list[QuantizerModuleWrapper]:
+    """The quantized layers the integer ONNX graph keeps in float (no onnxruntime integer kernel)."""
+    return [w for w in quantizer.get_modules_wrapper() if not integer_kernel_layer(w)]
+
+
 def int8_export_problem(quantizer: Any) -> str | None:
-    """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can)."""
+    """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can). Layers without
+    an integer kernel (LSTM, Embedding, ...) do not block it: they stay float (see :func:`float_layers`), as
+    long as at least one layer is integer."""
     from .qat import QAT_Quantizer
 
     if not isinstance(quantizer, QAT_Quantizer):
@@ -64,11 +79,19 @@ def int8_export_problem(quantizer: Any) -> str | None:
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     if not wrappers:
         return "no layer is quantized"
+    if not any(integer_kernel_layer(w) for w in wrappers):
+        return (f"no quantized layer maps to an integer kernel (only Conv/Linear/Conv1D layers with quantized "
+                f"weights do; quantized: {', '.join(f'{w.name!r} ({w.type})' for w in wrappers)})")
+    left = [w for w in wrappers if not integer_kernel_layer(w)]
+    if left:  # (their functional forward cannot be traced by the TorchScript exporter the int8 form uses)
+        return (f"layers {', '.join(f'{w.name!r} ({w.type})' for w in left)} have no onnxruntime integer kernel "
+                f"(only Conv/Linear/Conv1D layers with quantized weights do); leave them out of the config to get "
+                f"the int8 form for the others, with those layers in float")
     for w in wrappers:
-        if "weight" not in w.quant_types or w._fn not in ("conv", "linear"):
-            return f"layer {w.name!r}: only Conv/Linear layers with quantized weights map to integer kernels"
         if not w.quant_active:
             return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"
+        if not integer_kernel_layer(w):
+            continue
         for t in w.quant_types:
             qp = w.qparams(t)
             if qp is None or w.quant_bits.get(t) != 8 or _containers(qp[2], qp[3]) is None:
@@ -110,7 +133,10 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
         w._export_weight, w._export_bias = exported[w.name]
         w._export_plan = {t: "skip" for t in w.quant_types if t != "weight"}
         w._export_qparams = {t: None for t in w.quant_types}
-    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True}
+    # PRESERVE (the model is in eval mode): the TorchScript exporter's EVAL mode would fold every unfolded
+    # Conv -> BatchNorm pair into new conv weights, which are then no longer the quantized ones
+    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True,
+                              "training": torch.onnx.TrainingMode.PRESERVE}
     kwargs.update(onnx_kwargs)
     kwargs.pop("external_data", None)
     if not torch.is_tensor(dummy_input):  # (args, kwargs) of one forward: see compressor.torch.onnx_io
@@ -127,13 +153,17 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
     elif kwargs.get("dynamo"):
         if "dynamic_shapes" not in kwargs:
             kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch")},)
-    else:
+    else:  # batch dynamic; also the sequence axis of a token-id tensor (rank 2, integer)
+        from ..onnx_io import dynamic_axes_for
+
         kwargs.setdefault("input_names", ["input"])
-        kwargs.setdefault("dynamic_axes", {kwargs["input_names"][0]: {0: "batch"}})
+        kwargs.setdefault("dynamic_axes", dynamic_axes_for(model, (dummy_input,), {}, kwargs["input_names"][:1]))
     args = dummy_input if isinstance(dummy_input, tuple) else (dummy_input,)
     buf = io.BytesIO()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        from ..hf import export_ready  # a causal LM runs without its key/value cache while exporting
+
+        with torch.no_grad(), warnings.catch_warnings(), export_ready(model):
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)
@@ -148,7 +178,8 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
 
 
 class _Graph:
-    """Small helper around a GraphProto: initializers, consumers, node insertion."""
+    """Small helper around a GraphProto: initializers, consumers, node insertion. The Q/DQ nodes it adds
+    have no names (their tensors are named after the layer): names are ~20% of a small model's file."""
 
     def __init__(self, model: Any):
         from onnx import numpy_helper
@@ -189,8 +220,7 @@ class _Graph:
 
         out = self.unique(base)
         kw = {} if axis is None else {"axis": axis}
-        self.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zp], [out],
-                                               name=self.unique(base + "/DequantizeLinear"), **kw))
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, scale, zp], [out], **kw))
         return out
 
     def qdq(self, base: str, src: str, qp: dict[str, Any], out: str | None = None) -> str:
@@ -202,13 +232,11 @@ class _Graph:
         scale = self.add_init(base + ".scale", np.float32(qp["scale"]))
         zp = self.add_init(base + ".zero_point", qp["zp"].astype(qp["dtype"]))
         q = self.unique(base + ".quantized")
-        self.new_nodes.append(helper.make_node("QuantizeLinear", [src, scale, zp], [q],
-                                               name=self.unique(base + "/QuantizeLinear")))
+        self.new_nodes.append(helper.make_node("QuantizeLinear", [src, scale, zp], [q]))
         if out is None:
             return self.dq(base + ".dequantized", q, scale, zp, None)
         self.names.add(out)
-        self.new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [out],
-                                          name=self.unique(base + "/DequantizeLinear")))
+        self.new_nodes.append(helper.make_node("DequantizeLinear", [q, scale, zp], [out]))
         return out
 
     def drop_unused_initializers(self) -> None:
@@ -232,7 +260,8 @@ class _Graph:
                 else:
                     rest.append(n)
             if len(rest) == len(pending):
-                raise RuntimeError("int8 ONNX rewrite: the graph has a cycle or a dangling input")
+                missing = sorted({i for n in rest for i in n.input if i not in ready} - {o for n in rest for o in n.output})
+                raise RuntimeError(f"int8 ONNX rewrite: the graph has a cycle or a dangling input: {missing[:5]}")
             pending = rest
         del self.g.node[:]
         self.g.node.extend(ordered)
@@ -254,12 +283,19 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
 
 
 def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                     onnx_path: str | os.PathLike, dummy_input: torch.Tensor, **onnx_kwargs: Any) -> dict[str, Any]:
+                     onnx_path: str | os.PathLike, dummy_input: Any, weight_dtype: str = "int8",
+                     **onnx_kwargs: Any) -> dict[str, Any]:
     """Write the integer (QDQ, int8 weights) ONNX graph to ``onnx_path``; returns a per-layer summary
-    ``{layer: {'op', 'weight', 'input', 'output', 'bias'}}``. Nothing is left at ``onnx_path`` on error."""
+    ``{layer: {'op', 'weight', 'input', 'output', 'bias'}}``. Nothing is left at ``onnx_path`` on error.
+
+    ``weight_dtype='uint8'`` stores symmetric int8 weight codes ``c`` as uint8 ``c + 128`` with zero point 128
+    (the same dequantized values): onnxruntime then runs u8u8 kernels, which are exact on x86 CPUs with AVX2
+    but without VNNI, where its u8s8 kernels add pairs of products in saturating int16 (several % error on
+    layers with wide activations, e.g. ConvNeXt's and ViT's MLPs). ``'int8'`` (default) keeps int8 codes: the
+    fast path on VNNI / ARM and the form onnxruntime's own quantizer writes."""
     import onnx
 
-    wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
+    wrappers: list[QuantizerModuleWrapper] = [w for w in quantizer.get_modules_wrapper() if integer_kernel_layer(w)]
     params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
     proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
     model = onnx.load_from_string(proto)
@@ -341,12 +377,15 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if err > 1e-5 * max(1.0, float(np.max(np.abs(weight))) if weight.size else 1.0):
             raise RuntimeError(f"int8 ONNX export: layer {w.name!r}: the exported weight is not on its recorded grid "
                                f"(max error {err:.3g}); was the weight scale changed after the last forward?")
-        q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(qp["dtype"]))
+        dtype = qp["dtype"]
+        if weight_dtype == "uint8" and dtype == np.int8 and not np.any(z) and qp["qmin"] >= -127:
+            codes, z, dtype = codes + 128, np.full_like(z, 128), np.dtype(np.uint8)  # same values, u8u8 kernels
+        q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(dtype))
         s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
-        z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(qp["dtype"]))
+        z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(dtype))
         deq = graph.dq(f"{w.name}.weight_dequantized", q_name, s_name, z_name, axis)
         node.input[1] = deq
-        info["weight"] = f"{qp['dtype'].name}{' per-channel' if axis is not None else ''}"
+        info["weight"] = f"{dtype.name}{' per-channel' if axis is not None else ''}"
 
         # input: configured, or inherited through grid-preserving ops from a quantized output
         in_qp = params[w.name].get("input")

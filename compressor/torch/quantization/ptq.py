@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -61,6 +61,14 @@ PTQ_DEFAULTS = {"weight": ("int", "per_channel_symmetric"), "input": ("uint", "p
 _NO_DATA = "calibrate with at least one batch"
 
 
+def _describe(args: tuple, kwargs: dict[str, Any]) -> str:
+    def one(v: Any) -> str:
+        return f"shape {tuple(v.shape)}, dtype {v.dtype}" if torch.is_tensor(v) else type(v).__name__
+
+    parts = [one(a) for a in args] + [f"{k}: {one(v)}" for k, v in kwargs.items()]
+    return "; ".join(parts)
+
+
 class PtqQuantizer(QAT_Quantizer):
     """Post-training quantization: ``PtqQuantizer(model, config_list).calibrate(loader)``, then evaluate
     or ``export_model(...)``."""
@@ -82,6 +90,11 @@ class PtqQuantizer(QAT_Quantizer):
         self.dummy_input = dummy_input
         self._calibrating = False
         self._act_observers: dict[tuple[str, str], cobs.Observer] = {}
+        example = None
+        if dummy_input is not None:  # runs the model once where torch.fx cannot trace it (see .dataflow)
+            from ..onnx_io import model_inputs
+
+            example = model_inputs(dummy_input, what="PtqQuantizer")
         if not isinstance(share_ranges, bool):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
         # the three graph features need torch.fx; a model it cannot trace (most Hugging Face models) gets ONE
@@ -96,11 +109,11 @@ class PtqQuantizer(QAT_Quantizer):
         failed = None
         try:
             if bn_fold:
-                find_conv_bn_pairs(model)
+                find_conv_bn_pairs(model, example)
             if fuse_relu is True and not bn_fold:
-                find_relu_followers(model, folded=False)
+                find_relu_followers(model, folded=False, example=example)
             if share_ranges:
-                self._input_sources = find_input_sources(model, folded=bool(bn_fold))
+                self._input_sources = find_input_sources(model, folded=bool(bn_fold), example=example)
         except ConfigError as e:
             failed = str(e).split(": ", 1)[-1].split("); ")[0] + ")"
             bn_fold, fuse_relu, self._input_sources = False, (False if fuse_relu is True else fuse_relu), {}
@@ -109,10 +122,13 @@ class PtqQuantizer(QAT_Quantizer):
             what = {"bn_fold": "Conv2d -> BatchNorm2d pairs are quantized unfolded (bn_fold)",
                     "fuse_relu": "outputs feeding a ReLU are quantized before it (fuse_relu)",
                     "share_ranges": "each quantized input gets its own range (share_ranges)"}
-            warnings.warn(f"PtqQuantizer: {failed}; so {'; '.join(what[k] for k in lost)}. Pass "
-                          f"{', '.join(f'{k}=False' for k in lost)} to quantize so without this warning",
-                          ConfigWarning, stacklevel=2)
-        super().__init__(model, config_list, optimizer, bn_fold=bool(bn_fold), fuse_relu=fuse_relu)
+            hint = "" if example is not None else ("Pass dummy_input= (a model input) to find them by running "
+                                                   "the model once instead, or ")
+            warnings.warn(f"PtqQuantizer: {failed}; so {'; '.join(what[k] for k in lost)}. "
+                          f"{hint or 'Pass '}{', '.join(f'{k}=False' for k in lost)} to quantize so without this "
+                          f"warning", ConfigWarning, stacklevel=2)
+        super().__init__(model, config_list, optimizer, dummy_input=dummy_input, bn_fold=bool(bn_fold),
+                         fuse_relu=fuse_relu)
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
@@ -203,27 +219,58 @@ class PtqQuantizer(QAT_Quantizer):
             raise ConfigError(f"PtqQuantizer.calibrate: num_batches must be a positive int or None, got {num_batches!r}")
         if data is None:
             raise ConfigError(f"PtqQuantizer.calibrate: no data given; {_NO_DATA} (a DataLoader, an iterable of "
-                              f"tensors or (x, y) tuples, or one tensor)")
-        if torch.is_tensor(data):
+                              f"tensors, dicts or (x, y) tuples, or one tensor / dict)")
+        if torch.is_tensor(data) or isinstance(data, Mapping):
             data = [data]
         elif not isinstance(data, Iterable):
-            raise ConfigError(f"PtqQuantizer.calibrate: data must be a DataLoader, an iterable of batches or a "
-                              f"tensor, got {type(data).__name__}; {_NO_DATA}")
+            raise ConfigError(f"PtqQuantizer.calibrate: data must be a DataLoader, an iterable of batches, a tensor "
+                              f"or a dict of model inputs, got {type(data).__name__}; {_NO_DATA}")
         for i, batch in enumerate(data):
             if num_batches is not None and i >= num_batches:
                 return
-            if isinstance(batch, (tuple, list)):
-                if not batch:
-                    raise ModelError(f"PtqQuantizer.calibrate: batch {i} is an empty {type(batch).__name__}; "
-                                     f"expected {self._expected()}")
-                batch = batch[0]
-            yield i, batch
+            yield i, self._forward_inputs(i, batch)
+
+    def _forward_inputs(self, i: int, batch: Any) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` of the forward for one batch. The rule: a tensor is the one positional input; a
+        dict (or Hugging Face ``BatchEncoding``) holds keyword inputs; a tuple / list is ``(inputs, *targets)``
+        -- its first element is the input (a tensor, a dict, or a tuple of positional inputs), the rest (labels)
+        is ignored -- except when ``dummy_input`` is a tuple of n >= 2 positional inputs: then its first n
+        elements are the positional inputs."""
+        if torch.is_tensor(batch):
+            return (batch,), {}
+        if isinstance(batch, Mapping):
+            bad = [k for k in batch if not isinstance(k, str)]
+            if bad:
+                raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a dict with non-string keys {bad!r}; a dict "
+                                 f"batch maps the forward's keyword-argument names to inputs")
+            return (), dict(batch)
+        if isinstance(batch, (tuple, list)):
+            if not batch:
+                raise ModelError(f"PtqQuantizer.calibrate: batch {i} is an empty {type(batch).__name__}; "
+                                 f"expected {self._expected()}")
+            d = self.dummy_input
+            if isinstance(d, (tuple, list)) and len(d) >= 2:
+                if len(batch) < len(d):
+                    raise ModelError(f"PtqQuantizer.calibrate: batch {i} has {len(batch)} elements, dummy_input "
+                                     f"{len(d)} positional inputs; expected {self._expected()}")
+                return tuple(batch[: len(d)]), {}
+            first = batch[0]
+            if isinstance(first, (tuple, list)):
+                return tuple(first), {}
+            if torch.is_tensor(first) or isinstance(first, Mapping):
+                return self._forward_inputs(i, first)
+            batch = first
+        raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a {type(batch).__name__}, expected {self._expected()}")
 
     def _expected(self) -> str:
         d = self.dummy_input
         if torch.is_tensor(d):
             return f"a model input like dummy_input (shape {tuple(d.shape)}, dtype {d.dtype})"
-        return "a model input tensor (the x of (x, y) batches)"
+        if isinstance(d, Mapping):
+            return f"a dict of keyword inputs like dummy_input (keys {sorted(d)})"
+        if isinstance(d, (tuple, list)) and len(d) >= 2:
+            return f"a tuple of {len(d)} positional inputs like dummy_input"
+        return "a model input: a tensor, a dict of keyword inputs, or an (x, y) tuple"
 
     def calibrate(self, data: Any, num_batches: int | None = None) -> PtqQuantizer:
         """Observe ``data`` (DataLoader / iterable of tensors or ``(x, y, ...)`` tuples / one tensor; at most
@@ -242,16 +289,13 @@ class PtqQuantizer(QAT_Quantizer):
             model.eval()
             self._calibrating = True
             with torch.no_grad():
-                for i, x in self._batches(data, num_batches):
-                    if not torch.is_tensor(x):
-                        raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a {type(x).__name__}, expected "
-                                         f"{self._expected()}")
+                for i, (args, kwargs) in self._batches(data, num_batches):
                     try:
-                        model(x)
+                        model(*args, **kwargs)
                     except Exception as e:  # noqa: BLE001  (any failure of the user's model on this batch)
                         raise ModelError(
-                            f"PtqQuantizer.calibrate: batch {i} (shape {tuple(x.shape)}, dtype {x.dtype}) failed in "
-                            f"the model; expected {self._expected()}: {type(e).__name__}: {e}") from e
+                            f"PtqQuantizer.calibrate: batch {i} ({_describe(args, kwargs)}) failed in the model; "
+                            f"expected {self._expected()}: {type(e).__name__}: {e}") from e
                     seen += 1
             if seen == 0:
                 raise ConfigError(f"PtqQuantizer.calibrate: the data yielded no batch; {_NO_DATA}")
@@ -327,6 +371,6 @@ class PtqQuantizer(QAT_Quantizer):
             raise RuntimeError(f"PtqQuantizer.export_model: not calibrated ({', '.join(missing)} have no scale); "
                                f"call quantizer.calibrate(data) first; nothing was written")
         if onnx_path is not None and input_shape is None and "dummy_input" not in onnx_kwargs \
-                and torch.is_tensor(self.dummy_input):
+                and self.dummy_input is not None:
             onnx_kwargs["dummy_input"] = self.dummy_input
         return super().export_model(model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)

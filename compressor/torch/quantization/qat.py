@@ -62,8 +62,14 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
             raise ConfigError(f"{type(self).__name__}: fuse_relu must be True or False, got {fuse_relu!r}")
         self.ema_decay = float(ema_decay)
         fold = bn_fold if bn_fold is not None else dummy_input is not None
-        self._bn = BNFolding(model) if fold else None  # finds Conv2d -> BatchNorm2d pairs (model untouched)
-        relu_followers = find_relu_followers(model, folded=self._bn is not None) if fuse_relu else set()
+        example = None
+        if dummy_input is not None:  # runs the model once where torch.fx cannot trace it (see .dataflow)
+            from ..onnx_io import model_inputs
+
+            example = model_inputs(dummy_input, what=type(self).__name__)
+        # finds Conv2d -> BatchNorm2d pairs (model untouched)
+        self._bn = BNFolding(model, example) if fold else None
+        relu_followers = find_relu_followers(model, folded=self._bn is not None, example=example) if fuse_relu else set()
         super().__init__(model, config_list, optimizer)
         for w in self._wrappers:
             w.fused_relu = w.name in relu_followers and "output" in w.quant_types

@@ -28,6 +28,18 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
+def _is_hf_conv1d(layer: nn.Module) -> bool:
+    from ..layout import is_hf_conv1d
+
+    return is_hf_conv1d(layer)
+
+
+def _is_hf_conv1d(layer: nn.Module) -> bool:
+    from ..layout import is_hf_conv1d
+
+    return is_hf_conv1d(layer)
+
+
 def weight_channel_axis(layer: nn.Module) -> int:
     """Axis of the output channels in ``layer.weight`` (1 for transposed convolutions and HF Conv1D,
     whose weight is stored ``[in, out]``; else 0). See :mod:`compressor.torch.layout`."""
@@ -88,6 +100,8 @@ class QuantizerModuleWrapper(ReadThrough):
             self._fn = "linear"
         elif kind in _CONV:
             self._fn = "conv"
+        elif _is_hf_conv1d(layer):
+            self._fn = "conv1d"  # HF GPT-2's Conv1D: weight [in, out], y = x @ W + b
         else:
             self._fn = "generic"
         self._weight_path = "weight"
@@ -191,6 +205,12 @@ class QuantizerModuleWrapper(ReadThrough):
             return F.linear(inputs[0], weight, self.bias if bias is None else bias)
         if self._fn == "conv" and not kwargs:
             return layer._conv_forward(inputs[0], weight, self.bias if bias is None else bias)
+        if self._fn == "conv1d" and not kwargs:  # Conv1D.forward with another weight (traceable: no functional_call)
+            x = inputs[0]
+            b = self.bias if bias is None else bias
+            y = torch.addmm(b, x.reshape(-1, x.shape[-1]), weight) if b is not None else x.reshape(
+                -1, x.shape[-1]) @ weight
+            return y.reshape(*x.shape[:-1], weight.shape[-1])
         params = {self._weight_path: weight}
         if bias is not None:
             params[self._weight_path[: -len("weight")] + "bias"] = bias
