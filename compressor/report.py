@@ -9,7 +9,7 @@ Reads, without needing the model's Python class:
   BatchNormalization gamma), layer paths as the TF backend names them (``block1/conv``);
 * ``.npz`` archives of weights (``{layer: array}``);
 * deployable artifacts, read as the runtime gets them: ONNX (``.onnx``; an integer QDQ export's int8 weight
-  codes appear as int8 rows, its float weights as float rows) and TFLite flatbuffers (``.tflite``; the
+  codes appear as int8 rows (also when stored as uint8 + 128), its float weights as float rows) and TFLite flatbuffers (``.tflite``; the
   weight operand of every CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL op, int8 in a
   full-integer model). Zero codes (code == zero point) count as pruned weights.
 
@@ -178,7 +178,10 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
             codes = numpy_helper.to_array(inits[dq.input[0]])
             zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] in inits else None
             name, arr = dq.input[0], codes
-            if zp is not None and np.any(zp != 0):  # keep zero codes = zero weights
+            if codes.dtype == np.uint8 and zp is not None and zp.dtype == np.uint8 and np.all(zp == 128):
+                # symmetric int8 codes stored as uint8 + 128 (exact u8u8 kernels, see compressor.core.cpu)
+                arr = (codes.astype(np.int16) - 128).astype(np.int8)
+            elif zp is not None and np.any(zp != 0):  # keep zero codes = zero weights
                 axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
                 shape = [1] * codes.ndim
                 if zp.ndim:

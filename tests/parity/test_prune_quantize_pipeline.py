@@ -97,8 +97,11 @@ def test_torch_prune_speedup_ptq_onnx(tmp_path):
     from torch import nn
 
     import compressor.torch as cth
+    from compressor.core.cpu import exact_onnx_weight_dtype
 
     from ._pipeline_models import Res
+
+    W8 = exact_onnx_weight_dtype()  # int8 codes, or the same codes + 128 where u8s8 kernels saturate
 
     torch.manual_seed(0)
     model = Res().eval()
@@ -136,9 +139,9 @@ def test_torch_prune_speedup_ptq_onnx(tmp_path):
                                                            "--model-fn", "tests.parity._pipeline_models:torch_small",
                                                            "--input-shape", f"1,3,{HW},{HW}"])
 
-    # integer weights in the artifact: every conv / gemm weight initializer is int8
+    # integer weights in the artifact: every conv / gemm weight initializer is 8-bit
     graph = onnx.load(str(path)).graph
-    int8 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT8}
+    int8 = {i.name for i in graph.initializer if i.data_type == getattr(onnx.TensorProto, W8.upper())}
     weights = [n.input[1] for n in graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
     producers = {o: n for n in graph.node for o in n.output}
     for w in weights:  # Conv <- DequantizeLinear(int8 initializer)

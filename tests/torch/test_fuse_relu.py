@@ -68,9 +68,14 @@ def test_untraceable_model_is_a_clear_error_for_qat_and_a_warning_for_ptq():
     with pytest.raises(ConfigError, match="fuse_relu.*torch.fx.*use fuse_relu=False"):
         QAT_Quantizer(Branchy(), cfg, fuse_relu=True)
     with pytest.warns(UserWarning, match=r"cannot be traced with torch.fx .*; so outputs feeding a ReLU are quantized "
-                                         r"before it \(fuse_relu\)\. Pass fuse_relu=False"):
+                                         r"before it \(fuse_relu\)\. Pass dummy_input= .* or fuse_relu=False"):
         q = PtqQuantizer(Branchy(), cfg, bn_fold=False)
     assert [w.fused_relu for w in q.get_modules_wrapper()] == [False]
+    # with a model input the ReLU users are found by running the model once: no warning, the ReLU is fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = PtqQuantizer(Branchy(), cfg, bn_fold=False, dummy_input=torch.ones(2, 3))
+    assert [w.fused_relu for w in q.get_modules_wrapper()] == [True]
     with pytest.raises(ConfigError, match="fuse_relu must be True or False"):
         QAT_Quantizer(Branchy(), cfg, fuse_relu="yes")
 

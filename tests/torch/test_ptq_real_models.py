@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from compressor.core.cpu import exact_onnx_weight_dtype
 from compressor.torch import PtqQuantizer
 
 pytestmark = pytest.mark.torch
@@ -160,7 +161,7 @@ def check_int8(arch, tmp_path, q, path, float_model, smaller=True):
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in saved.graph.initializer}
     integer = [w for w in q.get_modules_wrapper() if w.name + ".weight_quantized" in inits]
     for w in integer:
-        assert inits[f"{w.name}.weight_quantized"].dtype == np.int8, w.name
+        assert inits[f"{w.name}.weight_quantized"].dtype == np.dtype(exact_onnx_weight_dtype()), w.name
     ops = optimized_ops(path, tmp_path)
     assert "BatchNormalization" not in ops and "BatchNormalization" not in [n.op_type for n in saved.graph.node]
     n_int = sum(op in INTEGER_OPS for op in ops)

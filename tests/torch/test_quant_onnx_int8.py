@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from compressor.core.cpu import exact_onnx_weight_dtype
 from compressor.torch import QAT_Quantizer
 
 pytestmark = pytest.mark.torch
@@ -115,7 +116,8 @@ def test_int8_onnx_runs_integer_kernels(name, tmp_path):
     # weights are stored as 8-bit integers (+ DequantizeLinear), per channel on the output axis
     saved = onnx.load(str(path))
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in saved.graph.initializer}
-    want_dtype = np.int8 if schemes is not None else np.uint8
+    # symmetric weights: int8 codes, or the same codes + 128 as uint8 where u8s8 kernels saturate (core.cpu)
+    want_dtype = np.dtype(exact_onnx_weight_dtype()) if schemes is not None else np.uint8
     for w in q.get_modules_wrapper():
         codes = inits[f"{w.name}.weight_quantized"]
         assert codes.dtype == want_dtype and codes.shape == tuple(w.weight.shape)
@@ -156,8 +158,8 @@ def test_int8_onnx_bias_is_int32_on_the_product_scale(tmp_path):
         want = (w.input_scale * w.weight_scale).numpy()
         np.testing.assert_allclose(scale, want, rtol=1e-6)
         np.testing.assert_allclose(codes * scale, w.bias.detach().numpy(), atol=float(scale.max()))
-    assert q.onnx_int8_summary["fc2"] == {"op": "Gemm", "output": True, "weight": "int8 per-channel", "input": True,
-                                          "bias": "int32"}
+    assert q.onnx_int8_summary["fc2"] == {"op": "Gemm", "output": True, "input": True, "bias": "int32",
+                                          "weight": f"{exact_onnx_weight_dtype()} per-channel"}
 
 
 def test_export_before_any_forward_is_refused(tmp_path):

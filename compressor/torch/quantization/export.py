@@ -91,9 +91,13 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
     if onnx_path is not None and input_shape is None and dummy_input is None:
         raise ValueError("export_model: onnx_path needs input_shape (or dummy_input)")
     fmt = onnx_kwargs.pop("onnx_format", "auto")
-    weight_dtype = onnx_kwargs.pop("onnx_weight_dtype", "int8")
-    if weight_dtype not in ("int8", "uint8"):
-        raise ValueError(f"export_model: onnx_weight_dtype must be 'int8' or 'uint8', got {weight_dtype!r}")
+    weight_dtype = onnx_kwargs.pop("onnx_weight_dtype", "auto")
+    if weight_dtype not in ("auto", "int8", "uint8"):
+        raise ConfigError(f"export_model: onnx_weight_dtype must be 'auto', 'int8' or 'uint8', got {weight_dtype!r}")
+    if weight_dtype == "auto":  # exact integer kernels on THIS machine (see compressor.core.cpu)
+        from ...core.cpu import exact_onnx_weight_dtype
+
+        weight_dtype = exact_onnx_weight_dtype()
     if fmt not in ("auto", "int8", "fake_quant"):
         raise ValueError(f"export_model: onnx_format must be 'auto', 'int8' or 'fake_quant', got {fmt!r}")
     if onnx_path is not None and fmt != "fake_quant":

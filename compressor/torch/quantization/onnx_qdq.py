@@ -291,7 +291,7 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     ``weight_dtype='uint8'`` stores symmetric int8 weight codes ``c`` as uint8 ``c + 128`` with zero point 128
     (the same dequantized values): onnxruntime then runs u8u8 kernels, which are exact on x86 CPUs with AVX2
     but without VNNI, where its u8s8 kernels add pairs of products in saturating int16 (several % error on
-    layers with wide activations, e.g. ConvNeXt's and ViT's MLPs). ``'int8'`` (default) keeps int8 codes: the
+    layers with wide activations, e.g. ConvNeXt's and ViT's MLPs). ``'int8'`` keeps int8 codes: the
     fast path on VNNI / ARM and the form onnxruntime's own quantizer writes."""
     import onnx
 
