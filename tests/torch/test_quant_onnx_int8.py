@@ -151,10 +151,12 @@ def test_int8_onnx_bias_is_int32_on_the_product_scale(tmp_path):
     model, _, q = trained(("weight", "input", "output"), steps=3)
     path = tmp_path / "int8.onnx"
     q.export_model(tmp_path / "m.pt", onnx_path=path, input_shape=(2, 3, 32, 32))
-    inits = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
     for w in q.get_modules_wrapper():
-        codes, scale = inits[f"{w.name}.bias_quantized"], inits[f"{w.name}.bias_scale"]
-        assert codes.dtype == np.int32 and inits[f"{w.name}.bias_zero_point"].dtype == np.int32
+        dq = next(n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == f"{w.name}.bias_quantized")
+        codes, scale = inits[dq.input[0]], inits[dq.input[1]]
+        assert codes.dtype == np.int32 and inits[dq.input[2]].dtype == np.int32
         want = (w.input_scale * w.weight_scale).numpy()
         np.testing.assert_allclose(scale, want, rtol=1e-6)
         np.testing.assert_allclose(codes * scale, w.bias.detach().numpy(), atol=float(scale.max()))
