@@ -168,13 +168,43 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)
                 return prog.model_proto.SerializeToString()
-            torch.onnx.export(model, args, buf, **kwargs)
+            try:
+                torch.onnx.export(model, args, buf, **kwargs)
+            except torch.onnx.errors.UnsupportedOperatorError:
+                # an op the TorchScript exporter lacks (e.g. aten::diff in transformers' mask code when no
+                # attention_mask is given): the dynamo exporter, same dynamic axes
+                if "dynamo" in onnx_kwargs:
+                    raise
+                return _export_dynamo(model, args, kwargs)
     finally:
         for w in wrappers:
             w.export_mode = False
             w._export_weight = w._export_bias = None
             w._export_plan = w._export_qparams = None
     return buf.getvalue()
+
+
+def _export_dynamo(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bytes:
+    """The dynamo exporter with the TorchScript call's settings: its dynamic axes become dynamic shapes."""
+    from ..onnx_io import dynamic_shapes_for
+
+    forward_kwargs = kwargs.get("kwargs") or {}
+    out = {k: v for k, v in kwargs.items()
+           if k not in ("dynamo", "input_names", "dynamic_axes", "training", "do_constant_folding", "kwargs")}
+    out.update({"dynamo": True, "external_data": False, "verbose": False, "opset_version": 18})
+    # torch.export specialises an axis of size 1: trace a batch of 2 (the rows repeated) so batch stays dynamic
+    def two(t: Any) -> Any:
+        return t.repeat(2, *([1] * (t.dim() - 1))) if torch.is_tensor(t) and t.dim() and t.shape[0] == 1 else t
+
+    args = tuple(two(a) for a in args)
+    forward_kwargs = {k: two(v) for k, v in forward_kwargs.items()}
+    if forward_kwargs:
+        out["kwargs"] = forward_kwargs
+    shapes = dynamic_shapes_for(model, args, forward_kwargs)
+    if shapes is not None:
+        out["dynamic_shapes"] = shapes
+    prog = torch.onnx.export(model, args, **out)
+    return prog.model_proto.SerializeToString()
 
 
 class _Graph:
@@ -283,7 +313,7 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
 
 
 def _compact_value_names(model: Any) -> None:
-    """Short names for the intermediate tensors and no node names. The exporters name every value after its
+    """Short names for the intermediate tensors, no node names and no per-node metadata. The exporters name every value after its
     module path, and each name is stored once per producer and consumer: on a small Hugging Face model that
     was 60 % of the int8 file. Graph inputs/outputs and the integer weight and bias codes (``<layer>.weight_quantized``,
     ``<layer>.bias_quantized``: what ``compressor report`` and users look up; their scales are the
@@ -292,6 +322,9 @@ def _compact_value_names(model: Any) -> None:
     g = model.graph
     if any(a.type in (a.GRAPH, a.GRAPHS) for n in g.node for a in n.attribute):
         return
+    for n in g.node:  # the dynamo exporter's per-node stack traces / module paths (80 % of a GPT-2 file)
+        del n.metadata_props[:]
+        n.doc_string = ""
     keep = {i.name for i in g.input} | {o.name for o in g.output} | {""}
     mapping: dict[str, str] = {}
     for init in g.initializer:  # scales, zero points, float constants: short names; codes keep theirs
