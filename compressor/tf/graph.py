@@ -47,7 +47,7 @@ from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
 from .compressor import iter_layers
 
-__all__ = ["build_graph", "is_graph_model", "walkable"]
+__all__ = ["build_graph", "is_graph_model", "output_producers", "walkable"]
 
 _CONV = ("Conv1D", "Conv2D", "Conv3D", "Convolution1D", "Convolution2D", "Convolution3D")
 _DEPTHWISE = ("DepthwiseConv1D", "DepthwiseConv2D")
@@ -496,3 +496,18 @@ def _param_count(layer: Any) -> int:
     statistics (buffers on torch), so both backends report one number for the same model."""
     return sum(int(np.prod(w.shape)) for w in layer.weights
                if not any(str(getattr(w, "path", w.name)).endswith(s) for s in _STATISTICS))
+
+
+def output_producers(model: Any) -> set[str]:
+    """Paths of the conv / linear layers whose output channels reach a model output (the classifier, or
+    the convs of a residual stream that is the output): their filters are the model's outputs."""
+    graph, _ = build_graph(model)
+    cls = graph.classes()
+    at_output: set[int] = set()
+    for n in graph.nodes:
+        if n.kind == "output":
+            for i in n.inputs:
+                b = graph.offset[i]
+                at_output.update(cls[b + j] for j in range(graph.by_name[i].channels))
+    return {n.layer for n in graph.nodes if n.layer is not None and n.kind in ("conv", "linear")
+            and any(cls[graph.offset[n.name] + j] in at_output for j in range(n.channels))}

@@ -31,6 +31,7 @@ wrappers, state variables (``<type>_scale``, ``<type>_zero_point``, ``tracked_mi
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
@@ -49,6 +50,8 @@ from .settings import QuantSpec, resolve_spec
 from .wrapper import QuantizerLayerWrapper
 
 __all__ = ["PtqQuantizer"]
+
+_log = logging.getLogger("compressor.tf.ptq")
 
 _NO_DATA = "calibrate with at least one batch"
 _FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
@@ -96,6 +99,30 @@ class PtqQuantizer(QAT_Quantizer):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
         self.share_ranges = share_ranges
         super().__init__(model, config_list, optimizer, ema_decay=ema_decay, fuse_relu=fuse_relu)
+
+    def _substitute_layers(self, selected: list[tuple[Any, dict[str, Any]]], layers: list[Any],
+                           by_name: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+        """A selected ``MultiHeadAttention`` is quantized through its projections: its ``query`` / ``key`` /
+        ``value`` / ``attention_output`` EinsumDense sub-layers are wrapped with its config (input, weight and
+        output like a Dense; TFLite runs them as int8 FULLY_CONNECTED / BATCH_MATMUL). The attention
+        scores and softmax stay the converter's. Needs a built layer (ConfigError otherwise)."""
+        import keras
+
+        chosen = {info.name for info, _ in selected}
+        out: list[tuple[Any, dict[str, Any]]] = []
+        for info, cfg in selected:
+            layer = by_name[info.name]
+            if not isinstance(layer, keras.layers.MultiHeadAttention):
+                out.append((info, cfg))
+                continue
+            subs = [i for i in layers if i.name.startswith(info.name + "/") and i.type == "EinsumDense"]
+            if not layer.built or not subs:
+                raise ConfigError(f"{type(self).__name__}: layer {info.name!r} (MultiHeadAttention) is quantized "
+                                  f"through its EinsumDense projections, which do not exist until it is built; "
+                                  f"build the model first (call it on data or give it keras.Input)")
+            out.extend((i, cfg) for i in subs if i.name not in chosen)
+            chosen.update(i.name for i in subs)
+        return super()._substitute_layers(out, layers, by_name)
 
     def shared_inputs(self) -> dict[str, str]:
         """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
@@ -243,7 +270,7 @@ class PtqQuantizer(QAT_Quantizer):
                                      f"{x.dtype.name} (expected input shape {self._expected_shape()}): {e}") from None
                 seen += 1
                 if len(samples) < self.keep_batches:
-                    samples.append(np.asarray(x.numpy(), np.float32))
+                    samples.append(x.numpy())  # each input keeps its dtype (token ids stay int32)
             if seen == 0:
                 raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
             self._observing = None
@@ -399,8 +426,7 @@ class PtqQuantizer(QAT_Quantizer):
             for w, value in exported:
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
-                self.bound_model.export(d, format="tf_saved_model", verbose=False)
-                blob = _converter(d, representative_dataset, in_type, out_type).convert()
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
         finally:
             for var, value in originals:
                 var.assign(value)
@@ -418,13 +444,48 @@ class PtqQuantizer(QAT_Quantizer):
         self._retrace()
         try:
             with tempfile.TemporaryDirectory() as d:
-                self.bound_model.export(d, format="tf_saved_model", verbose=False)
-                blob = _converter(d, representative_dataset, in_type, out_type).convert()
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
         finally:
             self._clip_export = False
             self._retrace()
         with open(path, "wb") as f:
             f.write(blob)
+
+
+def _saved_model_signature(model: Any) -> Any:
+    """The export signature: the model's own (dynamic batch), or batch 1 when a recurrent layer needs a
+    static batch for TFLite (its state tensors' shape)."""
+    import keras
+
+    if not any(isinstance(layer, keras.layers.RNN) for layer in _all_layers(model)):
+        return None
+    inputs = list(getattr(model, "inputs", None) or [])
+    if not inputs:
+        return None
+    specs = [tf.TensorSpec((1, *t.shape[1:]), t.dtype, name=getattr(t, "name", None)) for t in inputs]
+    return [specs[0]] if len(specs) == 1 else [specs]
+
+
+def _all_layers(model: Any) -> list[Any]:
+    out, stack = [], list(getattr(model, "layers", []))
+    while stack:
+        layer = stack.pop()
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    return out
+
+
+def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any, out_type: Any) -> bytes:
+    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer (logs the conversion's start and time:
+    it takes tens of seconds on real models)."""
+    import time
+
+    t0 = time.perf_counter()
+    _log.info("PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
+    model.export(workdir, format="tf_saved_model", verbose=False, input_signature=_saved_model_signature(model))
+    blob = _converter(workdir, representative_dataset, in_type, out_type).convert()
+    _log.info("PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
+    return blob
 
 
 def _converter(saved_model: str, representative_dataset: Any, in_type: Any, out_type: Any) -> Any:
