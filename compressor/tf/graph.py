@@ -314,7 +314,10 @@ class _Builder:
         shape = out_shapes[0]
         c = _channels(shape)
         node = Node(name, "other", list(ins), c, layer=path, op=cls, params=params)
-        if not isinstance(op, keras.layers.Layer) or any(_channels(s) == 0 for s in in_shapes) or c == 0:
+        if any(_channels(s) == 0 for s in in_shapes) or c == 0:
+            return [self.add(node)]
+        if not isinstance(op, keras.layers.Layer):
+            _classify_operation(kn, node, in_shapes, shape)
             return [self.add(node)]
         if isinstance(op, keras.layers.MultiHeadAttention) and path is not None:
             out = self.attention(op, name, path, ins, in_shapes, shape, params)
@@ -429,6 +432,71 @@ class _Builder:
             if act is not None:
                 out = self.add(act)
         return [out]
+
+
+#: keras.ops functions applied per element (activations written as functions: ``keras.ops.relu6(x)``)
+ELEMENTWISE_OPS = frozenset((
+    "relu", "relu6", "elu", "selu", "gelu", "silu", "swish", "tanh", "sigmoid", "hardsigmoid", "hardsilu",
+    "hardswish", "softplus", "softsign", "exp", "leakyrelu", "mish", "celu", "logsigmoid", "sparseplus",
+    "squareplus", "tanhshrink", "hardtanh", "softshrink", "hardshrink", "sparsesigmoid", "threshold",
+    "abs", "absolute", "negative", "square", "sqrt", "sign", "clip", "round", "floor", "ceil", "erf",
+    "cast", "identity", "stopgradient",
+))
+#: binary keras.ops: with a scalar operand they act per element; with two tensors, the rule of the zero
+#: analysis (add: zero when every input is, multiply: when any is)
+BINARY_OPS = {"add": "all", "subtract": "all", "maximum": "all", "minimum": "all", "multiply": "any",
+              "divide": None, "truedivide": None, "power": None}
+
+
+def _is_scalar(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, np.number)):
+        return True
+    if isinstance(v, keras.KerasTensor):
+        return False
+    try:
+        return int(np.size(keras.ops.convert_to_numpy(v))) == 1
+    except Exception:  # noqa: BLE001 - not a constant we can read
+        return False
+
+
+def _zero_maps_to_zero(kn: Any) -> bool:
+    """Evaluate the op on zeros in place of its tensor arguments (its constants as they are)."""
+    def zero(v: Any) -> Any:
+        if isinstance(v, keras.KerasTensor):
+            return np.zeros([1 if d is None else int(d) for d in v.shape], v.dtype or "float32")
+        return v
+
+    try:
+        args = keras.tree.map_structure(zero, kn.arguments.args)
+        kwargs = keras.tree.map_structure(zero, kn.arguments.kwargs)
+        out = keras.ops.convert_to_numpy(kn.operation(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - an op we cannot evaluate is not assumed zero-preserving
+        return False
+    return bool(np.all(np.asarray(out) == 0))
+
+
+def _classify_operation(kn: Any, node: Node, in_shapes: list[Any], shape: Any) -> None:
+    """A keras.ops call in a Functional graph (``x + 3``, ``x * (1 / 6)``, ``keras.ops.relu6(x)``): an
+    ``activation`` when it acts per element (a unary element-wise op, or a binary one with a scalar
+    operand; ``zero_preserving`` evaluated on zeros), ``elementwise`` for a binary op on two tensors of the
+    output's rank; otherwise it stays ``other``."""
+    kind = type(kn.operation).__name__.lower().replace("_", "")
+    args = list(getattr(getattr(kn, "arguments", None), "args", ()) or ())
+    tensors = [a for a in args if isinstance(a, keras.KerasTensor)]
+    if len(in_shapes) != len(tensors) or any(len(s) != len(shape) for s in in_shapes):
+        return
+    if kind in ELEMENTWISE_OPS and len(tensors) == 1 and _channels(in_shapes[0]) == node.channels:
+        node.kind = "activation"
+    elif kind in BINARY_OPS and len(args) == 2:
+        if len(tensors) == 1 and _is_scalar(args[1 - args.index(tensors[0])]) \
+                and _channels(in_shapes[0]) == node.channels:
+            node.kind = "activation"
+        elif len(tensors) == 2 and BINARY_OPS[kind] is not None:
+            node.kind = "elementwise"
+            node.attrs["zero"] = BINARY_OPS[kind]
+            return
+    if node.kind == "activation":
+        node.attrs["zero_preserving"] = _zero_maps_to_zero(kn)
 
 
 def _mha_parts(op: Any) -> dict[str, Any] | None:

@@ -466,6 +466,40 @@ def _saved_model_signature(model: Any) -> Any:
     return [specs[0]] if len(specs) == 1 else [specs]
 
 
+def _unrolled(model: Any) -> Any:
+    """``model`` with its recurrent layers unrolled (a clone sharing every other layer): TFLite's int8
+    calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain int8
+    FULLY_CONNECTED ops. Needs a fixed sequence length (a ConfigError names the layer otherwise)."""
+    import keras
+
+    from ..compressor import WRAPPER_PREFIX
+
+    rnns = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.RNN) and not layer.unroll
+            and not any(k.startswith(WRAPPER_PREFIX) for k in vars(layer))]
+    if not rnns:
+        return model
+    for layer in rnns:
+        steps = [node.input_tensors[0].shape[1] for node in getattr(layer, "_inbound_nodes", [])]
+        if not steps or any(t is None for t in steps):
+            raise ConfigError(f"PtqQuantizer.export_model: recurrent layer {layer.name!r} ({type(layer).__name__}) "
+                              f"runs over a sequence of unknown length; the full-integer TFLite export unrolls it "
+                              f"and needs a fixed length: give the model keras.Input((length, ...))")
+    new: dict[int, Any] = {}
+
+    def clone(layer: Any) -> Any:
+        if not any(layer is r for r in rnns):
+            return layer
+        copy = type(layer).from_config({**layer.get_config(), "unroll": True})
+        new[id(copy)] = layer
+        return copy
+
+    out = keras.models.clone_model(model, clone_function=clone)
+    for layer in _all_layers(out):
+        if id(layer) in new:
+            layer.set_weights(new[id(layer)].get_weights())
+    return out
+
+
 def _all_layers(model: Any) -> list[Any]:
     out, stack = [], list(getattr(model, "layers", []))
     while stack:
@@ -482,7 +516,8 @@ def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any
 
     t0 = time.perf_counter()
     _log.info("PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
-    model.export(workdir, format="tf_saved_model", verbose=False, input_signature=_saved_model_signature(model))
+    signature = _saved_model_signature(model)
+    _unrolled(model).export(workdir, format="tf_saved_model", verbose=False, input_signature=signature)
     blob = _converter(workdir, representative_dataset, in_type, out_type).convert()
     _log.info("PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
     return blob
