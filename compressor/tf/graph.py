@@ -7,7 +7,8 @@ zero analysis and what speedup removes are core's. Keras' channel axis is the la
 
 Translation
 -----------
-* Conv1D/2D/3D ``conv`` (``groups > 1``: ``group_conv``); Dense and EinsumDense acting on the last axis
+* Conv1D/2D/3D ``conv`` (``groups > 1``: ``group_conv``; ``groups == in_channels`` with ``filters`` a multiple
+  of it, as ConvNeXt writes its depthwise convs: ``depthwise`` with ``multiplier = filters // groups``); Dense and EinsumDense acting on the last axis
   only ``linear``; DepthwiseConv1D/2D ``depthwise`` (``multiplier`` = ``depth_multiplier``); Embedding
   ``embedding``; BatchNormalization over the last axis ``norm`` (inference semantics).
 * A layer's fused ``activation`` becomes a separate node after the layer (``<node>:activation``, no
@@ -23,6 +24,9 @@ Translation
   channel j of the output is channel j of every input).
 * Flatten: ``flatten`` (``order='channels_last'``, ``positions`` = spatial size); Reshape: as
   :func:`~compressor.core.graph.classify_reshape` says (kept only if the channel axis ends last).
+* keras.ops calls (``x + 3``, ``x * (1 / 6)``, ``keras.ops.relu6(x)``: hard-sigmoid / hard-swish written as
+  functions): unary element-wise ops and binary ops with a scalar operand ``activation`` (``f(0) == 0``
+  evaluated), binary ops on two tensors ``elementwise``; other ops ``other``.
 * Anything else (LayerNormalization, GroupNormalization, SeparableConv, attention, non-layer ops,
   unknown layers, ``channels_first`` layers, weighted layers called more than once): ``other``
   (``op`` = class name): core never cuts through it.
@@ -334,7 +338,12 @@ class _Builder:
             node.macs = conv_macs(cout, cin, groups, k, _prod(shape[2:]) if cf else positions)
             if not cf:
                 node.kind = "conv" if groups == 1 else "group_conv"
-                node.attrs["dead"] = _dead_filters(_np(op.kernel), _var_np(op, "bias") if op.use_bias else None)
+                bias = _var_np(op, "bias") if op.use_bias else None
+                node.attrs["dead"] = _dead_filters(_np(op.kernel), bias)
+                if groups > 1 and groups == cin and cout % cin == 0:  # Conv2D(groups=C): a depthwise conv
+                    node.kind = "depthwise"
+                    node.attrs["multiplier"] = cout // cin
+                    node.attrs["passes_zero"] = [True] * c if bias is None else [bool(b == 0) for b in bias]
                 fused = op.activation
         elif cls == "Dense" or (cls == "EinsumDense" and _einsum_is_linear(op)):
             kernel = _np(op.kernel)

@@ -188,6 +188,12 @@ def _slice_kernel_bias(layer: Any, entry: dict[str, Any], out_key: str) -> tuple
 
 
 def _slice_conv(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    groups = int(getattr(layer, "groups", 1) or 1)
+    if groups > 1:  # depthwise written as Conv(groups=C): kernel [k..., 1, C * m], one group per input channel
+        ws = layer.get_weights()
+        o = _idx(entry.get("out"), int(layer.filters))
+        i = _idx(entry.get("in"), groups)
+        return {"filters": len(o), "groups": len(i)}, [np.take(w, o, axis=-1) if w.ndim >= 2 else w[o] for w in ws]
     return _slice_kernel_bias(layer, entry, "filters")
 
 
