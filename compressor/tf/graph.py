@@ -266,7 +266,7 @@ class _Builder:
 
     # -- attention -------------------------------------------------------------------------------------------
     def attention(self, op: Any, name: str, path: str, ins: list[str], in_shapes: list[Any], shape: Any,
-                  params: int) -> str | None:
+                  params: int, kn_shapes: dict[str, Any]) -> str | None:
         """MultiHeadAttention as an ``attention`` node (its context: ``heads x value_dim`` channels, a head
         dead when its value kernel and bias are zero) followed by an internal ``linear`` node (the output
         projection; no layer of its own: its output channels are never cut). Query, value and key must
@@ -280,11 +280,8 @@ class _Builder:
             return None
         vk, vb = parts["value"]
         dead = _dead_filters(vk.reshape(vk.shape[0], h * dv), None if vb is None else vb.reshape(-1))
-        seq = int(shape[-2]) if shape[-2] is not None else 1
         positions = _prod(shape[1:-1])
-        dk = int(parts["query"][0].shape[2])
-        macs = (linear_macs(cin, h * dk, positions) * 2 + linear_macs(int(vk.shape[0]), h * dv, positions)
-                + seq * positions * h * (dk + dv))
+        macs = mha_macs(op, kn_shapes) - linear_macs(h * dv, int(shape[-1]), positions)  # output: its own node
         first = ins[0]
         node = self.add(Node(name, "attention", [first], h * dv, layer=path, op=type(op).__name__,
                              attrs={"heads": h, "head_dim": dv, "dead": dead}, params=params, macs=macs))
@@ -323,10 +320,15 @@ class _Builder:
         if not isinstance(op, keras.layers.Layer):
             _classify_operation(kn, node, in_shapes, shape)
             return [self.add(node)]
-        if isinstance(op, keras.layers.MultiHeadAttention) and path is not None:
-            out = self.attention(op, name, path, ins, in_shapes, shape, params)
-            if out is not None:
-                return [out]
+        if isinstance(op, keras.layers.MultiHeadAttention):
+            shapes = _mha_shapes(kn)
+            if path is not None:
+                out = self.attention(op, name, path, ins, in_shapes, shape, params, shapes)
+                if out is not None:
+                    return [out]
+            node.macs = mha_macs(op, shapes)
+        if isinstance(op, keras.layers.RNN) or cls == "Bidirectional":
+            node.macs = rnn_macs(op, in_shapes[0])
         fused = None
         cf = getattr(op, "data_format", "channels_last") == "channels_first"
         positions = _prod(shape[1:-1])
@@ -506,6 +508,59 @@ def _classify_operation(kn: Any, node: Node, in_shapes: list[Any], shape: Any) -
             return
     if node.kind == "activation":
         node.attrs["zero_preserving"] = _zero_maps_to_zero(kn)
+
+
+def _mha_shapes(kn: Any) -> dict[str, Any]:
+    """Shapes of a MultiHeadAttention call's query / value / key (key defaults to value) and output."""
+    args = list(kn.arguments.args)
+    kwargs = dict(kn.arguments.kwargs)
+    names = ("query", "value", "key")
+    got = {k: v for k, v in zip(names, args)}
+    got.update({k: kwargs[k] for k in names if kwargs.get(k) is not None})
+    got.setdefault("key", got.get("value"))
+    out = {k: tuple(v.shape) for k, v in got.items() if v is not None}
+    out["output"] = tuple(kn.output_tensors[0].shape)
+    return out
+
+
+def mha_macs(op: Any, shapes: dict[str, Any]) -> int:
+    """Multiply-accumulates of one MultiHeadAttention call per sample (query length ``Tq``, key/value
+    length ``Tk``, ``h`` heads of key size ``dk`` and value size ``dv``, inputs of ``dq`` / ``dkin`` /
+    ``dvin`` features, ``dout`` output features):
+    ``Tq*dq*h*dk + Tk*dkin*h*dk + Tk*dvin*h*dv`` (projections) ``+ h*Tq*Tk*dk`` (Q @ K^T)
+    ``+ h*Tq*Tk*dv`` (attention @ V) ``+ Tq*h*dv*dout`` (output projection). Softmax, scaling and biases
+    are not counted. Lengths are the products of the axes between batch and features (attention over
+    several axes); unknown sizes count as 1."""
+    h = int(op._num_heads)
+    dk = int(op._key_dim)
+    dv = int(op._value_dim) if getattr(op, "_value_dim", None) else dk
+    q, v = shapes["query"], shapes.get("value", shapes["query"])
+    k = shapes.get("key", v)
+    out = shapes["output"]
+    tq, tk = _prod(q[1:-1]), _prod(k[1:-1])
+    dq, dkin, dvin, dout = (int(s[-1]) if s[-1] is not None else 1 for s in (q, k, v, out))
+    return (tq * dq * h * dk + tk * dkin * h * dk + _prod(v[1:-1]) * dvin * h * dv
+            + h * tq * tk * dk + h * tq * tk * dv + tq * h * dv * dout)
+
+
+#: matrix products per step of each recurrent cell (gates): SimpleRNN 1, GRU 3, LSTM 4
+_GATES = {"SimpleRNNCell": 1, "GRUCell": 3, "LSTMCell": 4}
+
+
+def rnn_macs(op: Any, in_shape: Any) -> int:
+    """Multiply-accumulates of a SimpleRNN / GRU / LSTM layer per sample over ``T`` steps of ``d`` input
+    features with ``u`` units and ``g`` gates (1 / 3 / 4): ``T * g * (d * u + u * u)`` (input and recurrent
+    kernels; biases and the element-wise gate math not counted). Bidirectional: both directions. Other
+    cells: 0 (not counted)."""
+    if type(op).__name__ == "Bidirectional":
+        return rnn_macs(op.forward_layer, in_shape) + rnn_macs(op.backward_layer, in_shape)
+    cell = getattr(op, "cell", None)
+    g = _GATES.get(type(cell).__name__)
+    if g is None or len(in_shape) != 3:
+        return 0
+    steps = int(in_shape[1]) if in_shape[1] is not None else 1
+    d, u = int(in_shape[-1]), int(cell.units)
+    return steps * g * (d * u + u * u)
 
 
 def _mha_parts(op: Any) -> dict[str, Any] | None:

@@ -37,6 +37,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -93,7 +94,7 @@ class PtqQuantizer(QAT_Quantizer):
         self._calibrated = False
         self._clip_export = False
         self._observing: dict[tuple[str, str], Observer] | None = None
-        self._samples: list[np.ndarray] = []
+        self._samples: list[Any] = []
         self._folded: list[tuple[Any, Any]] = []
         if not isinstance(share_ranges, bool):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
@@ -195,6 +196,9 @@ class PtqQuantizer(QAT_Quantizer):
         elif isinstance(data, (np.ndarray, tf.Tensor)):
             arr = data
             it = (arr[i:i + self.batch_size] for i in range(0, int(arr.shape[0]), self.batch_size))
+        elif isinstance(data, dict) and data and all(isinstance(v, (np.ndarray, tf.Tensor)) for v in data.values()):
+            n = int(next(iter(data.values())).shape[0])  # one array per input of a multi-input model
+            it = ({k: v[i:i + self.batch_size] for k, v in data.items()} for i in range(0, n, self.batch_size))
         elif data is None or isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
             raise ConfigError(f"PtqQuantizer.calibrate: data must be a tf.data.Dataset, a numpy array or an "
                               f"iterable of batches; got {type(data).__name__}; {_NO_DATA}")
@@ -204,10 +208,20 @@ class PtqQuantizer(QAT_Quantizer):
         for batch in it:
             if num_batches is not None and n >= num_batches:
                 return
-            if isinstance(batch, (tuple, list)) and len(batch) in (1, 2, 3) and not _is_array(batch):
-                batch = batch[0]  # (x,), (x, y) or (x, y, sample_weight)
             n += 1
-            yield batch
+            yield self._inputs_of(batch)
+
+    def _inputs_of(self, batch: Any) -> Any:
+        """The model inputs of one batch: ``x`` of ``(x,)`` / ``(x, y)`` / ``(x, y, sample_weight)``; a dict
+        (named inputs) or, for a model of k > 1 inputs, a list / tuple of k arrays as they are."""
+        if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or _is_array(batch):
+            return batch
+        n_inputs = len(getattr(self.bound_model, "inputs", None) or [])
+        if n_inputs > 1 and len(batch) == n_inputs and not isinstance(batch[0], (tuple, list, dict)):
+            return list(batch)
+        if len(batch) in (1, 2, 3):
+            return batch[0]
+        return batch
 
     def _expected_shape(self) -> Any:
         inputs = getattr(self.bound_model, "inputs", None)
@@ -215,8 +229,16 @@ class PtqQuantizer(QAT_Quantizer):
             return tuple(inputs[0].shape)
         return None
 
-    def _check_batch(self, x: Any) -> tf.Tensor:
-        expected = self._expected_shape()
+    def _check_batch(self, x: Any) -> Any:
+        if isinstance(x, dict) or (isinstance(x, list) and len(getattr(self.bound_model, "inputs", None) or []) > 1
+                                   and not _is_array(x)):
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            out = {k: self._check_tensor(v, f"input {k!r}") for k, v in items}
+            return out if isinstance(x, dict) else [out[i] for i in range(len(x))]
+        return self._check_tensor(x)
+
+    def _check_tensor(self, x: Any, which: str | None = None) -> tf.Tensor:
+        expected = self._expected_shape() if which is None else f"of every input ({which})"
         try:
             t = tf.convert_to_tensor(x)
         except (ValueError, TypeError) as e:
@@ -227,7 +249,7 @@ class PtqQuantizer(QAT_Quantizer):
                              f"shape {expected}, float)")
         if t.shape.rank == 0 or int(t.shape[0]) == 0:
             raise ConfigError(f"PtqQuantizer.calibrate: empty batch of shape {tuple(t.shape)}; {_NO_DATA}")
-        if expected is not None:
+        if expected is not None and which is None:
             ok = len(expected) == t.shape.rank and all(e is None or e == int(d) for e, d in zip(expected, t.shape))
             if not ok:
                 raise ModelError(f"PtqQuantizer.calibrate: batch of shape {tuple(t.shape)} does not fit the "
@@ -253,7 +275,7 @@ class PtqQuantizer(QAT_Quantizer):
             for t in w.quant_types:
                 if t != "weight":
                     observers[(w.name, t)] = self._activation_observer(w.qat_specs[t])
-        samples: list[np.ndarray] = []
+        samples: list[Any] = []
         writes: list[tuple[Any, Any]] = []
         try:
             for var_vals in fold:
@@ -266,11 +288,12 @@ class PtqQuantizer(QAT_Quantizer):
                 try:
                     self.bound_model(x, training=False)
                 except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
-                    raise ModelError(f"{what}: the model refused a batch of shape {tuple(x.shape)} dtype "
-                                     f"{x.dtype.name} (expected input shape {self._expected_shape()}): {e}") from None
+                    desc = keras.tree.map_structure(lambda t: f"{tuple(t.shape)} {t.dtype.name}", x)
+                    raise ModelError(f"{what}: the model refused a batch of shape / dtype {desc} (expected input "
+                                     f"shape {self._expected_shape()}): {e}") from None
                 seen += 1
-                if len(samples) < self.keep_batches:
-                    samples.append(x.numpy())  # each input keeps its dtype (token ids stay int32)
+                if len(samples) < self.keep_batches:  # each input keeps its dtype (token ids stay int32)
+                    samples.append(keras.tree.map_structure(lambda t: t.numpy(), x))
             if seen == 0:
                 raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
             self._observing = None
@@ -410,8 +433,13 @@ class PtqQuantizer(QAT_Quantizer):
 
         def gen() -> Any:
             for batch in samples:
-                for i in range(batch.shape[0]):
-                    yield [batch[i:i + 1]]
+                if isinstance(batch, dict):  # named inputs: the converter matches them by name
+                    for i in range(int(next(iter(batch.values())).shape[0])):
+                        yield {k: v[i:i + 1] for k, v in batch.items()}
+                    continue
+                parts = batch if isinstance(batch, list) else [batch]
+                for i in range(parts[0].shape[0]):
+                    yield [p[i:i + 1] for p in parts]
 
         return gen
 
