@@ -15,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 import compressor.tf as ctf
+from compressor.tf.compressor import iter_layers
 
 L = keras.layers
 N_CLASSES = 4
-VOCAB, SEQ = 50, 16
+VOCAB, SEQ, DIM = 400, 16, 64
 WEIGHTED = ("Conv1D", "Conv2D", "DepthwiseConv2D", "Dense", "EinsumDense")
 #: TFLite ops each weighted Keras layer must become (int8)
 INT8_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL"}
@@ -26,11 +27,11 @@ INT8_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL"}
 
 def text_transformer() -> keras.Model:
     inp = keras.Input((SEQ,), dtype="int32")
-    h = L.Embedding(VOCAB, 16, name="emb")(inp)
-    a = L.MultiHeadAttention(2, 8, name="mha")(h, h)
+    h = L.Embedding(VOCAB, DIM, name="emb")(inp)
+    a = L.MultiHeadAttention(4, DIM // 4, name="mha")(h, h)
     h = L.LayerNormalization(name="ln1")(L.Add()([h, a]))
-    f = L.Dense(32, activation="relu", name="ffn1")(h)
-    f = L.Dense(16, name="ffn2")(f)
+    f = L.Dense(4 * DIM, activation="relu", name="ffn1")(h)
+    f = L.Dense(DIM, name="ffn2")(f)
     h = L.LayerNormalization(name="ln2")(L.Add()([h, f]))
     h = L.GlobalAveragePooling1D()(h)
     return keras.Model(inp, L.Dense(N_CLASSES, name="fc")(h))
@@ -38,9 +39,9 @@ def text_transformer() -> keras.Model:
 
 def lstm_classifier() -> keras.Model:
     inp = keras.Input((SEQ,), dtype="int32")
-    h = L.Embedding(VOCAB, 16, name="emb")(inp)
-    h = L.LSTM(16, name="lstm")(h)
-    h = L.Dense(16, activation="relu", name="fc1")(h)
+    h = L.Embedding(VOCAB, DIM, name="emb")(inp)
+    h = L.LSTM(DIM, name="lstm")(h)
+    h = L.Dense(DIM, activation="relu", name="fc1")(h)
     return keras.Model(inp, L.Dense(N_CLASSES, name="fc")(h))
 
 
@@ -83,19 +84,27 @@ def zero_filters(model: keras.Model) -> dict[str, int]:
     return out
 
 
-def tflite_ops(path: str) -> list[str]:
-    from tensorflow.lite.python import schema_py_generated as schema  # noqa: PLC0415
+def tflite_ops(path: str) -> list[tuple[str, list[str]]]:
+    """``(op name, dtypes of its inputs)`` of every op of the .tflite."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        interp = tf.lite.Interpreter(model_path=path)
+    dtypes = {d["index"]: np.dtype(d["dtype"]).name for d in interp.get_tensor_details()}
+    return [(op["op_name"], [dtypes.get(i, "none") for i in op["inputs"] if i >= 0])
+            for op in interp._get_ops_details()]
 
-    with open(path, "rb") as f:
-        m = schema.Model.GetRootAsModel(f.read(), 0)
-    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-    out = []
-    for s in range(m.SubgraphsLength()):
-        g = m.Subgraphs(s)
-        for i in range(g.OperatorsLength()):
-            code = m.OperatorCodes(g.Operators(i).OpcodeIndex())
-            out.append(names.get(max(code.BuiltinCode(), code.DeprecatedBuiltinCode()), "?"))
-    return out
+
+def int8_weighted_ops(ops: list[tuple[str, list[str]]]) -> tuple[int, list[str]]:
+    """(number of int8 CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL ops, those that are not
+    int8: their names and input dtypes)."""
+    good, bad = 0, []
+    for name, dts in ops:
+        if name in INT8_OPS:
+            if dts[0] == "int8" and all(d in ("int8", "int32") for d in dts[1:]):
+                good += 1
+            else:
+                bad.append(f"{name}{dts}")
+    return good, bad
 
 
 def run_tflite(path: str, x: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -122,11 +131,11 @@ def run_tflite(path: str, x: np.ndarray) -> tuple[np.ndarray, dict]:
 
 
 def float_tflite(model: keras.Model) -> bytes:
-    """The float TFLite of ``model`` at batch 1 (recurrent layers need a static batch)."""
+    """The float TFLite of ``model`` (a saved model at batch 1: recurrent layers need a static batch)."""
     spec = [tf.TensorSpec((1, *t.shape[1:]), t.dtype) for t in model.inputs]
-    fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0], training=False), input_signature=spec)
-    conv = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()], model)
-    return conv.convert()
+    with tempfile.TemporaryDirectory() as d:
+        model.export(d, format="tf_saved_model", verbose=False, input_signature=spec if len(spec) == 1 else [spec])
+        return tf.lite.TFLiteConverter.from_saved_model(d).convert()
 
 
 def pipeline(name: str, workdir: str, n_eval: int = 64) -> dict:
@@ -147,10 +156,9 @@ def pipeline(name: str, workdir: str, n_eval: int = 64) -> dict:
     float_path = os.path.join(workdir, "pruned_float.tflite")
     with open(float_path, "wb") as f:
         f.write(float_tflite(small))
-    q = ctf.PtqQuantizer(small, [{"op_types": ["default"], "quant_types": ["input", "weight", "output"],
-                                  "quant_bits": 8}])
-    q.calibrate(make_data(name, 64, seed=2), num_batches=8) if False else q.calibrate(
-        [make_data(name, 8, seed=10 + i) for i in range(8)])
+    types = ["default", "MultiHeadAttention"] if name == "text" else ["default"]
+    q = ctf.PtqQuantizer(small, [{"op_types": types, "quant_types": ["input", "weight", "output"], "quant_bits": 8}])
+    q.calibrate([make_data(name, 8, seed=10 + i) for i in range(8)])  # 8 batches
     path = os.path.join(workdir, "pruned_int8.tflite")
     t = time.perf_counter()
     q.export_model(os.path.join(workdir, "m.keras"), os.path.join(workdir, "cal.json"), tflite_path=path,
@@ -163,12 +171,9 @@ def pipeline(name: str, workdir: str, n_eval: int = 64) -> dict:
     res["agreement"] = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
     res["rel_err"] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
     res["ops"] = tflite_ops(path)
-    res["float_ops"] = sorted(set(o for o in res["ops"] if o not in ("QUANTIZE", "DEQUANTIZE")))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        interp = tf.lite.Interpreter(model_path=path)
-    res["float_tensors"] = [d["name"] for d in interp.get_tensor_details() if d["dtype"] == np.float32]
-    res["weighted_layers"] = sum(1 for layer in small.layers if type(layer).__name__ in WEIGHTED[:4])
+    res["int8_weighted_ops"], res["not_int8"] = int8_weighted_ops(res["ops"])
+    res["float_tensors"] = sorted({dt for _, dts in res["ops"] for dt in dts if dt == "float32"})
+    res["weighted_layers"] = sum(1 for _, layer in iter_layers(small) if type(layer).__name__ in WEIGHTED)
     return res
 
 
@@ -177,9 +182,10 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         r = pipeline(sys.argv[1], d)
-    ops_count = {o: r["ops"].count(o) for o in sorted(set(r["ops"]))}
+    names = [o for o, _ in r["ops"]]
+    ops_count = {o: names.count(o) for o in sorted(set(names))}
     for k, v in r.items():
         if k not in ("ops", "float_tensors"):
             print(k, v)
     print("ops", ops_count)
-    print("float tensors", len(r["float_tensors"]), r["float_tensors"][:5])
+
