@@ -486,7 +486,10 @@ class ChannelGroup:
     (conv/linear/attention) and followers (norms, depthwise convs) whose channels are the group's.
     ``n`` classes, of which ``fixed`` (indices) may never be pruned. ``unit``: classes are pruned in
     aligned blocks of ``unit`` consecutive classes (an attention group: one block per head, ``unit`` =
-    ``head_dim``; 1 otherwise).
+    ``head_dim``; 1 otherwise). ``blocks``: per class, the producer it comes from (None: one block). A norm
+    after a concatenation carries the channels of several producers, so their groups merge into one (its
+    mask comes from one decision); the decision is still taken per block, ``floor(P_b * sparsity)`` of each
+    block's ``P_b`` prunable classes, as if the producers were separate groups.
     """
 
     members: list[tuple[str, str, list[int]]]
@@ -495,6 +498,7 @@ class ChannelGroup:
     unit: int = 1
     #: the graph's class id of each of the ``n`` classes (see :meth:`Graph.classes`)
     classes: list[int] = field(default_factory=list)
+    blocks: list[int] | None = None
 
     @property
     def layers(self) -> list[str]:
@@ -525,12 +529,21 @@ def channel_groups(graph: Graph) -> list[ChannelGroup]:
         if n.kind in PRODUCERS:
             for c in cl[1:]:
                 uf.union(cl[0], c)
+    # the producer (block) of each class, then one group per set of blocks a follower spans (a norm after a
+    # concat): its channels must come from one decision
+    block = {c: uf.find(c) for n, cl in owners if n.kind in PRODUCERS for c in cl}
+    for n, cl in owners:
+        if n.kind not in PRODUCERS:
+            produced = [c for c in cl if c in block]
+            for c in produced[1:]:
+                uf.union(produced[0], c)
     groups: dict[int, tuple[list[tuple[str, str, list[int]]], dict[int, int]]] = {}
     order: list[int] = []
     for n, cl in owners:
         if not cl:
             continue
-        root = uf.find(cl[0])
+        produced = [c for c in cl if c in block]
+        root = uf.find(produced[0] if produced else cl[0])
         if root not in groups:
             if n.kind not in PRODUCERS:
                 continue  # a norm with no producer of its own (e.g. after the input)
@@ -554,9 +567,12 @@ def channel_groups(graph: Graph) -> list[ChannelGroup]:
             else:
                 fx = list(range(len(index)))
         ids = [0] * len(index)
+        blocks = [0] * len(index)
         for c, i in index.items():
             ids[i] = c
-        out.append(ChannelGroup(members=members, n=len(index), fixed=fx, unit=unit, classes=ids))
+            blocks[i] = block.get(c, -1)
+        out.append(ChannelGroup(members=members, n=len(index), fixed=fx, unit=unit, classes=ids,
+                                blocks=blocks if len(set(blocks)) > 1 else None))
     return out
 
 
@@ -606,6 +622,19 @@ def group_keep_classes(ops: Any, scores: Any, group: ChannelGroup, sparsity: flo
     u = int(getattr(group, "unit", 1))
     if u > 1:
         return _block_keep(ops, scores, group, sparsity, u)
+    blocks = getattr(group, "blocks", None)
+    if blocks is not None:  # producers merged by a shared norm: one decision per producer, as if apart
+        fixed = set(group.fixed)
+        keep = None
+        for b in sorted(set(blocks)):
+            prunable = sum(1 for i in range(n) if blocks[i] == b and i not in fixed)
+            k = prune_count(prunable, sparsity) if prunable >= 2 else 0
+            if k == 0:
+                continue
+            off = ops.asarray([0.0 if blocks[i] == b and i not in fixed else float("inf") for i in range(n)], like=scores)
+            kb = smallest_k_mask(ops, scores + off, k)
+            keep = kb if keep is None else ops.logical_and(keep, kb)
+        return ops.ones_like(scores, "bool") if keep is None else keep
     prunable = n - len(group.fixed)
     k = prune_count(prunable, sparsity) if prunable >= 2 else 0
     if group.fixed:

@@ -352,7 +352,9 @@ class Compressor:
                                   f"{type(vars(layer)[attr].compressor).__name__}; call strip() on "
                                   f"that {self._kind} (or export and reload the model) before compressing it again")
             self.validate_layer(info, layer, config)
-        selected = selected + self._extra_layers(model, selected, infos, by_name)
+        extra = self._extra_layers(model, selected, infos, by_name)
+        skipped = getattr(self, "skipped", {})  # dependency-aware pruners: layers speedup could never shrink
+        selected = [(i, c) for i, c in selected if c.get("heads_of", i.name) not in skipped] + extra
         self.modules_to_compress = [(info, config) for info, config in selected]
         self._collectors: dict[int, Callable[..., Any]] = {}
         self._collector_ids = itertools.count()

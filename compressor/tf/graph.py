@@ -7,7 +7,8 @@ zero analysis and what speedup removes are core's. Keras' channel axis is the la
 
 Translation
 -----------
-* Conv1D/2D/3D ``conv`` (``groups > 1``: ``group_conv``); Dense and EinsumDense acting on the last axis
+* Conv1D/2D/3D ``conv`` (``groups > 1``: ``group_conv``; ``groups == in_channels`` with ``filters`` a multiple
+  of it, as ConvNeXt writes its depthwise convs: ``depthwise`` with ``multiplier = filters // groups``); Dense and EinsumDense acting on the last axis
   only ``linear``; DepthwiseConv1D/2D ``depthwise`` (``multiplier`` = ``depth_multiplier``); Embedding
   ``embedding``; BatchNormalization over the last axis ``norm`` (inference semantics).
 * A layer's fused ``activation`` becomes a separate node after the layer (``<node>:activation``, no
@@ -23,6 +24,9 @@ Translation
   channel j of the output is channel j of every input).
 * Flatten: ``flatten`` (``order='channels_last'``, ``positions`` = spatial size); Reshape: as
   :func:`~compressor.core.graph.classify_reshape` says (kept only if the channel axis ends last).
+* keras.ops calls (``x + 3``, ``x * (1 / 6)``, ``keras.ops.relu6(x)``: hard-sigmoid / hard-swish written as
+  functions): unary element-wise ops and binary ops with a scalar operand ``activation`` (``f(0) == 0``
+  evaluated), binary ops on two tensors ``elementwise``; other ops ``other``.
 * Anything else (LayerNormalization, GroupNormalization, SeparableConv, attention, non-layer ops,
   unknown layers, ``channels_first`` layers, weighted layers called more than once): ``other``
   (``op`` = class name): core never cuts through it.
@@ -47,7 +51,7 @@ from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
 from .compressor import iter_layers
 
-__all__ = ["build_graph", "is_graph_model", "walkable"]
+__all__ = ["build_graph", "is_graph_model", "output_producers", "walkable"]
 
 _CONV = ("Conv1D", "Conv2D", "Conv3D", "Convolution1D", "Convolution2D", "Convolution3D")
 _DEPTHWISE = ("DepthwiseConv1D", "DepthwiseConv2D")
@@ -262,7 +266,7 @@ class _Builder:
 
     # -- attention -------------------------------------------------------------------------------------------
     def attention(self, op: Any, name: str, path: str, ins: list[str], in_shapes: list[Any], shape: Any,
-                  params: int) -> str | None:
+                  params: int, kn_shapes: dict[str, Any]) -> str | None:
         """MultiHeadAttention as an ``attention`` node (its context: ``heads x value_dim`` channels, a head
         dead when its value kernel and bias are zero) followed by an internal ``linear`` node (the output
         projection; no layer of its own: its output channels are never cut). Query, value and key must
@@ -276,11 +280,8 @@ class _Builder:
             return None
         vk, vb = parts["value"]
         dead = _dead_filters(vk.reshape(vk.shape[0], h * dv), None if vb is None else vb.reshape(-1))
-        seq = int(shape[-2]) if shape[-2] is not None else 1
         positions = _prod(shape[1:-1])
-        dk = int(parts["query"][0].shape[2])
-        macs = (linear_macs(cin, h * dk, positions) * 2 + linear_macs(int(vk.shape[0]), h * dv, positions)
-                + seq * positions * h * (dk + dv))
+        macs = mha_macs(op, kn_shapes) - linear_macs(h * dv, int(shape[-1]), positions)  # output: its own node
         first = ins[0]
         node = self.add(Node(name, "attention", [first], h * dv, layer=path, op=type(op).__name__,
                              attrs={"heads": h, "head_dim": dv, "dead": dead}, params=params, macs=macs))
@@ -314,12 +315,20 @@ class _Builder:
         shape = out_shapes[0]
         c = _channels(shape)
         node = Node(name, "other", list(ins), c, layer=path, op=cls, params=params)
-        if not isinstance(op, keras.layers.Layer) or any(_channels(s) == 0 for s in in_shapes) or c == 0:
+        if any(_channels(s) == 0 for s in in_shapes) or c == 0:
             return [self.add(node)]
-        if isinstance(op, keras.layers.MultiHeadAttention) and path is not None:
-            out = self.attention(op, name, path, ins, in_shapes, shape, params)
-            if out is not None:
-                return [out]
+        if not isinstance(op, keras.layers.Layer):
+            _classify_operation(kn, node, in_shapes, shape)
+            return [self.add(node)]
+        if isinstance(op, keras.layers.MultiHeadAttention):
+            shapes = _mha_shapes(kn)
+            if path is not None:
+                out = self.attention(op, name, path, ins, in_shapes, shape, params, shapes)
+                if out is not None:
+                    return [out]
+            node.macs = mha_macs(op, shapes)
+        if isinstance(op, keras.layers.RNN) or cls == "Bidirectional":
+            node.macs = rnn_macs(op, in_shapes[0])
         fused = None
         cf = getattr(op, "data_format", "channels_last") == "channels_first"
         positions = _prod(shape[1:-1])
@@ -331,7 +340,12 @@ class _Builder:
             node.macs = conv_macs(cout, cin, groups, k, _prod(shape[2:]) if cf else positions)
             if not cf:
                 node.kind = "conv" if groups == 1 else "group_conv"
-                node.attrs["dead"] = _dead_filters(_np(op.kernel), _var_np(op, "bias") if op.use_bias else None)
+                bias = _var_np(op, "bias") if op.use_bias else None
+                node.attrs["dead"] = _dead_filters(_np(op.kernel), bias)
+                if groups > 1 and groups == cin and cout % cin == 0:  # Conv2D(groups=C): a depthwise conv
+                    node.kind = "depthwise"
+                    node.attrs["multiplier"] = cout // cin
+                    node.attrs["passes_zero"] = [True] * c if bias is None else [bool(b == 0) for b in bias]
                 fused = op.activation
         elif cls == "Dense" or (cls == "EinsumDense" and _einsum_is_linear(op)):
             kernel = _np(op.kernel)
@@ -431,6 +445,124 @@ class _Builder:
         return [out]
 
 
+#: keras.ops functions applied per element (activations written as functions: ``keras.ops.relu6(x)``)
+ELEMENTWISE_OPS = frozenset((
+    "relu", "relu6", "elu", "selu", "gelu", "silu", "swish", "tanh", "sigmoid", "hardsigmoid", "hardsilu",
+    "hardswish", "softplus", "softsign", "exp", "leakyrelu", "mish", "celu", "logsigmoid", "sparseplus",
+    "squareplus", "tanhshrink", "hardtanh", "softshrink", "hardshrink", "sparsesigmoid", "threshold",
+    "abs", "absolute", "negative", "square", "sqrt", "sign", "clip", "round", "floor", "ceil", "erf",
+    "cast", "identity", "stopgradient",
+))
+#: binary keras.ops: with a scalar operand they act per element; with two tensors, the rule of the zero
+#: analysis (add: zero when every input is, multiply: when any is)
+BINARY_OPS = {"add": "all", "subtract": "all", "maximum": "all", "minimum": "all", "multiply": "any",
+              "divide": None, "truedivide": None, "power": None}
+
+
+def _is_scalar(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, np.number)):
+        return True
+    if isinstance(v, keras.KerasTensor):
+        return False
+    try:
+        return int(np.size(keras.ops.convert_to_numpy(v))) == 1
+    except Exception:  # noqa: BLE001 - not a constant we can read
+        return False
+
+
+def _zero_maps_to_zero(kn: Any) -> bool:
+    """Evaluate the op on zeros in place of its tensor arguments (its constants as they are)."""
+    def zero(v: Any) -> Any:
+        if isinstance(v, keras.KerasTensor):
+            return np.zeros([1 if d is None else int(d) for d in v.shape], v.dtype or "float32")
+        return v
+
+    try:
+        args = keras.tree.map_structure(zero, kn.arguments.args)
+        kwargs = keras.tree.map_structure(zero, kn.arguments.kwargs)
+        out = keras.ops.convert_to_numpy(kn.operation(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - an op we cannot evaluate is not assumed zero-preserving
+        return False
+    return bool(np.all(np.asarray(out) == 0))
+
+
+def _classify_operation(kn: Any, node: Node, in_shapes: list[Any], shape: Any) -> None:
+    """A keras.ops call in a Functional graph (``x + 3``, ``x * (1 / 6)``, ``keras.ops.relu6(x)``): an
+    ``activation`` when it acts per element (a unary element-wise op, or a binary one with a scalar
+    operand; ``zero_preserving`` evaluated on zeros), ``elementwise`` for a binary op on two tensors of the
+    output's rank; otherwise it stays ``other``."""
+    kind = type(kn.operation).__name__.lower().replace("_", "")
+    args = list(getattr(getattr(kn, "arguments", None), "args", ()) or ())
+    tensors = [a for a in args if isinstance(a, keras.KerasTensor)]
+    if len(in_shapes) != len(tensors) or any(len(s) != len(shape) for s in in_shapes):
+        return
+    if kind in ELEMENTWISE_OPS and len(tensors) == 1 and _channels(in_shapes[0]) == node.channels:
+        node.kind = "activation"
+    elif kind in BINARY_OPS and len(args) == 2:
+        if len(tensors) == 1 and _is_scalar(args[1 - args.index(tensors[0])]) \
+                and _channels(in_shapes[0]) == node.channels:
+            node.kind = "activation"
+        elif len(tensors) == 2 and BINARY_OPS[kind] is not None:
+            node.kind = "elementwise"
+            node.attrs["zero"] = BINARY_OPS[kind]
+            return
+    if node.kind == "activation":
+        node.attrs["zero_preserving"] = _zero_maps_to_zero(kn)
+
+
+def _mha_shapes(kn: Any) -> dict[str, Any]:
+    """Shapes of a MultiHeadAttention call's query / value / key (key defaults to value) and output."""
+    args = list(kn.arguments.args)
+    kwargs = dict(kn.arguments.kwargs)
+    names = ("query", "value", "key")
+    got = {k: v for k, v in zip(names, args)}
+    got.update({k: kwargs[k] for k in names if kwargs.get(k) is not None})
+    got.setdefault("key", got.get("value"))
+    out = {k: tuple(v.shape) for k, v in got.items() if v is not None}
+    out["output"] = tuple(kn.output_tensors[0].shape)
+    return out
+
+
+def mha_macs(op: Any, shapes: dict[str, Any]) -> int:
+    """Multiply-accumulates of one MultiHeadAttention call per sample (query length ``Tq``, key/value
+    length ``Tk``, ``h`` heads of key size ``dk`` and value size ``dv``, inputs of ``dq`` / ``dkin`` /
+    ``dvin`` features, ``dout`` output features):
+    ``Tq*dq*h*dk + Tk*dkin*h*dk + Tk*dvin*h*dv`` (projections) ``+ h*Tq*Tk*dk`` (Q @ K^T)
+    ``+ h*Tq*Tk*dv`` (attention @ V) ``+ Tq*h*dv*dout`` (output projection). Softmax, scaling and biases
+    are not counted. Lengths are the products of the axes between batch and features (attention over
+    several axes); unknown sizes count as 1."""
+    h = int(op._num_heads)
+    dk = int(op._key_dim)
+    dv = int(op._value_dim) if getattr(op, "_value_dim", None) else dk
+    q, v = shapes["query"], shapes.get("value", shapes["query"])
+    k = shapes.get("key", v)
+    out = shapes["output"]
+    tq, tk = _prod(q[1:-1]), _prod(k[1:-1])
+    dq, dkin, dvin, dout = (int(s[-1]) if s[-1] is not None else 1 for s in (q, k, v, out))
+    return (tq * dq * h * dk + tk * dkin * h * dk + _prod(v[1:-1]) * dvin * h * dv
+            + h * tq * tk * dk + h * tq * tk * dv + tq * h * dv * dout)
+
+
+#: matrix products per step of each recurrent cell (gates): SimpleRNN 1, GRU 3, LSTM 4
+_GATES = {"SimpleRNNCell": 1, "GRUCell": 3, "LSTMCell": 4}
+
+
+def rnn_macs(op: Any, in_shape: Any) -> int:
+    """Multiply-accumulates of a SimpleRNN / GRU / LSTM layer per sample over ``T`` steps of ``d`` input
+    features with ``u`` units and ``g`` gates (1 / 3 / 4): ``T * g * (d * u + u * u)`` (input and recurrent
+    kernels; biases and the element-wise gate math not counted). Bidirectional: both directions. Other
+    cells: 0 (not counted)."""
+    if type(op).__name__ == "Bidirectional":
+        return rnn_macs(op.forward_layer, in_shape) + rnn_macs(op.backward_layer, in_shape)
+    cell = getattr(op, "cell", None)
+    g = _GATES.get(type(cell).__name__)
+    if g is None or len(in_shape) != 3:
+        return 0
+    steps = int(in_shape[1]) if in_shape[1] is not None else 1
+    d, u = int(in_shape[-1]), int(cell.units)
+    return steps * g * (d * u + u * u)
+
+
 def _mha_parts(op: Any) -> dict[str, Any] | None:
     """Weights of a built MultiHeadAttention whose heads speedup can cut (no gate, bias on every
     projection or on none, 3-d head kernels), as numpy arrays; None otherwise."""
@@ -496,3 +628,18 @@ def _param_count(layer: Any) -> int:
     statistics (buffers on torch), so both backends report one number for the same model."""
     return sum(int(np.prod(w.shape)) for w in layer.weights
                if not any(str(getattr(w, "path", w.name)).endswith(s) for s in _STATISTICS))
+
+
+def output_producers(model: Any) -> set[str]:
+    """Paths of the conv / linear layers whose output channels reach a model output (the classifier, or
+    the convs of a residual stream that is the output): their filters are the model's outputs."""
+    graph, _ = build_graph(model)
+    cls = graph.classes()
+    at_output: set[int] = set()
+    for n in graph.nodes:
+        if n.kind == "output":
+            for i in n.inputs:
+                b = graph.offset[i]
+                at_output.update(cls[b + j] for j in range(graph.by_name[i].channels))
+    return {n.layer for n in graph.nodes if n.layer is not None and n.kind in ("conv", "linear")
+            and any(cls[graph.offset[n.name] + j] in at_output for j in range(n.channels))}

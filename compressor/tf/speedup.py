@@ -188,6 +188,12 @@ def _slice_kernel_bias(layer: Any, entry: dict[str, Any], out_key: str) -> tuple
 
 
 def _slice_conv(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    groups = int(getattr(layer, "groups", 1) or 1)
+    if groups > 1:  # depthwise written as Conv(groups=C): kernel [k..., 1, C * m], one group per input channel
+        ws = layer.get_weights()
+        o = _idx(entry.get("out"), int(layer.filters))
+        i = _idx(entry.get("in"), groups)
+        return {"filters": len(o), "groups": len(i)}, [np.take(w, o, axis=-1) if w.ndim >= 2 else w[o] for w in ws]
     return _slice_kernel_bias(layer, entry, "filters")
 
 
@@ -279,8 +285,11 @@ def _resolve(model_or_pruner: Any, masks: Any) -> tuple[Any, dict[str, dict[str,
 def count_flops_params(model: Any) -> tuple[int, int, list[dict[str, Any]]]:
     """``(macs, params, per_layer)`` of a Functional or Sequential Keras model (or a pruner's model).
 
-    MACs are the multiply-accumulates of one sample through conv, depthwise, dense and einsum layers
-    (norms, activations, pooling, additions are not counted); params are the weights of every layer in
+    MACs are the multiply-accumulates of one sample through conv, depthwise, dense and einsum layers,
+    recurrent layers (SimpleRNN / GRU / LSTM: ``T * gates * (d * u + u * u)``, gates 1 / 3 / 4, see
+    :func:`compressor.tf.graph.rnn_macs`) and MultiHeadAttention (its four projections plus ``Q @ K^T``
+    and ``attention @ V``: ``h * Tq * Tk * (dk + dv)``, see :func:`compressor.tf.graph.mha_macs`); norms,
+    activations, softmax, pooling, additions are not counted; params are the weights of every layer in
     the graph once, BatchNorm moving statistics excluded (as torch, where they are buffers). ``per_layer``: ``{'name', 'type', 'params', 'macs'}`` per layer path.
     Spatial sizes unknown at build time count as 1.
     """

@@ -289,3 +289,33 @@ def test_plan_dependency_fixes_blocked_classes_and_warns_per_layer():
     with pytest.warns(ConfigWarning, match="b: 2 of 2 channels never pruned"):
         plan = plan_dependency(g, ["a", "s", "b"], "P")
     assert [grp.fixed for grp in plan.groups] == [[], [0, 1]]
+
+
+def test_norm_after_a_concat_merges_groups_but_decides_per_producer():
+    # DenseNet: a norm after a concat carries two producers' channels; one decision must mask it and
+    # both convs alike, and each producer still loses floor(F * s) of its own filters
+    g = Graph([
+        Node("x", "input", channels=3),
+        Node("a", "conv", ["x"], 4, layer="a"),
+        Node("b", "conv", ["a"], 2, layer="b"),
+        Node("cat", "concat", ["a", "b"], 6),
+        Node("bn", "norm", ["cat"], 6, layer="bn"),
+        Node("c", "conv", ["bn"], 2, layer="c"),
+        Node("out", "output", ["c"], 2),
+    ])
+    groups = channel_groups(g)
+    assert [g.layers for g in groups] == [["a", "b", "bn"], ["c"]]
+    grp = groups[0]
+    assert grp.n == 6 and grp.fixed == [] and grp.blocks is not None and len(set(grp.blocks)) == 2
+    members = {m[0]: m[2] for m in grp.members}
+    assert members == {"a": [0, 1, 2, 3], "b": [4, 5], "bn": [0, 1, 2, 3, 4, 5]}
+    scores = {"a": np.array([1.0, 5, 2, 6]), "b": np.array([0.5, 0.4])}
+    total = class_scores(ops, grp, scores)
+    # one ranking over the 6 classes would prune 5 (0.4), 4 (0.5), 0 (1.0): all of b; per producer: a loses
+    # 2 of 4 (classes 0, 2), b 1 of 2 (class 5)
+    keep = group_keep_classes(ops, total, grp, 0.5)
+    np.testing.assert_array_equal(np.flatnonzero(~keep), [0, 2, 5])
+    np.testing.assert_array_equal(member_keep(ops, keep, grp, "bn"), [False, True, False, True, True, False])
+    np.testing.assert_array_equal(member_keep(ops, keep, grp, "b"), [True, False])
+    keep = group_keep_classes(ops, total, grp, 0.3)  # a: floor(4 * .3) = 1, b: floor(2 * .3) = 0
+    np.testing.assert_array_equal(np.flatnonzero(~keep), [0])

@@ -27,7 +27,7 @@ from .. import layout
 from ..distribute import all_reduce_sum
 from ..ops import ops
 from .masker import WeightMasker, batches_ready, check_filter_layer, importance_filter_result
-from .pruner import OneShotPruner
+from .pruner import FILTER_DEFAULT_TYPES, OneShotPruner
 
 __all__ = [
     "ACTIVATIONS", "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker", "ActivationFilterMasker",
@@ -129,7 +129,8 @@ class ActivationMeanRankFilterPrunerMasker(ActivationFilterMasker):
 
 
 class _ActivationPruner(OneShotPruner):
-    default_types = ("Conv2D",)
+    default_types = FILTER_DEFAULT_TYPES
+    default_skips_classifier = True
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,

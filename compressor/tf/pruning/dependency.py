@@ -14,10 +14,11 @@ projection).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, ConfigWarning
 from ...core.matching import LayerInfo
 
 __all__ = ["DependencyAwareMixin"]
@@ -39,12 +40,21 @@ class DependencyAwareMixin:
 
     def _extra_layers(self, model: Any, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
                       by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        #: dependency-aware: ``{selected layer: why}`` of the layers left unwrapped (speedup could never shrink them)
+        self.skipped: dict[str, str] = {}
         if not self.dependency_aware:
             return []
         from ...core.dependency import follower_configs, plan_dependency
         from ..graph import build_graph
 
         graph, _ = build_graph(model)
+        self.skipped = _unprunable(graph, [self._member(cfg, info.name) for info, cfg in selected])
+        if self.skipped:
+            warnings.warn(f"{type(self).__name__}: {len(self.skipped)} selected layer(s) keep all their channels "
+                          f"(speedup could not remove any): "
+                          + "; ".join(f"{k!r}: {v}" for k, v in self.skipped.items())
+                          + " (pruner.skipped lists them)", ConfigWarning, stacklevel=4)
+            selected = [(i, c) for i, c in selected if self._member(c, i.name) not in self.skipped]
         names = [self._member(cfg, info.name) for info, cfg in selected]
         plan = plan_dependency(graph, names, type(self).__name__, producers_needed=self._group_producers_needed)
         for _info, cfg in selected:
@@ -119,3 +129,32 @@ class DependencyAwareMixin:
                 keep = keeps[name[i]]
                 out[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
         return out
+
+
+def _unprunable(graph: Any, names: Sequence[str]) -> dict[str, str]:
+    """``{layer: why}`` for the selected layers whose channels speedup can never remove: in no channel
+    group (a depthwise conv or norm fed by an op that cannot be cut, e.g. a LayerNormalization) or in a
+    group whose every channel is fixed (it reaches a model output or such an op), with the ops that fix them."""
+    from ...core.graph import channel_groups
+
+    groups = channel_groups(graph)
+    in_group = {layer: g for g in groups for layer in g.layers}
+    cls = graph.classes()
+    blockers = graph.blockers()
+    out: dict[str, str] = {}
+    for name in names:
+        g = in_group.get(name)
+        if g is not None and len(g.fixed) < g.n:
+            continue
+        nodes = [n for n in graph.nodes if n.layer == name]
+        by = []
+        for n in nodes:
+            b = graph.offset[n.name]
+            for j in range(n.channels):
+                blk = blockers.get(cls[b + j])
+                if blk is not None and blk.describe() not in by:
+                    by.append(blk.describe())
+        if nodes:
+            out[name] = "its channels reach " + (", ".join(by[:3]) + (" ..." if len(by) > 3 else "") if by
+                                                 else "no layer that produces them")
+    return out

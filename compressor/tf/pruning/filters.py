@@ -13,7 +13,7 @@ from ...core.matching import LayerInfo
 from ...core.pruning import filter_prune_masks, filter_scores
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer, filter_result
-from .pruner import OneShotPruner
+from .pruner import FILTER_DEFAULT_TYPES, OneShotPruner
 
 __all__ = [
     "FPGMPruner", "FPGMPrunerMasker", "FilterMasker", "L1FilterPruner", "L1FilterPrunerMasker", "L2FilterPruner",
@@ -53,7 +53,10 @@ class FPGMPrunerMasker(FilterMasker):
 
 
 class _FilterPruner(OneShotPruner):
-    default_types = ("Conv2D",)
+    #: ``'default'``: convolutions and Dense layers, the model's classifier (a layer whose filters are model
+    #: outputs) left out
+    default_types = FILTER_DEFAULT_TYPES
+    default_skips_classifier = True
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  dependency_aware: bool = False, dummy_input: Any = None) -> None:

@@ -205,6 +205,10 @@ class TfPruner(Compressor):
 Pruner = TfPruner
 
 
+#: what ``op_types: ['default']`` means for filter pruners (Dense filters are output features)
+FILTER_DEFAULT_TYPES = ("Conv1D", "Conv2D", "Conv3D", "Dense")
+
+
 class OneShotPruner(DependencyAwareMixin, TfPruner):
     """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
 
@@ -251,6 +255,31 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
         wrapper.if_calculated = True
         return tf.constant(True)
 
+    #: ``op_types: ['default']`` leaves out the model's classifier (layers whose filters are model outputs)
+    default_skips_classifier = False
+
+    def _default_selection(self, selected: list[tuple[LayerInfo, dict[str, Any]]],
+                           model: Any) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """``selected`` without the layers whose output channels are model outputs (the classifier) that
+        only ``'default'`` selected (a layer named by type or name stays): their filters are the model's
+        outputs, which pruning must not change. Functional / Sequential models only."""
+        import keras
+
+        from ...core.matching import expand_op_types
+        from ..graph import is_graph_model, output_producers
+
+        def by_default(info: LayerInfo, cfg: dict[str, Any]) -> bool:
+            types = [t for t in cfg.get("op_types", ()) if t != "default"]
+            return ("default" in cfg.get("op_types", ()) and info.type not in expand_op_types(types, ())
+                    and info.name not in cfg.get("op_names", ()))
+
+        if not self.default_skips_classifier or not any(by_default(i, c) for i, c in selected):
+            return selected
+        if not is_graph_model(model) or (isinstance(model, keras.Sequential) and not model.built):
+            return selected
+        outputs = output_producers(model)
+        return [(i, c) for i, c in selected if not (by_default(i, c) and i.name in outputs)]
+
     # -- dependency-aware pruning (core.dependency; weight criteria, computed eagerly in compress())
     def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
                            by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
@@ -264,6 +293,7 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
         :mod:`compressor.tf.slots`)."""
         import keras
 
+        selected = self._default_selection(selected, self.bound_model)
         heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}
         info_of = {info.name: info for info in layers}
         for info, cfg in selected:

@@ -25,7 +25,7 @@ from .masker import (
     check_statistics_batch_num,
     importance_filter_result,
 )
-from .pruner import OneShotPruner
+from .pruner import FILTER_DEFAULT_TYPES, OneShotPruner
 
 __all__ = ["TaylorFOWeightFilterPruner", "TaylorFOWeightFilterPrunerMasker"]
 
@@ -102,7 +102,8 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
 class TaylorFOWeightFilterPruner(OneShotPruner):
     """Prune filters by Taylor FO contribution measured over ``statistics_batch_num`` optimizer updates."""
 
-    default_types = ("Conv2D",)
+    default_types = FILTER_DEFAULT_TYPES
+    default_skips_classifier = True
     masker_class = TaylorFOWeightFilterPrunerMasker
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,

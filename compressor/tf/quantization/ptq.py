@@ -31,11 +31,13 @@ wrappers, state variables (``<type>_scale``, ``<type>_zero_point``, ``tracked_mi
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -49,6 +51,8 @@ from .settings import QuantSpec, resolve_spec
 from .wrapper import QuantizerLayerWrapper
 
 __all__ = ["PtqQuantizer"]
+
+_log = logging.getLogger("compressor.tf.ptq")
 
 _NO_DATA = "calibrate with at least one batch"
 _FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
@@ -90,12 +94,36 @@ class PtqQuantizer(QAT_Quantizer):
         self._calibrated = False
         self._clip_export = False
         self._observing: dict[tuple[str, str], Observer] | None = None
-        self._samples: list[np.ndarray] = []
+        self._samples: list[Any] = []
         self._folded: list[tuple[Any, Any]] = []
         if not isinstance(share_ranges, bool):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
         self.share_ranges = share_ranges
         super().__init__(model, config_list, optimizer, ema_decay=ema_decay, fuse_relu=fuse_relu)
+
+    def _substitute_layers(self, selected: list[tuple[Any, dict[str, Any]]], layers: list[Any],
+                           by_name: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+        """A selected ``MultiHeadAttention`` is quantized through its projections: its ``query`` / ``key`` /
+        ``value`` / ``attention_output`` EinsumDense sub-layers are wrapped with its config (input, weight and
+        output like a Dense; TFLite runs them as int8 FULLY_CONNECTED / BATCH_MATMUL). The attention
+        scores and softmax stay the converter's. Needs a built layer (ConfigError otherwise)."""
+        import keras
+
+        chosen = {info.name for info, _ in selected}
+        out: list[tuple[Any, dict[str, Any]]] = []
+        for info, cfg in selected:
+            layer = by_name[info.name]
+            if not isinstance(layer, keras.layers.MultiHeadAttention):
+                out.append((info, cfg))
+                continue
+            subs = [i for i in layers if i.name.startswith(info.name + "/") and i.type == "EinsumDense"]
+            if not layer.built or not subs:
+                raise ConfigError(f"{type(self).__name__}: layer {info.name!r} (MultiHeadAttention) is quantized "
+                                  f"through its EinsumDense projections, which do not exist until it is built; "
+                                  f"build the model first (call it on data or give it keras.Input)")
+            out.extend((i, cfg) for i in subs if i.name not in chosen)
+            chosen.update(i.name for i in subs)
+        return super()._substitute_layers(out, layers, by_name)
 
     def shared_inputs(self) -> dict[str, str]:
         """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
@@ -168,6 +196,9 @@ class PtqQuantizer(QAT_Quantizer):
         elif isinstance(data, (np.ndarray, tf.Tensor)):
             arr = data
             it = (arr[i:i + self.batch_size] for i in range(0, int(arr.shape[0]), self.batch_size))
+        elif isinstance(data, dict) and data and all(isinstance(v, (np.ndarray, tf.Tensor)) for v in data.values()):
+            n = int(next(iter(data.values())).shape[0])  # one array per input of a multi-input model
+            it = ({k: v[i:i + self.batch_size] for k, v in data.items()} for i in range(0, n, self.batch_size))
         elif data is None or isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
             raise ConfigError(f"PtqQuantizer.calibrate: data must be a tf.data.Dataset, a numpy array or an "
                               f"iterable of batches; got {type(data).__name__}; {_NO_DATA}")
@@ -177,10 +208,20 @@ class PtqQuantizer(QAT_Quantizer):
         for batch in it:
             if num_batches is not None and n >= num_batches:
                 return
-            if isinstance(batch, (tuple, list)) and len(batch) in (1, 2, 3) and not _is_array(batch):
-                batch = batch[0]  # (x,), (x, y) or (x, y, sample_weight)
             n += 1
-            yield batch
+            yield self._inputs_of(batch)
+
+    def _inputs_of(self, batch: Any) -> Any:
+        """The model inputs of one batch: ``x`` of ``(x,)`` / ``(x, y)`` / ``(x, y, sample_weight)``; a dict
+        (named inputs) or, for a model of k > 1 inputs, a list / tuple of k arrays as they are."""
+        if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or _is_array(batch):
+            return batch
+        n_inputs = len(getattr(self.bound_model, "inputs", None) or [])
+        if n_inputs > 1 and len(batch) == n_inputs and not isinstance(batch[0], (tuple, list, dict)):
+            return list(batch)
+        if len(batch) in (1, 2, 3):
+            return batch[0]
+        return batch
 
     def _expected_shape(self) -> Any:
         inputs = getattr(self.bound_model, "inputs", None)
@@ -188,8 +229,16 @@ class PtqQuantizer(QAT_Quantizer):
             return tuple(inputs[0].shape)
         return None
 
-    def _check_batch(self, x: Any) -> tf.Tensor:
-        expected = self._expected_shape()
+    def _check_batch(self, x: Any) -> Any:
+        if isinstance(x, dict) or (isinstance(x, list) and len(getattr(self.bound_model, "inputs", None) or []) > 1
+                                   and not _is_array(x)):
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            out = {k: self._check_tensor(v, f"input {k!r}") for k, v in items}
+            return out if isinstance(x, dict) else [out[i] for i in range(len(x))]
+        return self._check_tensor(x)
+
+    def _check_tensor(self, x: Any, which: str | None = None) -> tf.Tensor:
+        expected = self._expected_shape() if which is None else f"of every input ({which})"
         try:
             t = tf.convert_to_tensor(x)
         except (ValueError, TypeError) as e:
@@ -200,7 +249,7 @@ class PtqQuantizer(QAT_Quantizer):
                              f"shape {expected}, float)")
         if t.shape.rank == 0 or int(t.shape[0]) == 0:
             raise ConfigError(f"PtqQuantizer.calibrate: empty batch of shape {tuple(t.shape)}; {_NO_DATA}")
-        if expected is not None:
+        if expected is not None and which is None:
             ok = len(expected) == t.shape.rank and all(e is None or e == int(d) for e, d in zip(expected, t.shape))
             if not ok:
                 raise ModelError(f"PtqQuantizer.calibrate: batch of shape {tuple(t.shape)} does not fit the "
@@ -226,7 +275,7 @@ class PtqQuantizer(QAT_Quantizer):
             for t in w.quant_types:
                 if t != "weight":
                     observers[(w.name, t)] = self._activation_observer(w.qat_specs[t])
-        samples: list[np.ndarray] = []
+        samples: list[Any] = []
         writes: list[tuple[Any, Any]] = []
         try:
             for var_vals in fold:
@@ -239,11 +288,12 @@ class PtqQuantizer(QAT_Quantizer):
                 try:
                     self.bound_model(x, training=False)
                 except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
-                    raise ModelError(f"{what}: the model refused a batch of shape {tuple(x.shape)} dtype "
-                                     f"{x.dtype.name} (expected input shape {self._expected_shape()}): {e}") from None
+                    desc = keras.tree.map_structure(lambda t: f"{tuple(t.shape)} {t.dtype.name}", x)
+                    raise ModelError(f"{what}: the model refused a batch of shape / dtype {desc} (expected input "
+                                     f"shape {self._expected_shape()}): {e}") from None
                 seen += 1
-                if len(samples) < self.keep_batches:
-                    samples.append(np.asarray(x.numpy(), np.float32))
+                if len(samples) < self.keep_batches:  # each input keeps its dtype (token ids stay int32)
+                    samples.append(keras.tree.map_structure(lambda t: t.numpy(), x))
             if seen == 0:
                 raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
             self._observing = None
@@ -383,8 +433,13 @@ class PtqQuantizer(QAT_Quantizer):
 
         def gen() -> Any:
             for batch in samples:
-                for i in range(batch.shape[0]):
-                    yield [batch[i:i + 1]]
+                if isinstance(batch, dict):  # named inputs: the converter matches them by name
+                    for i in range(int(next(iter(batch.values())).shape[0])):
+                        yield {k: v[i:i + 1] for k, v in batch.items()}
+                    continue
+                parts = batch if isinstance(batch, list) else [batch]
+                for i in range(parts[0].shape[0]):
+                    yield [p[i:i + 1] for p in parts]
 
         return gen
 
@@ -399,8 +454,7 @@ class PtqQuantizer(QAT_Quantizer):
             for w, value in exported:
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
-                self.bound_model.export(d, format="tf_saved_model", verbose=False)
-                blob = _converter(d, representative_dataset, in_type, out_type).convert()
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
         finally:
             for var, value in originals:
                 var.assign(value)
@@ -418,13 +472,83 @@ class PtqQuantizer(QAT_Quantizer):
         self._retrace()
         try:
             with tempfile.TemporaryDirectory() as d:
-                self.bound_model.export(d, format="tf_saved_model", verbose=False)
-                blob = _converter(d, representative_dataset, in_type, out_type).convert()
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
         finally:
             self._clip_export = False
             self._retrace()
         with open(path, "wb") as f:
             f.write(blob)
+
+
+def _saved_model_signature(model: Any) -> Any:
+    """The export signature: the model's own (dynamic batch), or batch 1 when a recurrent layer needs a
+    static batch for TFLite (its state tensors' shape)."""
+    import keras
+
+    if not any(isinstance(layer, keras.layers.RNN) for layer in _all_layers(model)):
+        return None
+    inputs = list(getattr(model, "inputs", None) or [])
+    if not inputs:
+        return None
+    specs = [tf.TensorSpec((1, *t.shape[1:]), t.dtype, name=getattr(t, "name", None)) for t in inputs]
+    return [specs[0]] if len(specs) == 1 else [specs]
+
+
+def _unrolled(model: Any) -> Any:
+    """``model`` with its recurrent layers unrolled (a clone sharing every other layer): TFLite's int8
+    calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain int8
+    FULLY_CONNECTED ops. Needs a fixed sequence length (a ConfigError names the layer otherwise)."""
+    import keras
+
+    from ..compressor import WRAPPER_PREFIX
+
+    rnns = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.RNN) and not layer.unroll
+            and not any(k.startswith(WRAPPER_PREFIX) for k in vars(layer))]
+    if not rnns:
+        return model
+    for layer in rnns:
+        steps = [node.input_tensors[0].shape[1] for node in getattr(layer, "_inbound_nodes", [])]
+        if not steps or any(t is None for t in steps):
+            raise ConfigError(f"PtqQuantizer.export_model: recurrent layer {layer.name!r} ({type(layer).__name__}) "
+                              f"runs over a sequence of unknown length; the full-integer TFLite export unrolls it "
+                              f"and needs a fixed length: give the model keras.Input((length, ...))")
+    new: dict[int, Any] = {}
+
+    def clone(layer: Any) -> Any:
+        if not any(layer is r for r in rnns):
+            return layer
+        copy = type(layer).from_config({**layer.get_config(), "unroll": True})
+        new[id(copy)] = layer
+        return copy
+
+    out = keras.models.clone_model(model, clone_function=clone)
+    for layer in _all_layers(out):
+        if id(layer) in new:
+            layer.set_weights(new[id(layer)].get_weights())
+    return out
+
+
+def _all_layers(model: Any) -> list[Any]:
+    out, stack = [], list(getattr(model, "layers", []))
+    while stack:
+        layer = stack.pop()
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    return out
+
+
+def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any, out_type: Any) -> bytes:
+    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer (logs the conversion's start and time:
+    it takes tens of seconds on real models)."""
+    import time
+
+    t0 = time.perf_counter()
+    _log.info("PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
+    signature = _saved_model_signature(model)
+    _unrolled(model).export(workdir, format="tf_saved_model", verbose=False, input_signature=signature)
+    blob = _converter(workdir, representative_dataset, in_type, out_type).convert()
+    _log.info("PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
+    return blob
 
 
 def _converter(saved_model: str, representative_dataset: Any, in_type: Any, out_type: Any) -> Any:
