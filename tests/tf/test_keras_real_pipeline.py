@@ -189,6 +189,21 @@ def test_tflite_conversion_logs_its_progress(tmp_path, caplog):
     assert len(msgs) == 2 and "converting" in msgs[0] and "done in" in msgs[1] and "bytes" in msgs[1]
 
 
+def test_tflite_conversion_prints_when_nobody_logs(tmp_path, capfd):
+    q = ctf.PtqQuantizer(_dense_model(), [{"op_types": ["Dense"], "quant_types": ["input", "weight", "output"],
+                                           "quant_bits": 8}])
+    q.calibrate(np.random.default_rng(0).standard_normal((8, 4)).astype("float32"))
+    logging.getLogger("compressor.tf.ptq").setLevel(logging.WARNING)
+    try:
+        q.export_model(tmp_path / "m.keras", tmp_path / "c.json", tflite_path=tmp_path / "a.tflite")
+        lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("PtqQuantizer:")]
+        assert len(lines) == 2 and "done in" in lines[1]
+        q.export_model(tmp_path / "m.keras", tmp_path / "c.json", tflite_path=tmp_path / "b.tflite", verbose=False)
+        assert not [x for x in capfd.readouterr().err.splitlines() if x.startswith("PtqQuantizer:")]
+    finally:
+        logging.getLogger("compressor.tf.ptq").setLevel(logging.NOTSET)
+
+
 def test_attention_is_quantized_through_its_projections():
     model = P.text_transformer()
     q = ctf.PtqQuantizer(model, [{"op_types": ["MultiHeadAttention", "Dense"],
