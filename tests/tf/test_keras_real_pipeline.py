@@ -5,8 +5,8 @@ classifier, PTQ of token-input / attention / recurrent models, ``calibrate`` inp
 attention layers.
 
 The pipeline (``tests/tf/_keras_pipeline.py``; ``python tests/tf/_keras_pipeline.py NAME`` prints the
-measurements) on keras.applications at 32x32 takes 25-90 s per model: the text transformer runs in the
-fast suite, every other model is ``slow``."""
+measurements) on keras.applications at 32x32 takes 25-90 s per model: the text transformer, the LSTM and
+MobileNetV3Small run in the fast suite, the other applications are ``slow``."""
 
 from __future__ import annotations
 
@@ -227,12 +227,14 @@ def check_pipeline(name, tmp_path):
     return res
 
 
-def test_pipeline_text_transformer(tmp_path):
-    check_pipeline("text", tmp_path)
+@pytest.mark.parametrize("name", ["text", "lstm", "MobileNetV3Small"])
+def test_pipeline_fast_cases(name, tmp_path):
+    """The text transformer and LSTM classifier (5 s each) and the one keras.applications case of the fast
+    suite (~35 s: MobileNetV3Small, the hard-swish / squeeze-excite model of item 5)."""
+    check_pipeline(name, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lstm", "ResNet50", "MobileNetV2", "EfficientNetB0", "MobileNetV3Small",
-                                  "DenseNet121", "ConvNeXtTiny"])
+@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0", "DenseNet121", "ConvNeXtTiny"])
 def test_pipeline_real_models(name, tmp_path):
     check_pipeline(name, tmp_path)
