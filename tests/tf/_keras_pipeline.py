@@ -52,7 +52,7 @@ def make_model(name: str) -> keras.Model:
     if name == "lstm":
         return lstm_classifier()
     kw = {"weights": None, "input_shape": (32, 32, 3), "classes": N_CLASSES, "classifier_activation": None}
-    if name.startswith(("MobileNetV3", "ConvNeXt", "EfficientNet")):
+    if name.startswith(("MobileNetV3", "ConvNeXt")):
         kw["include_preprocessing"] = False
     if name == "MobileNetV2":
         kw["alpha"] = 0.35

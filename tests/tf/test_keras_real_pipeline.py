@@ -5,8 +5,8 @@ classifier, PTQ of token-input / attention / recurrent models, ``calibrate`` inp
 attention layers.
 
 The pipeline (``tests/tf/_keras_pipeline.py``; ``python tests/tf/_keras_pipeline.py NAME`` prints the
-measurements) on keras.applications at 32x32 takes 25-90 s per model: the text transformer runs in the
-fast suite, every other model is ``slow``."""
+measurements) on keras.applications at 32x32 takes 25-90 s per model: the text transformer, the LSTM and
+MobileNetV3Small run in the fast suite, the other applications are ``slow``."""
 
 from __future__ import annotations
 
@@ -189,6 +189,21 @@ def test_tflite_conversion_logs_its_progress(tmp_path, caplog):
     assert len(msgs) == 2 and "converting" in msgs[0] and "done in" in msgs[1] and "bytes" in msgs[1]
 
 
+def test_tflite_conversion_prints_when_nobody_logs(tmp_path, capfd):
+    q = ctf.PtqQuantizer(_dense_model(), [{"op_types": ["Dense"], "quant_types": ["input", "weight", "output"],
+                                           "quant_bits": 8}])
+    q.calibrate(np.random.default_rng(0).standard_normal((8, 4)).astype("float32"))
+    logging.getLogger("compressor.tf.ptq").setLevel(logging.WARNING)
+    try:
+        q.export_model(tmp_path / "m.keras", tmp_path / "c.json", tflite_path=tmp_path / "a.tflite")
+        lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("PtqQuantizer:")]
+        assert len(lines) == 2 and "done in" in lines[1]
+        q.export_model(tmp_path / "m.keras", tmp_path / "c.json", tflite_path=tmp_path / "b.tflite", verbose=False)
+        assert not [x for x in capfd.readouterr().err.splitlines() if x.startswith("PtqQuantizer:")]
+    finally:
+        logging.getLogger("compressor.tf.ptq").setLevel(logging.NOTSET)
+
+
 def test_attention_is_quantized_through_its_projections():
     model = P.text_transformer()
     q = ctf.PtqQuantizer(model, [{"op_types": ["MultiHeadAttention", "Dense"],
@@ -212,12 +227,14 @@ def check_pipeline(name, tmp_path):
     return res
 
 
-def test_pipeline_text_transformer(tmp_path):
-    check_pipeline("text", tmp_path)
+@pytest.mark.parametrize("name", ["text", "lstm", "MobileNetV3Small"])
+def test_pipeline_fast_cases(name, tmp_path):
+    """The text transformer and LSTM classifier (5 s each) and the one keras.applications case of the fast
+    suite (~35 s: MobileNetV3Small, the hard-swish / squeeze-excite model of item 5)."""
+    check_pipeline(name, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lstm", "ResNet50", "MobileNetV2", "EfficientNetB0", "MobileNetV3Small",
-                                  "DenseNet121", "ConvNeXtTiny"])
+@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0", "DenseNet121", "ConvNeXtTiny"])
 def test_pipeline_real_models(name, tmp_path):
     check_pipeline(name, tmp_path)

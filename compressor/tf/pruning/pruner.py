@@ -263,8 +263,7 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
         """``selected`` without the layers whose output channels are model outputs (the classifier) that
         only ``'default'`` selected (a layer named by type or name stays): their filters are the model's
         outputs, which pruning must not change. Functional / Sequential models only."""
-        import keras
-
+        from ...core.errors import ModelError
         from ...core.matching import expand_op_types
         from ..graph import is_graph_model, output_producers
 
@@ -275,9 +274,12 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
 
         if not self.default_skips_classifier or not any(by_default(i, c) for i, c in selected):
             return selected
-        if not is_graph_model(model) or (isinstance(model, keras.Sequential) and not model.built):
+        if not is_graph_model(model):
             return selected
-        outputs = output_producers(model)
+        try:
+            outputs = output_producers(model)
+        except ModelError:  # an unbuilt Sequential: its graph (and classifier) is not known yet
+            return selected
         return [(i, c) for i, c in selected if not (by_default(i, c) and i.name in outputs)]
 
     # -- dependency-aware pruning (core.dependency; weight criteria, computed eagerly in compress())

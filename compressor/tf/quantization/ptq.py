@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterable
 from typing import Any
@@ -404,9 +405,12 @@ class PtqQuantizer(QAT_Quantizer):
     def export_model(self, model_path: str | os.PathLike | None = None, calibration_path: str | os.PathLike | None = None,
                      tflite_path: str | os.PathLike | None = None, representative_dataset: Any = None,
                      input_shape: tuple[int, ...] | None = None, inference_input_type: Any = tf.float32,
-                     inference_output_type: Any = tf.float32) -> dict[str, dict[str, Any]]:
+                     inference_output_type: Any = tf.float32, verbose: bool = True) -> dict[str, dict[str, Any]]:
         """QAT's export (plain Keras model with quantized weights, calibration JSON) and, with
         ``tflite_path``, a full-integer int8 TFLite model (input/output ``tf.int8`` or ``tf.float32``).
+        The TFLite conversion takes tens of seconds on real models: a line before and after it (with the
+        time) goes to the ``compressor.tf.ptq`` logger at INFO, and, with ``verbose`` and nobody listening
+        to that logger, to stderr.
         ``representative_dataset`` defaults to the calibration batches kept by :meth:`calibrate`."""
         self._require_calibrated("export_model")
         for name, t in (("inference_input_type", inference_input_type), ("inference_output_type", inference_output_type)):
@@ -423,6 +427,7 @@ class PtqQuantizer(QAT_Quantizer):
         with atomic_paths(model_path, calibration_path, tflite_path) as (tmp_model, tmp_calib, tmp_tflite):
             calibration = super().export_model(tmp_model, tmp_calib, None, None, input_shape)
             if tmp_tflite is not None:
+                self._verbose = verbose
                 self._to_tflite(tmp_tflite, rep, inference_input_type, inference_output_type)
         return calibration
 
@@ -454,7 +459,8 @@ class PtqQuantizer(QAT_Quantizer):
             for w, value in exported:
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
-                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
+                                getattr(self, "_verbose", True))
         finally:
             for var, value in originals:
                 var.assign(value)
@@ -472,7 +478,8 @@ class PtqQuantizer(QAT_Quantizer):
         self._retrace()
         try:
             with tempfile.TemporaryDirectory() as d:
-                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type)
+                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
+                                getattr(self, "_verbose", True))
         finally:
             self._clip_export = False
             self._retrace()
@@ -537,17 +544,25 @@ def _all_layers(model: Any) -> list[Any]:
     return out
 
 
-def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any, out_type: Any) -> bytes:
-    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer (logs the conversion's start and time:
-    it takes tens of seconds on real models)."""
+def _say(verbose: bool, msg: str, *args: Any) -> None:
+    if _log.isEnabledFor(logging.INFO):
+        _log.info(msg, *args)
+    elif verbose:
+        print(msg % args, file=sys.stderr, flush=True)
+
+
+def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any, out_type: Any,
+             verbose: bool = True) -> bytes:
+    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer (says when the conversion starts and
+    how long it took: tens of seconds on real models)."""
     import time
 
     t0 = time.perf_counter()
-    _log.info("PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
+    _say(verbose, "PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
     signature = _saved_model_signature(model)
     _unrolled(model).export(workdir, format="tf_saved_model", verbose=False, input_signature=signature)
     blob = _converter(workdir, representative_dataset, in_type, out_type).convert()
-    _log.info("PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
+    _say(verbose, "PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
     return blob
 
 
