@@ -173,21 +173,34 @@ def _agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------- PyTorch
 
 
+def hf(cls_name: str, cfg_name: str, **cfg: Any) -> Callable[[], tuple[Any, tuple[int, ...], int]]:
+    """Builder of a Hugging Face ``transformers`` model from a small config (random weights, no download)."""
+    def build():
+        import transformers
+
+        cfg.setdefault("num_labels", N_CLASSES)
+        model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**cfg))
+        shape = (3, 32, 32) if "pixel" in model.main_input_name else (16,)
+        vocab = getattr(model.config, "vocab_size", 0) if "input_ids" == model.main_input_name else 0
+        return model, shape, vocab
+    return build
+
+
+def app(fn_name: str, size: int = 32, **kw: Any) -> Callable[[], tuple[Any, tuple[int, ...], int]]:
+    """Builder of a ``keras.applications`` model with ``weights=None`` and logits out."""
+    def build():
+        import keras
+
+        fn = getattr(keras.applications, fn_name)
+        model = fn(weights=None, input_shape=(size, size, 3), classes=N_CLASSES, classifier_activation=None, **kw)
+        return model, (size, size, 3), 0
+    return build
+
+
 def _torch_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
     """name -> builder returning ``(model, input shape without batch, vocabulary size or 0)``."""
     import torch
     from torch import nn
-
-    def hf(cls_name: str, cfg_name: str, **cfg):
-        def build():
-            import transformers
-
-            cfg.setdefault("num_labels", N_CLASSES)
-            model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**cfg))
-            shape = (3, 32, 32) if "pixel" in model.main_input_name else (16,)
-            vocab = getattr(model.config, "vocab_size", 0) if "input_ids" == model.main_input_name else 0
-            return model, shape, vocab
-        return build
 
     class LSTMClassifier(nn.Module):
         def __init__(self, vocab: int = 64):
@@ -220,17 +233,6 @@ def _torch_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]
 
 def _torch_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
     """Architectures the pipeline was not developed on (``--extra``): the generalisation check."""
-    def hf(cls_name: str, cfg_name: str, **cfg):
-        def build():
-            import transformers
-
-            cfg.setdefault("num_labels", N_CLASSES)
-            model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**cfg))
-            shape = (3, 32, 32) if "pixel" in model.main_input_name else (16,)
-            vocab = getattr(model.config, "vocab_size", 0) if "input_ids" == model.main_input_name else 0
-            return model, shape, vocab
-        return build
-
     return {
         "hf-regnet": hf("RegNetForImageClassification", "RegNetConfig", embedding_size=16, hidden_sizes=[16, 32],
                         depths=[1, 1], groups_width=8),
@@ -420,13 +422,6 @@ def _onnx_latency(paths: dict[str, str], xs: np.ndarray) -> dict[tuple[str, int]
 def _keras_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
     import keras
 
-    def app(fn_name: str, size: int = 32, **kw):
-        def build():
-            fn = getattr(keras.applications, fn_name)
-            model = fn(weights=None, input_shape=(size, size, 3), classes=N_CLASSES, classifier_activation=None, **kw)
-            return model, (size, size, 3), 0
-        return build
-
     def text_transformer():
         vocab, seq, d = 64, 16, 32
         inp = keras.Input((seq,), dtype="int32")
@@ -462,13 +457,6 @@ def _keras_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]
 def _keras_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], int]]]:
     """Architectures the pipeline was not developed on (``--extra``): the generalisation check."""
     import keras
-
-    def app(fn_name: str, size: int = 32, **kw):
-        def build():
-            fn = getattr(keras.applications, fn_name)
-            model = fn(weights=None, input_shape=(size, size, 3), classes=N_CLASSES, classifier_activation=None, **kw)
-            return model, (size, size, 3), 0
-        return build
 
     def gru():
         vocab, seq = 64, 16
