@@ -265,3 +265,14 @@ def test_bad_batches_name_what_is_expected():
     with pytest.raises(ModelError, match="batch 0 is a dict with non-string keys"):
         q.calibrate([{0: torch.zeros(2, 3, dtype=torch.long)}])
     assert not q.calibrated
+
+
+@pytest.mark.parametrize("bad", ["int4", "INT8", None, 8])
+def test_bad_onnx_weight_dtype_is_refused_before_any_file(bad, tmp_path):
+    from compressor.core.errors import ConfigError
+
+    _, _, q = quantize("resnet", CFG)
+    (tmp_path / "m.onnx").write_bytes(b"old")
+    with pytest.raises(ConfigError, match=r"onnx_weight_dtype must be 'auto', 'int8' or 'uint8', got"):
+        q.export_model(tmp_path / "m.pt", onnx_path=tmp_path / "m.onnx", onnx_weight_dtype=bad)
+    assert not (tmp_path / "m.pt").exists() and (tmp_path / "m.onnx").read_bytes() == b"old"

@@ -34,12 +34,6 @@ def _is_hf_conv1d(layer: nn.Module) -> bool:
     return is_hf_conv1d(layer)
 
 
-def _is_hf_conv1d(layer: nn.Module) -> bool:
-    from ..layout import is_hf_conv1d
-
-    return is_hf_conv1d(layer)
-
-
 def weight_channel_axis(layer: nn.Module) -> int:
     """Axis of the output channels in ``layer.weight`` (1 for transposed convolutions and HF Conv1D,
     whose weight is stored ``[in, out]``; else 0). See :mod:`compressor.torch.layout`."""
