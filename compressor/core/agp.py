@@ -4,6 +4,10 @@ Config keys per entry: ``final_sparsity`` (or ``sparsity``), ``initial_sparsity`
 (0), ``end_epoch`` (10), ``frequency`` (1). Both backends' ``AGPPruner`` call these functions, so a
 config_list means the same on torch and tf. The schedule math itself is
 :func:`compressor.core.schedules.agp_sparsity` / ``agp_should_update``.
+
+:class:`AGPScheduleMixin` is the schedule driver both backends' ``AGPPruner`` inherit: the constructor
+checks, which layers are due at an epoch, the pending set and its (de)serialisation. Each backend adds only
+what touches its framework (validating a layer, computing masks on its tensors, in-graph updates on tf).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from typing import Any
 
 from .errors import ConfigError
 from .pruner_config import check_activation, check_statistics_batch_num
+from .pruning import nm_validate_config
 from .schedules import agp_should_update, agp_sparsity
 
 __all__ = [
-    "AGP_DEFAULTS", "agp_due_layers", "agp_masker_kwargs", "agp_schedule", "agp_target", "check_agp_algorithm",
+    "AGP_DEFAULTS", "AGPScheduleMixin", "agp_due_layers", "agp_masker_kwargs", "agp_schedule", "agp_target", "check_agp_algorithm",
     "check_agp_args", "check_agp_dependency", "validate_agp_config", "AGP_FILTER_CRITERIA",
 ]
 
@@ -108,3 +113,109 @@ def agp_masker_kwargs(pruning_algorithm: str, activation: str, statistics_batch_
     if pruning_algorithm == "taylorfo":
         return {"statistics_batch_num": statistics_batch_num}
     return {}
+
+
+class AGPScheduleMixin:
+    """The AGP schedule driver of both backends' ``AGPPruner`` (pure Python, no framework).
+
+    Put it before the backend's pruner base. The host provides ``get_modules_wrapper()`` (wrappers with a
+    normalised ``config``), ``current_epoch``, ``update_epoch``, ``update_mask``, ``compress`` and
+    ``state_dict``/``load_state_dict`` (the pruner base does), and ``AGP_CRITERIA`` on the class:
+    ``pruning_algorithm -> (masker class, what op_types 'default' means)``.
+
+    State: ``_scheduled_epoch`` (the last epoch scheduled, None before the first) and ``_pending`` (indices
+    of the wrappers whose masks are due at that epoch and not computed yet). Statistics of data criteria
+    are collected exactly while something is pending.
+    """
+
+    AGP_CRITERIA: dict[str, tuple[Any, tuple[str, ...]]] = {}
+    pruning_algorithm: str
+    masker: Any
+    current_epoch: int
+
+    # ------------------------------------------------------------ construction
+    def _agp_setup(self, pruning_algorithm: Any, statistics_batch_num: Any, activation: Any,
+                   dependency_aware: Any) -> bool:
+        """Refuse bad constructor arguments (before the model changes); set the criterion's attributes.
+        Returns ``dependency_aware`` (checked)."""
+        check_agp_args(pruning_algorithm, self.AGP_CRITERIA, statistics_batch_num, activation)
+        dependency_aware = check_agp_dependency(pruning_algorithm, dependency_aware)
+        self.pruning_algorithm = pruning_algorithm
+        self._masker_class, self.default_types = self.AGP_CRITERIA[pruning_algorithm]
+        self._group_producers_needed = pruning_algorithm != "slim"
+        self._rank_globally = pruning_algorithm == "slim"
+        return dependency_aware
+
+    def _agp_start(self, model: Any, activation: str, statistics_batch_num: int) -> None:
+        """After the base constructor: the criterion's masker and an empty schedule."""
+        kwargs = agp_masker_kwargs(self.pruning_algorithm, activation, statistics_batch_num)
+        self.masker = self._masker_class(model, self, **kwargs)
+        self._scheduled_epoch: int | None = None
+        self._pending: set[int] = set()
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        nm_validate_config(config_list, type(self).__name__, "final_sparsity", self.pruning_algorithm)
+        validate_agp_config(config_list, self.pruning_algorithm)
+
+    # ------------------------------------------------------------ schedule
+    def _config_of(self, wrapper_idx: int) -> dict[str, Any]:
+        """The config that schedules wrapper ``wrapper_idx`` (slim: one global schedule, the first one)."""
+        return self.get_modules_wrapper()[0 if self.pruning_algorithm == "slim" else wrapper_idx].config
+
+    def target_sparsity(self, wrapper_idx: int, epoch: int | None = None) -> float:
+        """The AGP target of wrapper ``wrapper_idx`` at ``epoch`` (default: the current epoch)."""
+        return agp_target(self._config_of(wrapper_idx), self.current_epoch if epoch is None else epoch)
+
+    def _schedule_epoch(self, epoch: int) -> None:
+        """Mark the layers due at ``epoch`` pending (once per epoch)."""
+        if self._scheduled_epoch == epoch:
+            return
+        self._scheduled_epoch = epoch
+        n = len(self.get_modules_wrapper())
+        due = agp_due_layers([self._config_of(idx) for idx in range(n)], epoch)
+        if due:
+            self._pending |= due
+            self._on_layers_due(due)
+
+    def _on_layers_due(self, due: set[int]) -> None:
+        """Layers ``due`` just became pending: start collecting statistics (a backend may add to this)."""
+        self.masker.start_statistics()
+
+    def _done(self, *indices: int) -> None:
+        """The masks of ``indices`` are computed: no longer pending; statistics stop once none is."""
+        self._pending.difference_update(indices)
+        if not self._pending:
+            self.masker.stop_statistics()
+
+    def _recompute_now(self) -> None:
+        """Recompute the due masks between steps (weight criteria, at ``update_epoch``)."""
+        self.update_mask()
+
+    def compress(self) -> Any:
+        self._schedule_epoch(self.current_epoch)
+        return super().compress()  # type: ignore[misc]
+
+    def update_epoch(self, epoch: int) -> None:
+        """Advance the clock; on a schedule epoch, recompute masks (data criteria: once statistics are in)."""
+        super().update_epoch(epoch)  # type: ignore[misc]
+        self._schedule_epoch(self.current_epoch)
+        if self._pending and not self.masker.needs_data:
+            self._recompute_now()
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "scheduled_epoch": self._scheduled_epoch,  # type: ignore[misc]
+                "pending": sorted(self._pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # type: ignore[misc]
+        self._scheduled_epoch = state.get("scheduled_epoch")
+        self._pending = set(state.get("pending", ()))
+        self._on_pending_loaded()
+        if self._pending:
+            self.masker.start_statistics()
+        else:
+            self.masker.stop_statistics()
+
+    def _on_pending_loaded(self) -> None:
+        """A checkpoint just set ``_pending`` (a backend mirrors it onto its wrappers here)."""

@@ -32,17 +32,8 @@ from typing import Any
 import tensorflow as tf
 
 from ... import tf_plugin
-from ...core.agp import (
-    agp_due_layers,
-    agp_masker_kwargs,
-    agp_schedule,
-    agp_target,
-    check_agp_args,
-    check_agp_dependency,
-    validate_agp_config,
-)
+from ...core.agp import AGPScheduleMixin, agp_schedule
 from ...core.matching import LayerInfo
-from ...core.pruning import nm_validate_config
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .dependency import DependencyAwareMixin
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
@@ -67,33 +58,22 @@ AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
 }
 
 
-class AGPPruner(DependencyAwareMixin, TfPruner):
+class AGPPruner(AGPScheduleMixin, DependencyAwareMixin, TfPruner):
     """Gradual pruning from ``initial_sparsity`` to ``final_sparsity`` with ``pruning_algorithm`` as criterion."""
 
     config_keys = ("sparse_pattern",)
+    AGP_CRITERIA = AGP_CRITERIA
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
                  dependency_aware: bool = False, dummy_input: Any = None) -> None:
-        check_agp_args(pruning_algorithm, AGP_CRITERIA, statistics_batch_num, activation)
-        self.dependency_aware = check_agp_dependency(pruning_algorithm, dependency_aware)
+        self.dependency_aware = self._agp_setup(pruning_algorithm, statistics_batch_num, activation,
+                                                dependency_aware)
         self._dependency: Any = None
-        self._group_producers_needed = pruning_algorithm != "slim"
-        self._rank_globally = pruning_algorithm == "slim"
-        self.pruning_algorithm = pruning_algorithm
         self.masks_bias = pruning_algorithm != "level"
-        self._masker_class, self.default_types = AGP_CRITERIA[pruning_algorithm]
         super().__init__(model, config_list, optimizer)
-        kwargs = agp_masker_kwargs(pruning_algorithm, activation, statistics_batch_num)
         self.set_wrappers_attribute("agp_pending", tf.constant(False))
-        self.masker = self._masker_class(model, self, **kwargs)
-        self._scheduled_epoch: int | None = None
-        self._pending: set[int] = set()
-
-    # ------------------------------------------------------------ validation
-    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        nm_validate_config(config_list, type(self).__name__, "final_sparsity", self.pruning_algorithm)
-        validate_agp_config(config_list, self.pruning_algorithm)
+        self._agp_start(model, activation, statistics_batch_num)
 
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
         super().validate_layer(layer_info, layer, config)
@@ -101,29 +81,12 @@ class AGPPruner(DependencyAwareMixin, TfPruner):
         check_nm_layer(layer_info, layer, config, type(self).__name__)
 
     # ------------------------------------------------------------ schedule
-    def _config_of(self, wrapper_idx: int) -> dict[str, Any]:
-        return self.modules_wrapper[0 if self.pruning_algorithm == "slim" else wrapper_idx].config
-
-    def target_sparsity(self, wrapper_idx: int, epoch: int | None = None) -> float:
-        """The AGP target of wrapper ``wrapper_idx`` at ``epoch`` (default: the current epoch)."""
-        return agp_target(self._config_of(wrapper_idx), self.current_epoch if epoch is None else epoch)
-
-    def _schedule_epoch(self, epoch: int) -> None:
-        if self._scheduled_epoch == epoch:
-            return
-        self._scheduled_epoch = epoch
-        due = agp_due_layers([self._config_of(idx) for idx in range(len(self.modules_wrapper))], epoch)
-        if due:
-            self._pending |= due
-            for idx in due:
-                self.modules_wrapper[idx].agp_pending = True
-            self.masker.start_statistics()
-            if self.masker.needs_data:
-                self._retrace()  # the epoch's target sparsity is traced into the step
-
-    def compress(self) -> Any:
-        self._schedule_epoch(self.current_epoch)
-        return super().compress()
+    def _on_layers_due(self, due: set[int]) -> None:
+        for idx in due:
+            self.modules_wrapper[idx].agp_pending = True
+        self.masker.start_statistics()
+        if self.masker.needs_data:
+            self._retrace()  # the epoch's target sparsity is traced into the step
 
     def _on_wrapper_ready(self, wrapper: Any, deferred: bool = False) -> None:
         self.masker.wrapper_ready(wrapper, self._wrapper_index(wrapper))
@@ -134,15 +97,10 @@ class AGPPruner(DependencyAwareMixin, TfPruner):
         """Advance the clock; on a schedule epoch, recompute masks (data criteria: once statistics are in)."""
         self.sync()
         super().update_epoch(epoch)
-        self._schedule_epoch(self.current_epoch)
-        if self._pending and not self.masker.needs_data:
-            with tf.init_scope():
-                self.update_mask()
 
-    def _done(self, idx: int) -> None:
-        self._pending.discard(idx)
-        if not self._pending:
-            self.masker.stop_statistics()
+    def _recompute_now(self) -> None:
+        with tf.init_scope():
+            self.update_mask()
 
     def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         """Eager: the masks at the epoch's target once due (and statistics are in), else None."""
@@ -242,15 +200,8 @@ class AGPPruner(DependencyAwareMixin, TfPruner):
 
     def state_dict(self) -> dict[str, Any]:
         self.sync()
-        return {**super().state_dict(), "scheduled_epoch": self._scheduled_epoch, "pending": sorted(self._pending)}
+        return super().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._scheduled_epoch = state.get("scheduled_epoch")
-        self._pending = set(state.get("pending", ()))
+    def _on_pending_loaded(self) -> None:
         for idx, w in enumerate(self.modules_wrapper):
             w.agp_pending = idx in self._pending
-        if self._pending:
-            self.masker.start_statistics()
-        else:
-            self.masker.stop_statistics()
