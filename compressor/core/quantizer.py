@@ -5,7 +5,8 @@ styles, read from each method's signature: seed 002's ``(tensor, wrapper, **kwar
 ``(tensor, config, **kwargs)``. Methods may be marked :func:`builtin_ste` (their own gradient already is
 the clipped straight-through one) or :func:`builtin_autograd` (their gradients are their own). This
 module reads those facts, checks a config entry's ``quant_types`` against them and calls a method in
-its style; the backends add tensors, wrappers and gradient functions.
+its style; the backends add tensors, wrappers and gradient functions. :class:`QuantizerBaseMixin` holds
+what both backends' quantizer bases declare the same way (class attributes, override points, dispatch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .config import QUANT_TYPES
 from .errors import ConfigError
 
 __all__ = [
-    "builtin_autograd", "builtin_ste", "call_quantize", "call_style", "calls_directly", "check_quant_types",
+    "QuantizerBaseMixin", "builtin_autograd", "builtin_ste", "call_quantize", "call_style", "calls_directly", "check_quant_types",
     "method_styles",
 ]
 
@@ -92,3 +93,44 @@ def call_quantize(fn: Callable[..., Any], style: tuple[str, bool], tensor: Any, 
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out
+
+
+class QuantizerBaseMixin:
+    """The framework-free part of ``TorchQuantizer`` / ``TfQuantizer``: put it before the backend's
+    ``Compressor`` base. Config keys: ``quant_types`` (list of 'input' / 'weight' / 'output'),
+    ``quant_bits`` (int or ``{type: bits}``, 1..32), optional ``quant_start_step``; subclasses add their own.
+    """
+
+    _kind = "quantizer"
+    required_keys: tuple[str, ...] = ("quant_types", "quant_bits")
+    #: the quant types this algorithm implements (others are refused before the model is touched)
+    supported_quant_types: tuple[str, ...] = QUANT_TYPES
+    #: True: ``quantize_*`` run (and track ranges) before ``quant_start_step``; the base discards their
+    #: result until then. False: the base does not call them before the start step.
+    handles_start_step: bool = False
+
+    def _read_method_styles(self) -> None:
+        """Read the calling style and autograd mark of this class's ``quantize_*`` (construction)."""
+        self._styles, self._autograd = method_styles(type(self))
+
+    def _check_quant_types(self, layer_name: str, types: Iterable[str]) -> None:
+        """Refuse a layer's ``quant_types`` this algorithm does not support or does not override."""
+        check_quant_types(type(self), QuantizerBaseMixin, layer_name, types, self.supported_quant_types)
+
+    # ------------------------------------------------------------------ override points
+    def quantize_weight(self, weight: Any, wrapper: Any, **kwargs: Any) -> Any:
+        """Return the quantized ``weight`` of ``wrapper``'s layer (in the backend's layout: torch
+        ``[out, in, ...]``, Keras ``[in, out]`` / ``[kh, kw, in, out]``)."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_weight()")
+
+    def quantize_input(self, *inputs: Any, wrapper: Any, **kwargs: Any) -> Any:
+        """Return the quantized input of ``wrapper``'s layer."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_input()")
+
+    def quantize_output(self, output: Any, wrapper: Any, **kwargs: Any) -> Any:
+        """Return the quantized output of ``wrapper``'s layer."""
+        raise NotImplementedError(f"{type(self).__name__} must override quantize_output()")
+
+    def _call_method(self, quant_type: str, tensor: Any, wrapper: Any) -> Any:
+        """Call this quantizer's ``quantize_<quant_type>`` on ``tensor`` in its calling style."""
+        return call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)

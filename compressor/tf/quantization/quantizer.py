@@ -35,17 +35,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.config import QUANT_TYPES
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
-from ...core.quantizer import (
-    builtin_autograd,
-    builtin_ste,
-    call_quantize,
-    calls_directly,
-    check_quant_types,
-    method_styles,
-)
+from ...core.quantizer import QuantizerBaseMixin, builtin_autograd, builtin_ste, calls_directly
 from .. import layout
 from ..compressor import Compressor
 from .grad import QuantGrad, QuantType
@@ -54,27 +46,20 @@ from .wrapper import QuantizerLayerWrapper
 __all__ = ["TfQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
 
 
-class TfQuantizer(Compressor):
+class TfQuantizer(QuantizerBaseMixin, Compressor):
     """Base quantizer: wraps the selected Keras layers in :class:`QuantizerLayerWrapper`.
 
     Config keys: ``quant_types`` (list of 'input' / 'weight' / 'output'), ``quant_bits`` (int or
     ``{type: bits}``, 1..32), optional ``quant_start_step``; subclasses add their own.
     """
 
-    _kind = "quantizer"
-    required_keys: tuple[str, ...] = ("quant_types", "quant_bits")
-    #: the quant types this algorithm implements (others are refused before the model is touched)
-    supported_quant_types: tuple[str, ...] = QUANT_TYPES
     #: gradient rule of every quantization; swap it per instance (``self.quant_grad = MyGrad``)
     quant_grad: type[QuantGrad] = QuantGrad
-    #: True: ``quantize_*`` run (and track ranges) before ``quant_start_step``; the base discards their
-    #: result until then. False: the base does not call them before the start step.
-    handles_start_step: bool = False
     #: use TF's fused fake-quant kernels where they fit (see :mod:`.fakequant`)
     fused: bool = True
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None) -> None:
-        self._styles, self._autograd = method_styles(type(self))
+        self._read_method_styles()
         self._any_frozen = False
         super().__init__(model, config_list, optimizer)
 
@@ -82,7 +67,7 @@ class TfQuantizer(Compressor):
     def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
         what = type(self).__name__
         types = config.get("quant_types", [])
-        check_quant_types(type(self), TfQuantizer, layer_info.name, types, self.supported_quant_types)
+        self._check_quant_types(layer_info.name, types)
         if "weight" in types and getattr(layer, "built", False) and \
                 layout.weight_of(layer, layer_info.extra.get("slot")) is None:
             raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight to quantize; "
@@ -107,22 +92,9 @@ class TfQuantizer(Compressor):
         variables, ``wrapper.add_layer_variable`` for trainable ones). Runs once the layer is built:
         at construction, or on the first call of a layer built later."""
 
-    # ------------------------------------------------------------------ override points
-    def quantize_weight(self, weight: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
-        """Return the quantized ``weight`` (Keras layout) of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_weight()")
-
-    def quantize_input(self, *inputs: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
-        """Return the quantized input of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_input()")
-
-    def quantize_output(self, output: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
-        """Return the quantized output of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_output()")
-
     # ------------------------------------------------------------------ dispatch (called by the wrapper)
     def _call(self, quant_type: str, tensor: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
-        out = call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)
+        out = self._call_method(quant_type, tensor, wrapper)
         return tf.convert_to_tensor(out, dtype=tensor.dtype)
 
     def _quantize(self, quant_type: str, tensor: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:

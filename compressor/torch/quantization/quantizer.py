@@ -32,17 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.config import QUANT_TYPES
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
-from ...core.quantizer import (
-    builtin_autograd,
-    builtin_ste,
-    call_quantize,
-    calls_directly,
-    check_quant_types,
-    method_styles,
-)
+from ...core.quantizer import QuantizerBaseMixin, builtin_autograd, builtin_ste, calls_directly
 from ..compressor import Compressor
 from .grad import QuantGrad, QuantType
 from .wrapper import QuantizerModuleWrapper
@@ -50,26 +42,19 @@ from .wrapper import QuantizerModuleWrapper
 __all__ = ["TorchQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
 
 
-class TorchQuantizer(Compressor):
+class TorchQuantizer(QuantizerBaseMixin, Compressor):
     """Base quantizer: wraps the selected layers in :class:`QuantizerModuleWrapper`.
 
     Config keys: ``quant_types`` (list of 'input' / 'weight' / 'output'), ``quant_bits`` (int or
     ``{type: bits}``, 1..32), optional ``quant_start_step``; subclasses add their own.
     """
 
-    _kind = "quantizer"
-    required_keys: tuple[str, ...] = ("quant_types", "quant_bits")
-    #: the quant types this algorithm implements (others are refused before the model is touched)
-    supported_quant_types: tuple[str, ...] = QUANT_TYPES
     #: autograd function of every quantization; swap it per instance (``self.quant_grad = MyGrad``)
     quant_grad: type[QuantGrad] = QuantGrad
-    #: True: ``quantize_*`` run (and track ranges) before ``quant_start_step`` and check ``wrapper.quant_active``
-    #: themselves; False: the base leaves tensors untouched until the start step.
-    handles_start_step: bool = False
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
         self._steps = 0
-        self._styles, self._autograd = method_styles(type(self))
+        self._read_method_styles()
         super().__init__(model, config_list, optimizer)
         self._refresh_active()
 
@@ -77,7 +62,7 @@ class TorchQuantizer(Compressor):
     def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
         what = type(self).__name__
         types = config.get("quant_types", [])
-        check_quant_types(type(self), TorchQuantizer, layer_info.name, types, self.supported_quant_types)
+        self._check_quant_types(layer_info.name, types)
         if "weight" in types and not isinstance(getattr(module, "weight", None), torch.Tensor):
             raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight tensor to quantize")
 
@@ -90,22 +75,9 @@ class TorchQuantizer(Compressor):
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
         """Hook: register the buffers/parameters a layer's quantization needs (before the model changes)."""
 
-    # ------------------------------------------------------------------ override points
-    def quantize_weight(self, weight: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
-        """Return the quantized ``weight`` of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_weight()")
-
-    def quantize_input(self, *inputs: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
-        """Return the quantized input of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_input()")
-
-    def quantize_output(self, output: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
-        """Return the quantized output of ``wrapper``'s layer."""
-        raise NotImplementedError(f"{type(self).__name__} must override quantize_output()")
-
     # ------------------------------------------------------------------ dispatch (called by the wrapper)
     def _call(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
-        return call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)
+        return self._call_method(quant_type, tensor, wrapper)
 
     def _quantize(self, quant_type: str, tensor: torch.Tensor, wrapper: QuantizerModuleWrapper) -> torch.Tensor:
         t = quant_type.value if isinstance(quant_type, QuantType) else quant_type
