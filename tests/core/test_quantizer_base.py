@@ -14,7 +14,7 @@ class _Seed003(QuantizerBaseMixin):
         self._read_method_styles()
 
     def quantize_weight(self, weight, config, **kwargs):  # seed 003 style: gets the config dict
-        return [weight, config["quant_bits"], sorted(kwargs)]
+        return {"w": weight, "bits": config["quant_bits"], "kw": sorted(kwargs)}
 
     @builtin_ste
     def quantize_output(self, output, wrapper, **kwargs):
@@ -40,7 +40,7 @@ def test_defaults_and_styles():
 
 def test_call_method_dispatches_in_the_method_style():
     q = _Seed003()
-    assert q._call_method("weight", 3, _Wrapper()) == [3, 8, ["op", "op_name", "op_type"]]
+    assert q._call_method("weight", 3, _Wrapper()) == {"w": 3, "bits": 8, "kw": ["op", "op_name", "op_type"]}
     assert q._call_method("output", 3, _Wrapper()) == 6
     with pytest.raises(NotImplementedError, match="_Seed003 must override quantize_input"):
         q._call_method("input", 3, _Wrapper())
