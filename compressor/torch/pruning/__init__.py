@@ -1,37 +1,12 @@
-"""PyTorch pruning: the seeds' Pruner / WeightMasker / PrunerModuleWrapper framework and the pruners."""
+"""PyTorch pruning: the seeds' Pruner / WeightMasker / PrunerModuleWrapper framework and the pruners.
 
-from .activation import (
-    ActivationAPoZRankFilterPruner,
-    ActivationAPoZRankFilterPrunerMasker,
-    ActivationMeanRankFilterPruner,
-    ActivationMeanRankFilterPrunerMasker,
-)
-from .agp import AGPPruner
-from .export import apply_compression_results, unwrapped_model, unwrapped_state_dict
-from .filters import (
-    FPGMPruner,
-    FPGMPrunerMasker,
-    L1FilterPruner,
-    L1FilterPrunerMasker,
-    L2FilterPruner,
-    L2FilterPrunerMasker,
-)
-from .level import LevelPruner, LevelPrunerMasker
-from .lottery import LotteryTicketPruner
-from .masker import WeightMasker
-from .pruner import OneShotPruner, Pruner, TorchPruner
-from .report import SparsityReport
-from .sensitivity import SensitivityPruner
-from .slim import SlimPruner, SlimPrunerMasker
-from .taylor import TaylorFOWeightFilterPruner, TaylorFOWeightFilterPrunerMasker
-from .wrapper import PrunerModuleWrapper
+The names both backends export are listed once, in :data:`compressor.core.algorithms.PRUNING_EXPORTS`.
+"""
 
-__all__ = [
-    "AGPPruner", "ActivationAPoZRankFilterPruner", "ActivationAPoZRankFilterPrunerMasker",
-    "ActivationMeanRankFilterPruner", "ActivationMeanRankFilterPrunerMasker", "FPGMPruner", "FPGMPrunerMasker",
-    "L1FilterPruner", "L1FilterPrunerMasker", "L2FilterPruner", "L2FilterPrunerMasker", "LevelPruner",
-    "LevelPrunerMasker", "LotteryTicketPruner", "OneShotPruner", "Pruner", "PrunerModuleWrapper",
-    "SensitivityPruner", "SlimPruner", "SlimPrunerMasker", "SparsityReport", "TaylorFOWeightFilterPruner",
-    "TaylorFOWeightFilterPrunerMasker", "TorchPruner", "WeightMasker", "apply_compression_results",
-    "unwrapped_model", "unwrapped_state_dict",
-]
+from ...core.algorithms import PRUNING_EXPORTS, export_table
+
+#: names only the torch backend exports, by submodule
+_TORCH_ONLY = {"pruner": ("TorchPruner",), "export": ("unwrapped_model", "unwrapped_state_dict"),
+               "report": ("SparsityReport",)}
+
+__all__ = export_table(__name__, PRUNING_EXPORTS, globals(), _TORCH_ONLY)
