@@ -34,8 +34,8 @@ from .core.algorithms import resolve_algorithm_name
 from .core.config import load_configs, normalize_config_list
 from .core.errors import ConfigError
 
-__all__ = ["Configure", "PrototypeCompressor", "PrototypePruner", "PrototypeQuantizer", "PrunerAdapterMixin",
-           "QuantizerAdapterMixin"]
+__all__ = ["BUILTIN_PROTOTYPES", "Configure", "PrototypeCompressor", "PrototypePruner", "PrototypeQuantizer",
+           "PrunerAdapterMixin", "QuantizerAdapterMixin", "define_builtins"]
 
 Configure = list[dict[str, Any]]
 
@@ -313,6 +313,37 @@ class QuantizerAdapterMixin(_AdapterMixin):
 
     required_keys = ("quant_types",)
     supported_quant_types = ("weight",)
+
+
+#: The seed-004 built-in names both shims define, in this order: prototype name -> (kind, modern name,
+#: prototype-only key renames, docstring; ``{ns}`` is the modern namespace)
+BUILTIN_PROTOTYPES: dict[str, tuple[str, str, dict[str, str], str]] = {
+    "LevelPruner": ("pruner", "LevelPruner", {},
+                    "Magnitude pruning to ``sparsity`` per layer (modern :class:`{ns}.LevelPruner`)."),
+    "AGPruner": ("pruner", "AGPPruner", {},
+                 "Automated gradual pruning; call ``update_epoch(epoch)`` each epoch (modern ``AGPPruner``)."),
+    "SensitivityPruner": ("pruner", "SensitivityPruner", {"sparsity": "sensitivity"},
+                          "Han et al. 2015: prune ``|w| < s * std(w)``. The prototype named ``s`` 'sparsity'; it is "
+                          "passed on as\n    ``sensitivity`` (modern :class:`{ns}.SensitivityPruner`)."),
+    "QATquantizer": ("quantizer", "QAT_Quantizer", {}, "Quantization-aware training (modern ``QAT_Quantizer``)."),
+    "DoReFaQuantizer": ("quantizer", "DoReFaQuantizer", {},
+                        "DoReFa weight quantization (modern :class:`{ns}.DoReFaQuantizer`)."),
+}
+
+
+def define_builtins(module: str, pruner_base: type, quantizer_base: type) -> tuple[type, ...]:
+    """The classes of :data:`BUILTIN_PROTOTYPES` (in its order) for one shim: each subclasses the shim's
+    ``pruner_base`` / ``quantizer_base`` and names its modern class; they present themselves as defined in
+    ``module`` (the shim's ``__name__``)."""
+    ns = pruner_base._namespace.__name__
+    classes = []
+    for name, (kind, modern, renames, doc) in BUILTIN_PROTOTYPES.items():
+        attrs: dict[str, Any] = {"__module__": module, "__qualname__": name, "__doc__": doc.format(ns=ns),
+                                 "_modern": modern}
+        if renames:
+            attrs["_legacy_renames"] = renames
+        classes.append(type(name, (pruner_base if kind == "pruner" else quantizer_base,), attrs))
+    return tuple(classes)
 
 
 class _quiet_legacy_keys(warnings.catch_warnings):

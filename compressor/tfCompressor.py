@@ -33,6 +33,7 @@ from ._prototype import (
     PrototypeQuantizer,
     PrunerAdapterMixin,
     QuantizerAdapterMixin,
+    define_builtins,
 )
 
 __all__ = ["TfPruner", "TfQuantizer", "LevelPruner", "AGPruner", "SensitivityPruner", "QATquantizer",
@@ -107,33 +108,5 @@ class TfQuantizer(_TfPrototype, PrototypeQuantizer):
     _adapter = _QuantizerAdapter
 
 
-class LevelPruner(TfPruner):
-    """Magnitude pruning to ``sparsity`` per layer (modern :class:`compressor.tf.LevelPruner`)."""
-
-    _modern = "LevelPruner"
-
-
-class AGPruner(TfPruner):
-    """Automated gradual pruning; call ``update_epoch(epoch)`` each epoch (modern ``AGPPruner``)."""
-
-    _modern = "AGPPruner"
-
-
-class SensitivityPruner(TfPruner):
-    """Han et al. 2015: prune ``|w| < s * std(w)``. The prototype named ``s`` 'sparsity'; it is passed on as
-    ``sensitivity`` (modern :class:`compressor.tf.SensitivityPruner`)."""
-
-    _modern = "SensitivityPruner"
-    _legacy_renames = {"sparsity": "sensitivity"}
-
-
-class QATquantizer(TfQuantizer):
-    """Quantization-aware training (modern ``QAT_Quantizer``)."""
-
-    _modern = "QAT_Quantizer"
-
-
-class DoReFaQuantizer(TfQuantizer):
-    """DoReFa weight quantization (modern :class:`compressor.tf.DoReFaQuantizer`)."""
-
-    _modern = "DoReFaQuantizer"
+#: the seed-004 built-in names (:data:`compressor._prototype.BUILTIN_PROTOTYPES`)
+LevelPruner, AGPruner, SensitivityPruner, QATquantizer, DoReFaQuantizer = define_builtins(__name__, TfPruner, TfQuantizer)

@@ -32,6 +32,7 @@ from ._prototype import (
     PrototypeQuantizer,
     PrunerAdapterMixin,
     QuantizerAdapterMixin,
+    define_builtins,
 )
 from .core.matching import LayerInfo
 from .torch.compressor import innermost_module
@@ -103,33 +104,5 @@ class TorchQuantizer(_TorchPrototype, PrototypeQuantizer):
     _adapter = _QuantizerAdapter
 
 
-class LevelPruner(TorchPruner):
-    """Magnitude pruning to ``sparsity`` per layer (modern :class:`compressor.torch.LevelPruner`)."""
-
-    _modern = "LevelPruner"
-
-
-class AGPruner(TorchPruner):
-    """Automated gradual pruning; call ``update_epoch(epoch)`` each epoch (modern ``AGPPruner``)."""
-
-    _modern = "AGPPruner"
-
-
-class SensitivityPruner(TorchPruner):
-    """Han et al. 2015: prune ``|w| < s * std(w)``. The prototype named ``s`` 'sparsity'; it is passed on as
-    ``sensitivity`` (modern :class:`compressor.torch.SensitivityPruner`)."""
-
-    _modern = "SensitivityPruner"
-    _legacy_renames = {"sparsity": "sensitivity"}
-
-
-class QATquantizer(TorchQuantizer):
-    """Quantization-aware training (modern ``QAT_Quantizer``)."""
-
-    _modern = "QAT_Quantizer"
-
-
-class DoReFaQuantizer(TorchQuantizer):
-    """DoReFa weight quantization (modern :class:`compressor.torch.DoReFaQuantizer`)."""
-
-    _modern = "DoReFaQuantizer"
+#: the seed-004 built-in names (:data:`compressor._prototype.BUILTIN_PROTOTYPES`)
+LevelPruner, AGPruner, SensitivityPruner, QATquantizer, DoReFaQuantizer = define_builtins(__name__, TorchPruner, TorchQuantizer)
