@@ -11,8 +11,11 @@ the size of each saved file, and the inference (test set, one batch) and trainin
 to the dense model, measured interleaved in the same run. Only the structured column is really smaller
 and faster: masks keep every dense shape. Seeds are fixed.
 
-The per-backend training code is a small "harness" (:class:`TorchHarness`, :class:`TfHarness`) that the
-examples (``examples/``) reuse with their own models. Importing this module imports neither framework.
+This module is the backend-neutral driver (arguments, the stage sequence, the table and the plot). The
+per-backend training code is a small "harness" next to each backend
+(:class:`compressor.torch.demo_harness.TorchHarness`, :class:`compressor.tf.demo_harness.TfHarness`, also
+importable from here) that the examples (``examples/``) reuse with their own models; :func:`get_harness`
+imports only the one asked for. Importing this module imports neither framework.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import numpy as np
 from .core.quant import quantized_bytes
 from .data import DataError, Dataset, load_dataset
 
-__all__ = ["BackendResult", "Schedule", "TfHarness", "TorchHarness", "get_harness", "main", "run_demo", "save_plot"]
+# TorchHarness / TfHarness stay importable from here (module __getattr__) but out of __all__: a star import
+# must not import a framework
+__all__ = ["BackendResult", "Schedule", "get_harness", "main", "run_demo", "save_plot"]
 
 BACKENDS = ("torch", "tf")
 FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
@@ -203,429 +208,32 @@ def _pct(v: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- harnesses
-def _progress(iterable: Any, total: int | None, desc: str, enabled: bool | None) -> Any:
-    from tqdm.auto import tqdm
-
-    disable = {True: False, None: None, False: True}[enabled]  # None: bars only on a terminal
-    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable)
-
-
-class TorchHarness:
-    """Training/evaluation helpers for PyTorch models on numpy image arrays ``[N, H, W]`` (CPU or ``device``)."""
-
-    name = "torch"
-
-    def __init__(self, device: str = "cpu"):
-        import torch
-
-        import compressor.torch as backend
-
-        self.torch = torch
-        self.backend = backend
-        self.device = torch.device(device)
-
-    @contextlib.contextmanager
-    def threads(self, n: int | None) -> Any:
-        """Use ``n`` CPU threads inside the block (tiny models run fastest on one: no sync between threads)."""
-        old = self.torch.get_num_threads()
-        if n:
-            self.torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            self.torch.set_num_threads(old)
-
-    def seed(self, seed: int) -> None:
-        self.torch.manual_seed(seed)
-
-    def to_input(self, x: np.ndarray) -> Any:
-        return self.torch.from_numpy(np.ascontiguousarray(x[:, None])).to(self.device)  # NCHW
-
-    def build_cnn(self, image_shape: tuple[int, int], num_classes: int) -> Any:
-        """conv1(16) - conv2(32) - maxpool - fc1(64) - fc2; images above 16 px get a pool after conv1 too."""
-        from collections import OrderedDict
-
-        from torch import nn
-
-        h, w = image_shape
-        pools = 1 if h <= 16 else 2
-        layers: OrderedDict[str, nn.Module] = OrderedDict()
-        layers["conv1"] = nn.Conv2d(1, 16, 3, padding=1)
-        layers["relu1"] = nn.ReLU()
-        if pools == 2:
-            layers["pool1"] = nn.MaxPool2d(2)
-        layers["conv2"] = nn.Conv2d(16, 32, 3, padding=1)
-        layers["relu2"] = nn.ReLU()
-        layers["pool2"] = nn.MaxPool2d(2)
-        layers["flatten"] = nn.Flatten()
-        layers["fc1"] = nn.Linear(32 * (h >> pools) * (w >> pools), 64)
-        layers["relu3"] = nn.ReLU()
-        layers["fc2"] = nn.Linear(64, num_classes)
-        return nn.Sequential(layers).to(self.device)
-
-    def copy(self, model: Any) -> Any:
-        import copy
-
-        return copy.deepcopy(model)
-
-    def optimizer(self, model: Any, lr: float, kind: str = "adam", momentum: float = 0.9, weight_decay: float = 0.0) -> Any:
-        """Weight decay is decoupled, as in Keras (``p -= lr * wd * p`` before the update): AdamW for Adam,
-        a step pre-hook for SGD (torch's own SGD ``weight_decay`` would add ``wd * p`` to the gradient)."""
-        params = list(model.parameters())
-        if kind == "adam":
-            if weight_decay:
-                return self.torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-            return self.torch.optim.Adam(params, lr=lr)
-        opt = self.torch.optim.SGD(params, lr=lr, momentum=momentum)
-        if weight_decay:
-            torch = self.torch
-
-            def decay(optimizer: Any, args: Any, kwargs: Any) -> None:
-                with torch.no_grad():
-                    for g in optimizer.param_groups:
-                        torch._foreach_mul_(g["params"], 1.0 - g["lr"] * weight_decay)
-
-            opt.register_step_pre_hook(decay)
-        return opt
-
-    def set_lr(self, optimizer: Any, lr: float) -> None:
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-
-    def fit(self, model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int,
-            seed: int = 0, compressor: Any = None, desc: str = "train", progress: bool | None = None,
-            epoch_end: Callable[[int], None] | None = None) -> list[float]:
-        """Train ``epochs`` epochs (shuffled with ``seed``); ``compressor.update_epoch(e)`` runs before epoch e.
-        Returns the mean loss per epoch."""
-        torch = self.torch
-        xt, yt = self.to_input(x), torch.from_numpy(y).to(self.device)
-        gen = torch.Generator().manual_seed(seed)
-        losses = []
-        bar = _progress(range(epochs), epochs, f"{self.name} {desc}", progress)
-        for epoch in bar:
-            if compressor is not None:
-                compressor.update_epoch(epoch)
-            model.train()
-            perm = torch.randperm(len(xt), generator=gen).to(self.device)
-            total = torch.zeros((), device=self.device)
-            for i in range(0, len(xt), batch_size):
-                idx = perm[i:i + batch_size]
-                total += self._step(model, optimizer, xt[idx], yt[idx]).detach() * len(idx)
-            losses.append(float(total) / len(xt))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if epoch_end is not None:
-                epoch_end(epoch)
-        return losses
-
-    def _step(self, model: Any, optimizer: Any, xb: Any, yb: Any) -> Any:
-        optimizer.zero_grad(set_to_none=True)
-        loss = self.torch.nn.functional.cross_entropy(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> float:
-        torch = self.torch
-        model.eval()
-        correct = 0
-        with torch.no_grad():
-            for i in range(0, len(x), batch_size):
-                pred = model(self.to_input(x[i:i + batch_size])).argmax(1).cpu().numpy()
-                correct += int((pred == y[i:i + batch_size]).sum())
-        model.train()
-        return correct / len(x)
-
-    def time_steps(self, runs: Sequence[tuple[Any, Any]], x: np.ndarray, y: np.ndarray, batch_size: int,
-                   rounds: int, steps: int) -> list[list[float]]:
-        """Seconds per training step of each ``(model, optimizer)``, interleaved round by round (the
-        first round is a discarded warm-up), on the same batches."""
-        torch = self.torch
-        xb, yb = self.to_input(x[:batch_size]), torch.from_numpy(y[:batch_size]).to(self.device)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times: list[list[float]] = [[] for _ in runs]
-        for r in range(rounds + 1):
-            for i, (model, opt) in enumerate(runs):
-                model.train()
-                for _ in range(steps):
-                    sync()
-                    t0 = time.perf_counter()
-                    self._step(model, opt, xb, yb)
-                    sync()
-                    if r:
-                        times[i].append(time.perf_counter() - t0)
-        return times
-
-    def param_count(self, model: Any) -> dict[str, int]:
-        """Parameter name -> number of elements (the float32 payload of a checkpoint)."""
-        return {k: v.numel() for k, v in model.state_dict().items() if v.is_floating_point() and "mask" not in k}
-
-    def export_pruned(self, pruner: Any, model: Any, directory: str) -> dict[str, np.ndarray]:
-        """Export through the pruner and reload the file into a fresh dense model: layer -> weight."""
-        path = os.path.join(directory, "pruned.pt")
-        pruner.export_model(path, os.path.join(directory, "masks.pt"))
-        state = self.torch.load(path, weights_only=True)
-        return {k.rsplit(".", 1)[0]: v.cpu().numpy() for k, v in state.items() if k.endswith(".weight")}
-
-    def mask_bytes(self, pruner: Any) -> int:
-        total = 0
-        for w in pruner.get_modules_wrapper():
-            for m in (w.weight_mask, w.bias_mask):
-                if m is not None:
-                    total += m.numel() * m.element_size()
-        return total
-
-    def export_quantized(self, quantizer: Any, model: Any, directory: str) -> dict[str, dict[str, Any]]:
-        """Export through the quantizer; returns the calibration config (layer -> bits, scales, ...)."""
-        return quantizer.export_model(os.path.join(directory, "quant.pt"), os.path.join(directory, "calib.pt"))
-
-    #: file names export_pruned / export_quantized write, and the suffix of :meth:`save`
-    pruned_file, quant_file, suffix, file_format = "pruned.pt", "quant.pt", ".pt", "state_dict .pt"
-
-    def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray) -> Any:
-        """Dependency-aware L1 filter pruner of :func:`struct_config` (traced on one sample of ``x``)."""
-        return self.backend.L1FilterPruner(model, struct_config(), optimizer, dependency_aware=True,
-                                           dummy_input=self.to_input(x[:1]))
-
-    def speedup(self, pruner: Any, x: np.ndarray) -> Any:
-        """A smaller, unwrapped copy of the pruner's model without its pruned channels."""
-        return self.backend.speedup_model(pruner, self.to_input(x[:1]))
-
-    def flops(self, model: Any, x: np.ndarray) -> tuple[int, int]:
-        """(MACs per sample, parameters) of ``model`` (``count_flops_params``)."""
-        macs, params, _ = self.backend.count_flops_params(model, self.to_input(x[:1]))
-        return macs, params
-
-    def out_channels(self, model: Any, layer: str) -> int:
-        m = model.get_submodule(layer)
-        m = getattr(m, "module", m)  # a pruner's wrapper
-        return int(getattr(m, "out_channels", None) or m.out_features)
-
-    def save(self, model: Any, path: str) -> int:
-        """Save the state_dict; returns the file's bytes."""
-        self.torch.save(model.state_dict(), path)
-        return os.path.getsize(path)
-
-    def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
-        """Seconds of one eval forward of all of ``x`` (one batch) per model, interleaved round by round
-        (the first round is a discarded warm-up)."""
-        torch = self.torch
-        xb = self.to_input(x)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times: list[list[float]] = [[] for _ in models]
-        for m in models:
-            m.eval()
-        with torch.no_grad():
-            for r in range(rounds + 1):
-                for i, m in enumerate(models):
-                    sync()
-                    t0 = time.perf_counter()
-                    m(xb)
-                    sync()
-                    if r:
-                        times[i].append(time.perf_counter() - t0)
-        for m in models:
-            m.train()
-        return times
-
-
-class TfHarness:
-    """The same helpers for Keras 3 models (NHWC), trained with ``model.fit`` and the compressor's callback."""
-
-    name = "tf"
-
-    def __init__(self, device: str = "cpu"):
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-        import keras
-        import tensorflow as tf
-
-        import compressor.tf as backend
-
-        self.tf = tf
-        self.keras = keras
-        self.backend = backend
-        self.device = "/GPU:0" if device.startswith("cuda") else "/CPU:0"
-
-    def seed(self, seed: int) -> None:
-        self.keras.utils.set_random_seed(seed)
-
-    @contextlib.contextmanager
-    def threads(self, n: int | None) -> Any:
-        """Ask TF for ``n`` intra-op threads; only possible before TF's runtime starts (else left as is)."""
-        if n:
-            with contextlib.suppress(RuntimeError):
-                self.tf.config.threading.set_intra_op_parallelism_threads(n)
-                self.tf.config.threading.set_inter_op_parallelism_threads(n)
-        yield
-
-    def to_input(self, x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(x[..., None])  # NHWC
-
-    def build_cnn(self, image_shape: tuple[int, int], num_classes: int) -> Any:
-        """The same CNN as :meth:`TorchHarness.build_cnn` (same layer names)."""
-        L = self.keras.layers
-        h, w = image_shape
-        pools = 1 if h <= 16 else 2
-        layers: list[Any] = [self.keras.Input((h, w, 1)), L.Conv2D(16, 3, padding="same", name="conv1"), L.ReLU(name="relu1")]
-        if pools == 2:
-            layers.append(L.MaxPooling2D(2, name="pool1"))
-        layers += [L.Conv2D(32, 3, padding="same", name="conv2"), L.ReLU(name="relu2"), L.MaxPooling2D(2, name="pool2"),
-                   L.Flatten(name="flatten"), L.Dense(64, name="fc1"), L.ReLU(name="relu3"), L.Dense(num_classes, name="fc2")]
-        return self.keras.Sequential(layers, name="cnn")
-
-    def copy(self, model: Any) -> Any:
-        clone = self.keras.models.clone_model(model)
-        clone.set_weights(model.get_weights())
-        return clone
-
-    def optimizer(self, model: Any, lr: float, kind: str = "adam", momentum: float = 0.9, weight_decay: float = 0.0) -> Any:
-        """A Keras optimizer, compiled into ``model`` (``model.optimizer`` is the one returned)."""
-        opts = self.keras.optimizers
-        wd = weight_decay or None
-        opt = opts.Adam(lr, weight_decay=wd) if kind == "adam" else opts.SGD(lr, momentum=momentum, weight_decay=wd)
-        loss = self.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
-        return opt
-
-    def set_lr(self, optimizer: Any, lr: float) -> None:
-        optimizer.learning_rate.assign(lr)
-
-    def _callbacks(self, compressor: Any) -> list[Any]:
-        if compressor is None:
-            return []
-        return [self.backend.CompressionCallback(compressor)]
-
-    def fit(self, model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int,
-            seed: int = 0, compressor: Any = None, desc: str = "train", progress: bool | None = None,
-            epoch_end: Callable[[int], None] | None = None) -> list[float]:
-        keras = self.keras
-        bar = _progress(None, epochs, f"{self.name} {desc}", progress)
-        harness = self
-
-        class Progress(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{(logs or {}).get('loss', float('nan')):.4f}")
-                if epoch_end is not None:
-                    epoch_end(epoch)
-
-        keras.utils.set_random_seed(seed)
-        with self.tf.device(harness.device):
-            hist = model.fit(self.to_input(x), y, batch_size=batch_size, epochs=epochs, shuffle=True, verbose=0,
-                             callbacks=[*self._callbacks(compressor), Progress()])
-        bar.close()
-        return [float(v) for v in hist.history.get("loss", [])]
-
-    def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 1000) -> float:
-        with self.tf.device(self.device), self._quiet():
-            logits = model.predict(self.to_input(x), batch_size=batch_size, verbose=0)
-        return float((np.argmax(logits, axis=1) == y).mean())
-
-    def time_steps(self, runs: Sequence[tuple[Any, Any]], x: np.ndarray, y: np.ndarray, batch_size: int,
-                   rounds: int, steps: int) -> list[list[float]]:
-        """Seconds per ``model.fit`` step (batch callbacks), interleaved round by round, same batches."""
-        keras = self.keras
-        xb, yb = self.to_input(x[:batch_size * steps]), y[:batch_size * steps]
-
-        class Timer(keras.callbacks.Callback):
-            def __init__(self) -> None:
-                super().__init__()
-                self.times: list[float] = []
-
-            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-                self.t0 = time.perf_counter()
-
-            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-                self.times.append(time.perf_counter() - self.t0)
-
-        times: list[list[float]] = [[] for _ in runs]
-        for r in range(rounds + 1):
-            for i, (model, _opt) in enumerate(runs):
-                timer = Timer()
-                with self.tf.device(self.device):
-                    model.fit(xb, yb, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-                if r:
-                    times[i].extend(timer.times[1:])  # the first batch of a fit call pays the dispatch set-up
-        return times
-
-    def param_count(self, model: Any) -> dict[str, int]:
-        return {v.path: int(np.prod(v.shape)) for v in model.weights if "float" in str(v.dtype)}
-
-    def export_pruned(self, pruner: Any, model: Any, directory: str) -> dict[str, np.ndarray]:
-        """Export through the pruner (a plain ``.keras`` model) and reload it: layer -> kernel."""
-        path = os.path.join(directory, "pruned.keras")
-        pruner.export_model(path, os.path.join(directory, "masks.npz"))
-        plain = self.keras.models.load_model(path, compile=False)
-        return {layer.name: np.asarray(layer.kernel) for layer in plain.layers if hasattr(layer, "kernel")}
-
-    def mask_bytes(self, pruner: Any) -> int:
-        total = 0
-        for w in pruner.get_modules_wrapper():
-            for name in ("weight_mask", "bias_mask"):
-                m = getattr(w, name, None)
-                if m is not None:
-                    total += int(np.prod(m.shape)) * self.tf.as_dtype(m.dtype).size
-        return total
-
-    def export_quantized(self, quantizer: Any, model: Any, directory: str) -> dict[str, dict[str, Any]]:
-        return quantizer.export_model(os.path.join(directory, "quant.keras"), os.path.join(directory, "calib.json"))
-
-    pruned_file, quant_file, suffix, file_format = "pruned.keras", "quant.keras", ".keras", ".keras"
-
-    @contextlib.contextmanager
-    def _quiet(self) -> Any:
-        """No 'tf.function retracing' warnings: every demo model traces its own predict function once."""
-        logger = self.tf.get_logger()
-        level = logger.level
-        logger.setLevel("ERROR")
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
-
-    def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray) -> Any:
-        return self.backend.L1FilterPruner(model, struct_config(), optimizer, dependency_aware=True)
-
-    def speedup(self, pruner: Any, x: np.ndarray) -> Any:
-        """A NEW plain Keras model without the pruner's pruned channels (uncompiled)."""
-        return self.backend.speedup_model(pruner)
-
-    def flops(self, model: Any, x: np.ndarray) -> tuple[int, int]:
-        macs, params, _ = self.backend.count_flops_params(model)
-        return macs, params
-
-    def out_channels(self, model: Any, layer: str) -> int:
-        lay = model.get_layer(layer)
-        lay = getattr(lay, "layer", lay)  # a pruner's wrapper
-        return int(getattr(lay, "filters", None) or lay.units)
-
-    def save(self, model: Any, path: str) -> int:
-        """Save an uncompiled copy as ``.keras`` (no optimizer state); returns the file's bytes."""
-        self.copy(model).save(path)
-        return os.path.getsize(path)
-
-    def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
-        """Seconds of ``predict_on_batch`` on all of ``x`` per model, interleaved (first round: warm-up,
-        which also traces the predict function)."""
-        xb = self.to_input(x)
-        times: list[list[float]] = [[] for _ in models]
-        with self.tf.device(self.device), self._quiet():
-            for r in range(rounds + 1):
-                for i, m in enumerate(models):
-                    t0 = time.perf_counter()
-                    m.predict_on_batch(xb)
-                    if r:
-                        times[i].append(time.perf_counter() - t0)
-        return times
-
-
-def get_harness(backend: str, device: str = "cpu") -> TorchHarness | TfHarness:
-    """The training harness of ``backend`` ('torch' or 'tf')."""
+def get_harness(backend: str, device: str = "cpu") -> Any:
+    """The training harness of ``backend`` ('torch': :class:`compressor.torch.demo_harness.TorchHarness`,
+    'tf': :class:`compressor.tf.demo_harness.TfHarness`), imported only here: running one backend never
+    imports the other framework."""
     if backend == "torch":
+        from .torch.demo_harness import TorchHarness
+
         return TorchHarness(device)
     if backend == "tf":
+        from .tf.demo_harness import TfHarness
+
         return TfHarness(device)
     raise ValueError(f"unknown backend {backend!r}; allowed: {list(BACKENDS)}")
+
+
+def __getattr__(name: str) -> Any:
+    """``compressor.demo.TorchHarness`` / ``TfHarness`` (their home is next to the backend; imported on use)."""
+    if name == "TorchHarness":
+        from .torch.demo_harness import TorchHarness
+
+        return TorchHarness
+    if name == "TfHarness":
+        from .tf.demo_harness import TfHarness
+
+        return TfHarness
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def installed_backends() -> list[str]:
@@ -712,7 +320,7 @@ def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | N
     # speedup_model removes the pruned channels (its outputs equal the masked model's)
     struct_masked = h.copy(dense)
     sopt = h.optimizer(struct_masked, s.finetune_lr)
-    spruner = h.struct_pruner(struct_masked, sopt, ds.x_test)
+    spruner = h.struct_pruner(struct_masked, sopt, ds.x_test, struct_config())
     struct_masked = spruner.compress()
     h.fit(struct_masked, sopt, ds.x_train, ds.y_train, s.struct_epochs, s.batch_size, seed + 3, compressor=spruner,
           desc="structured", progress=progress)
