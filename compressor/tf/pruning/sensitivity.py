@@ -14,33 +14,21 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.pruner_config import check_sensitivity_args, refuse_sparsity_key
 from ...core.pruning import sensitivity_mask
-from ...core.schedules import sensitivity_round_due
+from ...core.sensitivity import SensitivityRoundsMixin
 from ..ops import ops
 from .pruner import TfPruner
 
 __all__ = ["SensitivityPruner"]
 
 
-class SensitivityPruner(TfPruner):
-    """Threshold pruning at ``sensitivity * std`` per layer, optionally iterated with retraining."""
+class SensitivityPruner(SensitivityRoundsMixin, TfPruner):
+    """Threshold pruning at ``sensitivity * std`` per layer, optionally iterated with retraining.
 
-    config_keys = ("sensitivity",)
-    required_keys = ("sensitivity",)
+    ``SensitivityPruner(model, config_list, optimizer=None, iterations=1, epochs_per_iteration=None)``;
+    arguments, rounds and checkpoints: :class:`compressor.core.sensitivity.SensitivityRoundsMixin`."""
+
     masks_bias = False
-
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 iterations: int = 1, epochs_per_iteration: int | None = None) -> None:
-        check_sensitivity_args(iterations, epochs_per_iteration)
-        super().__init__(model, config_list, optimizer)
-        self.iterations = iterations
-        self.epochs_per_iteration = epochs_per_iteration
-        self.iteration = 0  # rounds done
-        self._due = False
-
-    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        refuse_sparsity_key(config_list)
 
     def calc_mask(self, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         if not self._due:
@@ -49,15 +37,9 @@ class SensitivityPruner(TfPruner):
                                 wrapper.canonical_mask())
         return {"weight_mask": wrapper.from_canonical(mask)}
 
-    def prune_iteration(self) -> None:
-        """Apply the threshold rule once more (one prune round), eagerly."""
-        self._due = True
-        try:
-            with tf.init_scope():
-                self.update_mask()
-        finally:
-            self._due = False
-        self.iteration += 1
+    def _run_round(self) -> None:
+        with tf.init_scope():  # eagerly, between steps
+            self.update_mask()
 
     def compress(self) -> Any:
         self._compressed = True
@@ -74,15 +56,3 @@ class SensitivityPruner(TfPruner):
 
     def _update_in_step(self) -> None:
         """Masks change only in prune rounds; the step only re-masks (done by the hook)."""
-
-    def update_epoch(self, epoch: int) -> None:
-        super().update_epoch(epoch)
-        if sensitivity_round_due(self.current_epoch, self.epochs_per_iteration, self.iteration, self.iterations):
-            self.prune_iteration()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "iteration": self.iteration}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.iteration = int(state.get("iteration", 0))

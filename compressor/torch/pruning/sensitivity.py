@@ -14,47 +14,25 @@ from typing import Any
 
 from torch import nn
 
-from ...core.pruner_config import check_sensitivity_args, refuse_sparsity_key
 from ...core.pruning import sensitivity_mask
-from ...core.schedules import sensitivity_round_due
+from ...core.sensitivity import SensitivityRoundsMixin
 from ..ops import ops
 from .pruner import TorchPruner
 
 __all__ = ["SensitivityPruner"]
 
 
-class SensitivityPruner(TorchPruner):
-    """Threshold pruning at ``sensitivity * std`` per layer, optionally iterated with retraining."""
+class SensitivityPruner(SensitivityRoundsMixin, TorchPruner):
+    """Threshold pruning at ``sensitivity * std`` per layer, optionally iterated with retraining.
 
-    config_keys = ("sensitivity",)
-    required_keys = ("sensitivity",)
-
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 iterations: int = 1, epochs_per_iteration: int | None = None):
-        check_sensitivity_args(iterations, epochs_per_iteration)
-        super().__init__(model, config_list, optimizer)
-        self.iterations = iterations
-        self.epochs_per_iteration = epochs_per_iteration
-        self.iteration = 0  # rounds done
-        self._due = False
-
-    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        refuse_sparsity_key(config_list)
+    ``SensitivityPruner(model, config_list, optimizer=None, iterations=1, epochs_per_iteration=None)``;
+    arguments, rounds and checkpoints: :class:`compressor.core.sensitivity.SensitivityRoundsMixin`."""
 
     def calc_mask(self, wrapper: nn.Module, wrapper_idx: int | None = None) -> dict[str, Any] | None:
         if not self._due:
             return None
         mask = sensitivity_mask(ops, wrapper.weight.detach(), wrapper.config["sensitivity"], wrapper.weight_mask)
         return {"weight_mask": mask}
-
-    def prune_iteration(self) -> None:
-        """Apply the threshold rule once more (one prune round)."""
-        self._due = True
-        try:
-            self.update_mask()
-        finally:
-            self._due = False
-        self.iteration += 1
 
     def compress(self) -> nn.Module:
         if self.iteration == 0:
@@ -63,15 +41,3 @@ class SensitivityPruner(TorchPruner):
 
     def step(self) -> None:
         self.apply_masks()
-
-    def update_epoch(self, epoch: int) -> None:
-        super().update_epoch(epoch)
-        if sensitivity_round_due(self.current_epoch, self.epochs_per_iteration, self.iteration, self.iterations):
-            self.prune_iteration()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "iteration": self.iteration}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.iteration = int(state.get("iteration", 0))
