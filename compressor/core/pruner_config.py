@@ -14,7 +14,7 @@ from .errors import ConfigError
 __all__ = [
     "ACTIVATIONS", "MASK_NAMES", "PRUNE_ITERATIONS", "check_activation", "check_common_prune_iterations", "check_common_sparsity",
     "check_positive_int", "check_sensitivity_args", "check_statistics_batch_num", "first_active", "mask_to_set",
-    "refuse_sparsity_key",
+    "refuse_sparsity_key", "FilterPrunerArgs", "ActivationPrunerArgs", "TaylorPrunerArgs",
 ]
 
 #: the masks a pruned layer may hold (``set_mask`` names)
@@ -99,3 +99,42 @@ def mask_to_set(layer: str, name: str, has_mask: bool, value: Any) -> bool:
     if value is None:
         raise ValueError(f"{layer}: {name} cannot be None (use an all-True mask to keep everything)")
     return True
+
+
+# ---------------------------------------------------------------------------------------------- constructors
+# The public constructors of the one-shot filter pruners, the same on both backends: put the mixin before the
+# backend's ``OneShotPruner`` (whose constructor takes ``dependency_aware``, ``dummy_input`` and the
+# masker's keyword arguments). Arguments are checked before the model is touched.
+
+
+class FilterPrunerArgs:
+    """``(model, config_list, optimizer=None, dependency_aware=False, dummy_input=None)``: weight criteria."""
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
+        super().__init__(model, config_list, optimizer,  # type: ignore[call-arg]
+                         dependency_aware=dependency_aware, dummy_input=dummy_input)
+
+
+class ActivationPrunerArgs:
+    """``(model, config_list, optimizer=None, activation='relu', statistics_batch_num=1, dependency_aware=False,
+    dummy_input=None)``: activation-rank criteria (APoZ, mean activation)."""
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,
+                 dummy_input: Any = None) -> None:
+        check_activation(activation, type(self).__name__)
+        check_statistics_batch_num(statistics_batch_num, type(self).__name__)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware,  # type: ignore[call-arg]
+                         dummy_input=dummy_input, activation=activation, statistics_batch_num=statistics_batch_num)
+
+
+class TaylorPrunerArgs:
+    """``(model, config_list, optimizer=None, statistics_batch_num=1, dependency_aware=False, dummy_input=None)``:
+    the Taylor first-order criterion."""
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
+                 statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None) -> None:
+        check_statistics_batch_num(statistics_batch_num, type(self).__name__)
+        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware,  # type: ignore[call-arg]
+                         dummy_input=dummy_input, statistics_batch_num=statistics_batch_num)

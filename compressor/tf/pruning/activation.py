@@ -17,7 +17,12 @@ from typing import Any
 import tensorflow as tf
 
 from ...core.matching import LayerInfo
-from ...core.pruner_config import ACTIVATIONS, check_activation, check_statistics_batch_num
+from ...core.pruner_config import (
+    ACTIVATIONS,
+    ActivationPrunerArgs,
+    check_activation,
+    check_statistics_batch_num,
+)
 from ...core.pruning import (
     activation_stats,
     apoz_importance,
@@ -128,17 +133,9 @@ class ActivationMeanRankFilterPrunerMasker(ActivationFilterMasker):
                                           tf.convert_to_tensor(wrapper.act_count))
 
 
-class _ActivationPruner(OneShotPruner):
+class _ActivationPruner(ActivationPrunerArgs, OneShotPruner):
     default_types = FILTER_DEFAULT_TYPES
     default_skips_classifier = True
-
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,
-                 dummy_input: Any = None) -> None:
-        check_activation(activation, type(self).__name__)
-        check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
-                         activation=activation, statistics_batch_num=statistics_batch_num)
 
 
 class ActivationAPoZRankFilterPruner(_ActivationPruner):

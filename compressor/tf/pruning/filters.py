@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.matching import LayerInfo
+from ...core.pruner_config import FilterPrunerArgs
 from ...core.pruning import filter_prune_masks, filter_scores
 from ..ops import ops
 from .masker import WeightMasker, check_filter_layer, filter_result
@@ -52,15 +53,11 @@ class FPGMPrunerMasker(FilterMasker):
     criterion = "fpgm"
 
 
-class _FilterPruner(OneShotPruner):
+class _FilterPruner(FilterPrunerArgs, OneShotPruner):
     #: ``'default'``: convolutions and Dense layers, the model's classifier (a layer whose filters are model
     #: outputs) left out
     default_types = FILTER_DEFAULT_TYPES
     default_skips_classifier = True
-
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 dependency_aware: bool = False, dummy_input: Any = None) -> None:
-        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
 
 
 class L1FilterPruner(_FilterPruner):

@@ -15,6 +15,7 @@ from typing import Any
 import tensorflow as tf
 
 from ...core.matching import LayerInfo
+from ...core.pruner_config import TaylorPrunerArgs
 from ...core.pruning import taylor_fo_contribution
 from ..distribute import all_reduce_sum
 from ..ops import ops
@@ -99,15 +100,10 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
         return importance_filter_result(wrapper, tf.convert_to_tensor(wrapper.taylor_contribution), sparsity)
 
 
-class TaylorFOWeightFilterPruner(OneShotPruner):
+class TaylorFOWeightFilterPruner(TaylorPrunerArgs, OneShotPruner):
     """Prune filters by Taylor FO contribution measured over ``statistics_batch_num`` optimizer updates."""
 
     default_types = FILTER_DEFAULT_TYPES
     default_skips_classifier = True
     masker_class = TaylorFOWeightFilterPrunerMasker
 
-    def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None) -> None:
-        check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
-                         statistics_batch_num=statistics_batch_num)

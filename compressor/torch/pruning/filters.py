@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ...core.matching import LayerInfo
+from ...core.pruner_config import FilterPrunerArgs
 from ...core.pruning import filter_masks, filter_prune_masks, filter_scores
 from ..layout import from_canonical, to_canonical
 from ..ops import ops
@@ -60,12 +61,8 @@ class FPGMPrunerMasker(FilterMasker):
     criterion = "fpgm"
 
 
-class _FilterPruner(OneShotPruner):
+class _FilterPruner(FilterPrunerArgs, OneShotPruner):
     default_types = FILTER_DEFAULT_TYPES
-
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 dependency_aware: bool = False, dummy_input: Any = None):
-        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input)
 
 
 class L1FilterPruner(_FilterPruner):

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ...core.matching import LayerInfo
+from ...core.pruner_config import TaylorPrunerArgs
 from ...core.pruning import importance_filter_masks, taylor_fo_contribution
 from ..layout import canonical_shape, to_canonical
 from ..ops import ops
@@ -83,14 +84,9 @@ class TaylorFOWeightFilterPrunerMasker(WeightMasker):
         return filter_result(wrapper, weight_mask, keep)
 
 
-class TaylorFOWeightFilterPruner(OneShotPruner):
+class TaylorFOWeightFilterPruner(TaylorPrunerArgs, OneShotPruner):
     """Prune filters by Taylor FO contribution measured over ``statistics_batch_num`` optimizer steps."""
 
     default_types = FILTER_DEFAULT_TYPES
     masker_class = TaylorFOWeightFilterPrunerMasker
 
-    def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: Any = None,
-                 statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None):
-        check_statistics_batch_num(statistics_batch_num, type(self).__name__)
-        super().__init__(model, config_list, optimizer, dependency_aware=dependency_aware, dummy_input=dummy_input,
-                         statistics_batch_num=statistics_batch_num)
