@@ -15,11 +15,12 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import quant as cq
 from .config import QUANT_TYPES
 from .errors import ConfigError
 
 __all__ = [
-    "QuantizerBaseMixin", "builtin_autograd", "builtin_ste", "call_quantize", "call_style", "calls_directly", "check_quant_types",
+    "NAIVE_QRANGE", "NaiveQuantizerRules", "QuantizerBaseMixin", "builtin_autograd", "builtin_ste", "call_quantize", "call_style", "calls_directly", "check_quant_types",
     "method_styles",
 ]
 
@@ -134,3 +135,21 @@ class QuantizerBaseMixin:
     def _call_method(self, quant_type: str, tensor: Any, wrapper: Any) -> Any:
         """Call this quantizer's ``quantize_<quant_type>`` on ``tensor`` in its calling style."""
         return call_quantize(getattr(self, f"quantize_{quant_type}"), self._styles[quant_type], tensor, wrapper)
+
+
+#: NaiveQuantizer's integer range: symmetric int8, narrow ([-127, 127])
+NAIVE_QRANGE: tuple[int, int] = cq.quant_range(8, "int")
+
+
+class NaiveQuantizerRules:
+    """What both backends' ``NaiveQuantizer`` declare the same way: weights only, 8 bits only (range
+    :data:`NAIVE_QRANGE`). Put it before the backend's quantizer base."""
+
+    supported_quant_types: tuple[str, ...] = ("weight",)
+
+    def validate_layer(self, layer_info: Any, layer: Any, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, layer, config)  # type: ignore[misc]
+        bits = config["quant_bits"].get("weight")
+        if bits != 8:
+            raise ConfigError(f"NaiveQuantizer: layer {layer_info.name!r}: quant_bits = {bits}; "
+                              f"NaiveQuantizer is 8-bit only (use QAT_Quantizer for other widths)")

@@ -56,3 +56,24 @@ def test_quant_types_check():
     with pytest.raises(ConfigError, match=r"quant_types \['input'\] need quantize_input\(\), which _Seed003 does "
                                           r"not define"):
         q._check_quant_types("fc", ["weight", "input"])
+
+
+def test_naive_rules_weights_and_8_bits_only():
+    from types import SimpleNamespace
+
+    from compressor.core.quantizer import NAIVE_QRANGE, NaiveQuantizerRules
+
+    class Base:
+        def validate_layer(self, layer_info, layer, config):
+            self.seen = layer_info.name
+
+    class Naive(NaiveQuantizerRules, Base):
+        pass
+
+    assert NAIVE_QRANGE == (-127, 127) and Naive.supported_quant_types == ("weight",)
+    q = Naive()
+    q.validate_layer(SimpleNamespace(name="fc"), None, {"quant_bits": {"weight": 8}})
+    assert q.seen == "fc"
+    with pytest.raises(ConfigError, match=r"NaiveQuantizer: layer 'fc': quant_bits = 4; NaiveQuantizer is 8-bit only "
+                                          r"\(use QAT_Quantizer for other widths\)"):
+        q.validate_layer(SimpleNamespace(name="fc"), None, {"quant_bits": {"weight": 4}})

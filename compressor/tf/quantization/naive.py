@@ -12,8 +12,7 @@ from typing import Any
 import tensorflow as tf
 
 from ...core import quant as cq
-from ...core.errors import ConfigError
-from ...core.matching import LayerInfo
+from ...core.quantizer import NAIVE_QRANGE, NaiveQuantizerRules
 from ..ops import ops
 from .fakequant import fake_quant
 from .quantizer import TfQuantizer
@@ -21,20 +20,11 @@ from .wrapper import QuantizerLayerWrapper
 
 __all__ = ["NaiveQuantizer"]
 
-QMIN, QMAX = cq.quant_range(8, "int")
+QMIN, QMAX = NAIVE_QRANGE
 
 
-class NaiveQuantizer(TfQuantizer):
+class NaiveQuantizer(NaiveQuantizerRules, TfQuantizer):
     """Quantize weights to int8 with one running scale per layer."""
-
-    supported_quant_types = ("weight",)
-
-    def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
-        super().validate_layer(layer_info, layer, config)
-        bits = config["quant_bits"].get("weight")
-        if bits != 8:
-            raise ConfigError(f"NaiveQuantizer: layer {layer_info.name!r}: quant_bits = {bits}; "
-                              f"NaiveQuantizer is 8-bit only (use QAT_Quantizer for other widths)")
 
     def init_wrapper(self, wrapper: QuantizerLayerWrapper) -> None:
         wrapper.add_state("weight_scale", tf.zeros([]))

@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...core import quant as cq
-from ...core.errors import ConfigError
-from ...core.matching import LayerInfo
+from ...core.quantizer import NAIVE_QRANGE, NaiveQuantizerRules
 from .fakequant import fake_quant, ops
 from .quantizer import TorchQuantizer, builtin_ste
 from .settings import layer_device
@@ -21,20 +19,11 @@ from .wrapper import QuantizerModuleWrapper
 
 __all__ = ["NaiveQuantizer"]
 
-QMIN, QMAX = cq.quant_range(8, "int")
+QMIN, QMAX = NAIVE_QRANGE
 
 
-class NaiveQuantizer(TorchQuantizer):
+class NaiveQuantizer(NaiveQuantizerRules, TorchQuantizer):
     """Quantize weights to int8 with one running scale per layer."""
-
-    supported_quant_types = ("weight",)
-
-    def validate_layer(self, layer_info: LayerInfo, module: nn.Module, config: dict[str, Any]) -> None:
-        super().validate_layer(layer_info, module, config)
-        bits = config["quant_bits"].get("weight")
-        if bits != 8:
-            raise ConfigError(f"NaiveQuantizer: layer {layer_info.name!r}: quant_bits = {bits}; "
-                              f"NaiveQuantizer is 8-bit only (use QAT_Quantizer for other widths)")
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
         dev = layer_device(wrapper.layer)
