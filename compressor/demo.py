@@ -285,6 +285,19 @@ def run_backend(backend: str, ds: Dataset, schedule: Schedule, seed: int = 0, pr
         return _run_backend(h, ds, schedule, seed, progress, log)
 
 
+def _finetune_stage(h: Any, ds: Dataset, s: Schedule, dense: Any, make: Callable[[Any, Any], Any], epochs: int,
+                    seed: int, desc: str, progress: bool | None) -> tuple[Any, Any, Any, float]:
+    """One compression stage: a copy of ``dense`` with its own optimizer, compressed by ``make(model,
+    optimizer)`` and fine-tuned ``epochs`` epochs. Returns (model, optimizer, compressor, test accuracy)."""
+    model = h.copy(dense)
+    opt = h.optimizer(model, s.finetune_lr)
+    compressor = make(model, opt)
+    model = compressor.compress()
+    h.fit(model, opt, ds.x_train, ds.y_train, epochs, s.batch_size, seed, compressor=compressor, desc=desc,
+          progress=progress)
+    return model, opt, compressor, h.evaluate(model, ds.x_test, ds.y_test)
+
+
 def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | None,
                  log: Callable[[str], None]) -> BackendResult:
     t_start = time.perf_counter()
@@ -297,34 +310,22 @@ def _run_backend(h: Any, ds: Dataset, s: Schedule, seed: int, progress: bool | N
     log(f"[{backend}] dense accuracy {_pct(acc_dense)}")
 
     # AGP pruning while fine-tuning (the optimizer hook keeps pruned weights at zero after every step)
-    pruned_model = h.copy(dense)
-    popt = h.optimizer(pruned_model, s.finetune_lr)
-    pruner = h.backend.AGPPruner(pruned_model, agp_config(s), popt)
-    pruned_model = pruner.compress()
-    h.fit(pruned_model, popt, ds.x_train, ds.y_train, s.prune_epochs, s.batch_size, seed + 1, compressor=pruner,
-          desc="AGP prune", progress=progress)
-    acc_pruned = h.evaluate(pruned_model, ds.x_test, ds.y_test)
+    pruned_model, popt, pruner, acc_pruned = _finetune_stage(
+        h, ds, s, dense, lambda m, o: h.backend.AGPPruner(m, agp_config(s), o), s.prune_epochs, seed + 1,
+        "AGP prune", progress)
     log(f"[{backend}] pruned accuracy {_pct(acc_pruned)}")
 
     # QAT int8 while fine-tuning
-    quant_model = h.copy(dense)
-    qopt = h.optimizer(quant_model, s.finetune_lr)
-    quantizer = h.backend.QAT_Quantizer(quant_model, QAT_CONFIG, qopt)
-    quant_model = quantizer.compress()
-    h.fit(quant_model, qopt, ds.x_train, ds.y_train, s.quant_epochs, s.batch_size, seed + 2, compressor=quantizer,
-          desc="QAT int8", progress=progress)
-    acc_quant = h.evaluate(quant_model, ds.x_test, ds.y_test)
+    quant_model, qopt, quantizer, acc_quant = _finetune_stage(
+        h, ds, s, dense, lambda m, o: h.backend.QAT_Quantizer(m, QAT_CONFIG, o), s.quant_epochs, seed + 2,
+        "QAT int8", progress)
     log(f"[{backend}] quantized accuracy {_pct(acc_quant)}")
 
     # structured: dependency-aware filter pruning (one shot), a short fine-tune with the masks held, then
     # speedup_model removes the pruned channels (its outputs equal the masked model's)
-    struct_masked = h.copy(dense)
-    sopt = h.optimizer(struct_masked, s.finetune_lr)
-    spruner = h.struct_pruner(struct_masked, sopt, ds.x_test, struct_config())
-    struct_masked = spruner.compress()
-    h.fit(struct_masked, sopt, ds.x_train, ds.y_train, s.struct_epochs, s.batch_size, seed + 3, compressor=spruner,
-          desc="structured", progress=progress)
-    acc_masked = h.evaluate(struct_masked, ds.x_test, ds.y_test)
+    _, _, spruner, acc_masked = _finetune_stage(
+        h, ds, s, dense, lambda m, o: h.struct_pruner(m, o, ds.x_test, struct_config()), s.struct_epochs, seed + 3,
+        "structured", progress)
     struct = h.speedup(spruner, ds.x_test)
     acc_struct = h.evaluate(struct, ds.x_test, ds.y_test)
     log(f"[{backend}] structured accuracy {_pct(acc_struct)} after speedup ({_pct(acc_masked)} masked)")
