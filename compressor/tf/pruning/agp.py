@@ -22,7 +22,9 @@ pattern's ``(M - N) / M``, the last schedule update gives exactly N:M, and every
 exactly ``floor(n * s_t)`` weights among those the N:M groups may still drop (at most ``M - N`` per group;
 core :func:`~compressor.core.pruning.nm_mask`), so the masks are identical to torch's at every update.
 
-Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
+Config keys, their validation, the schedule and its driver (which layers are due at an epoch, the pending
+set, statistics on/off, checkpoints) are core's (:class:`compressor.core.agp.AGPScheduleMixin`); this module
+keeps what touches the framework.
 """
 
 from __future__ import annotations

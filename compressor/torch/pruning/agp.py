@@ -17,7 +17,9 @@ pruned at earlier updates first; norms and depthwise convs carrying the channels
 (at most ``M - N`` per group, core :func:`~compressor.core.pruning.nm_mask`): the ramp is monotone and
 never prunes a weight the final N:M pattern would keep, so no group ever has more than ``M - N`` zeros.
 
-Config keys, their validation and the schedule are core's (:mod:`compressor.core.agp`).
+Config keys, their validation, the schedule and its driver (which layers are due at an epoch, the pending
+set, statistics on/off, checkpoints) are core's (:class:`compressor.core.agp.AGPScheduleMixin`); this module
+keeps what touches the framework.
 """
 
 from __future__ import annotations
