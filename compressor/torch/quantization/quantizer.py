@@ -66,6 +66,9 @@ class TorchQuantizer(Compressor):
     #: True: ``quantize_*`` run (and track ranges) before ``quant_start_step`` and check ``wrapper.quant_active``
     #: themselves; False: the base leaves tensors untouched until the start step.
     handles_start_step: bool = False
+    #: True: the model exports as an integer ONNX graph (``onnx_format='int8'``): the scales are the static
+    #: asymmetric ones QDQ needs (QAT_Quantizer, PtqQuantizer)
+    integer_onnx: bool = False
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
         self._steps = 0
