@@ -27,15 +27,12 @@ Conventions, shared with the rest of :mod:`compressor.core`:
   (2^(b-1) - 1/2)`` (compressed-tensors' symmetric int4: one more level than narrow).
 
 The OBS sweep (SparseGPT, GPTQ). Both process the input columns left to right; when column ``j`` is fixed
-to ``q_j`` (pruned to 0 or quantized), the not-yet-fixed columns ``k > j`` are corrected by
+to ``q_j`` (pruned to 0 or quantized), the not-yet-fixed columns ``k > j`` of the same row are corrected by
 ``-(w_j - q_j) / U_jj * U_jk`` where ``U`` is the upper Cholesky factor of the damped ``H^-1``
-(``H^-1 = U^T U``; Frantar et al., GPTQ 2022, Alg. 1; SparseGPT 2023, Alg. 1). We never form ``H^-1``:
-with ``H = R R^T``, ``R`` upper triangular (the Cholesky factor of ``H`` with rows and columns reversed),
-``U = R^-1``, and the accumulated correction of column ``j`` is ``S_j / R_jj`` with ``S_j = sum_{i<j}
-Z_i R_ij``, ``Z_i = (w_i - q_i) - S_i / R_ii`` (``Z = Err U`` solves ``Z R = Err``). That is the same
-arithmetic as the reference's ``W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]`` block update (a GEMM per block of
-``block_size`` columns, a mat-vec per column), at the cost of one Cholesky instead of three
-factorisations.
+(``H^-1 = U^T U``; Frantar et al., GPTQ 2022, Alg. 1; SparseGPT 2023, Alg. 1), lazily: inside a block of
+``block_size`` columns per column (a mat-vec), to the later columns once per block (a GEMM), as the
+references do. ``U`` comes from one Cholesky of ``H`` (reversed) and one triangular inverse
+(:func:`hessian_factor`). Every row is swept at once (no Python loop over rows).
 """
 
 from __future__ import annotations
@@ -223,18 +220,19 @@ def _damp_inplace(h: np.ndarray, damp: float) -> np.ndarray:
 
 
 def hessian_factor(damped_hessian: np.ndarray, damp: float | None = None) -> np.ndarray:
-    """Upper-triangular ``R`` with ``H = R R^T``; its inverse ``U = R^-1`` is the upper Cholesky factor of
-    ``H^-1`` (``H^-1 = U^T U``) that GPTQ / SparseGPT sweep with, and ``U_jj = 1 / R_jj``.
+    """``U``: the upper Cholesky factor of ``H^-1`` (``H^-1 = U^T U``) that GPTQ / SparseGPT sweep with.
 
-    Computed from the Cholesky factor of ``H`` with rows and columns reversed: ``P H P = L L^T`` gives
-    ``H = (P L P)(P L P)^T`` with ``P L P`` upper (``P`` the reversal). One factorisation; ``H^-1`` is never
-    formed. Not positive definite: ValueError (raise ``damp``). Returns a view of a contiguous ``R^T``.
+    Computed without forming ``H^-1`` (the references factor three times: ``chol(H)``, its inverse,
+    ``chol`` again): with ``P`` the reversal, ``P H P = L L^T`` gives ``H = R R^T``, ``R = P L P`` upper, so
+    ``H^-1 = R^-T R^-1`` and ``U = R^-1`` (upper, positive diagonal: the unique factor). One Cholesky and
+    one triangular inverse. Not positive definite: ValueError (raise ``damp``). Returns a view of a
+    contiguous ``U^T``.
     """
-    return _factor_t(damped_hessian, damp).T
+    return _inverse_factor_t(damped_hessian, damp).T
 
 
-def _factor_t(h: np.ndarray, damp: float | None) -> np.ndarray:
-    """``R^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`."""
+def _inverse_factor_t(h: np.ndarray, damp: float | None) -> np.ndarray:
+    """``U^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`."""
     try:
         try:
             upper = np.linalg.cholesky(h[::-1, ::-1], upper=True)  # L^T, numpy >= 2.0
@@ -244,50 +242,67 @@ def _factor_t(h: np.ndarray, damp: float | None) -> np.ndarray:
         hint = f" (damp={damp})" if damp is not None else ""
         raise ValueError(f"the damped Hessian is not positive definite{hint}: increase damp or use more "
                          f"calibration samples") from None
-    return np.ascontiguousarray(upper[::-1, ::-1])  # R^T = P L^T P
+    return _inv_lower(np.ascontiguousarray(upper[::-1, ::-1]))  # (R^T)^-1 = U^T, R^T = P L^T P
+
+
+_INV_BASE = 64
+
+
+def _inv_lower(low: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular matrix by halves, ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1,
+    D^-1]]``: ``n^3 / 3`` flops, all in matrix products (numpy has no triangular inverse)."""
+    n = low.shape[0]
+    if n <= _INV_BASE:
+        return np.tril(np.linalg.inv(low))
+    k = n // 2
+    ai = _inv_lower(low[:k, :k])
+    di = _inv_lower(low[k:, k:])
+    out = np.zeros_like(low)
+    out[:k, :k] = ai
+    out[k:, k:] = di
+    out[k:, :k] = -(di @ (low[k:, :k] @ ai))
+    return out
 
 
 class _Sweep:
-    """State of the blocked OBS column sweep (see the module docstring), in transposed layout: row ``p`` of
-    every ``[in, out]`` array is weight column ``p`` (in sweep order), so each step reads contiguous rows.
+    """State of the blocked OBS column sweep (GPTQ Alg. 1's lazy batch updates), in transposed layout: row
+    ``p`` of every ``[in, out]`` array is weight column ``p`` (in sweep order), so each step reads contiguous
+    rows.
 
-    ``w0``: the starting columns; ``rt``: ``R^T`` (lower, contiguous), ``rd``: ``diag(R)``; ``keep``: columns' keep-mask
-    (masked entries are 0 and never corrected, as llmcompressor's GPTQ with a sparsity mask); ``s``:
-    corrections from finished blocks; ``z``: ``Z`` of the fixed columns.
+    ``w``: the columns with the corrections of every finished block applied; ``ut``: ``U^T`` (lower,
+    contiguous), ``ud``: ``diag(U)``; ``keep``: keep-mask (masked entries read as 0 and so are never
+    corrected, as llmcompressor's GPTQ on a sparse model); ``e``: the scaled errors ``(w_j - q_j) / U_jj`` of
+    the fixed columns.
     """
 
-    def __init__(self, w0t: np.ndarray, rt: np.ndarray, keep_t: np.ndarray | None):
-        self.w0 = w0t
-        self.rt = rt
-        self.rd = np.diag(rt).copy()
+    def __init__(self, w0t: np.ndarray, ut: np.ndarray, keep_t: np.ndarray | None):
+        self.w = w0t
+        self.ut = ut
+        self.ud = np.diag(ut).copy()
         self.keep = keep_t
-        self.s = np.zeros_like(w0t)
-        self.z = np.zeros_like(w0t)
+        self.e = np.zeros_like(w0t)
         self.error = 0.0
 
-    def current(self, pos: Any, i1: int, p: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(w, t)``: the up-to-date values of columns ``pos`` (all ``>= p``, ``p`` the next column to fix,
-        ``i1`` its block's start) and their correction ``t = S / R_jj``."""
-        s = self.s[pos]
+    def current(self, pos: Any, i1: int, p: int) -> np.ndarray:
+        """Up-to-date values of the not yet fixed columns ``pos`` (all ``>= p``; ``p`` is the next column to
+        fix, ``i1`` its block's start): the finished blocks' corrections plus ``-sum_{i1<=i<p} e_i U_i,pos``."""
+        w = self.w[pos]
         if p > i1:
-            s = s + self.rt[pos, i1:p] @ self.z[i1:p]
-        rd = self.rd[pos]
-        t = s / (rd[:, None] if np.ndim(rd) else rd)
-        w = self.w0[pos] + t
+            w = w - self.ut[pos, i1:p] @ self.e[i1:p]
         if self.keep is not None:
             w = np.where(self.keep[pos], w, 0.0)
-        return w, t
+        return w
 
-    def fix(self, p: int, w: np.ndarray, t: np.ndarray, q: np.ndarray) -> None:
-        """Column ``p`` (current value ``w``, correction ``t``) is fixed to ``q``."""
-        e = w - q
-        self.z[p] = e - t
-        self.error += 0.5 * float(np.dot(e, e)) * float(self.rd[p]) ** 2
+    def fix(self, p: int, w: np.ndarray, q: np.ndarray) -> None:
+        """Column ``p`` (current value ``w``) is fixed to ``q``."""
+        d = w - q
+        self.e[p] = d / self.ud[p]
+        self.error += 0.5 * float(np.dot(d, d)) / float(self.ud[p]) ** 2
 
     def end_block(self, i1: int, i2: int) -> None:
-        """Propagate the block ``[i1, i2)``'s corrections to the later columns (one GEMM)."""
-        if i2 < self.w0.shape[0]:
-            self.s[i2:] += self.rt[i2:, i1:i2] @ self.z[i1:i2]
+        """Apply the block ``[i1, i2)``'s corrections to the later columns (one GEMM)."""
+        if i2 < self.w.shape[0]:
+            self.w[i2:] -= self.ut[i2:, i1:i2] @ self.e[i1:i2]
 
 
 def _prepare(weight: Any, hessian: Any, damp: float, mask: Any = None) -> tuple[np.ndarray, np.ndarray,
@@ -397,14 +412,14 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
         _check_nm_width(n_in, nm[1], sparse_pattern)  # type: ignore[arg-type]
         if bs % nm[1]:
             raise ValueError(f"block_size {bs} must be a multiple of M={nm[1]} of sparse_pattern {sparse_pattern!r}")
-    sweep = _Sweep(np.ascontiguousarray(w.T), _factor_t(hd, damp), None)
-    result_t = np.zeros_like(sweep.w0)
-    keep_t = np.ones(sweep.w0.shape, dtype=bool)
+    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(hd, damp), None)
+    result_t = np.zeros_like(sweep.w)
+    keep_t = np.ones(sweep.w.shape, dtype=bool)
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
         if nm is None and s:
-            cur, _ = sweep.current(slice(i1, i2), i1, i1)
-            sal = (np.abs(cur) * sweep.rd[i1:i2, None]).T  # [out, width]: canonical order for ties
+            cur = sweep.current(slice(i1, i2), i1, i1)
+            sal = (np.abs(cur) / sweep.ud[i1:i2, None]).T  # [out, width]: canonical order for ties
             width = i2 - i1
             if mask_scope == "block":
                 blk = np.asarray(smallest_k_mask(_NP, sal, prune_count(out * width, s)))
@@ -416,13 +431,13 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
             keep_t[i1:i2] = blk.T
         for p in range(i1, i2):
             if nm is not None and (p - i1) % nm[1] == 0:
-                cur, _ = sweep.current(slice(p, p + nm[1]), i1, p)
-                sal = (np.abs(cur) * sweep.rd[p:p + nm[1], None]).T
+                cur = sweep.current(slice(p, p + nm[1]), i1, p)
+                sal = (np.abs(cur) / sweep.ud[p:p + nm[1], None]).T
                 keep_t[p:p + nm[1]] = _nm_keep(sal, *nm).T
-            wc, t = sweep.current(p, i1, p)
+            wc = sweep.current(p, i1, p)
             q = np.where(keep_t[p], wc, 0.0)
             result_t[p] = q
-            sweep.fix(p, wc, t, q)
+            sweep.fix(p, wc, q)
         sweep.end_block(i1, i2)
     return SparseGPTResult(weight=np.ascontiguousarray(result_t.T), mask=np.ascontiguousarray(keep_t.T),
                            error=sweep.error, dead=dead)
@@ -560,8 +575,8 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     inv = np.empty(n_in, dtype=np.intp)
     inv[perm] = np.arange(n_in)
     gid = perm // gs  # group of the column at each sweep position
-    rt = _factor_t(hd[np.ix_(perm, perm)] if act_order else hd, damp)
-    sweep = _Sweep(np.ascontiguousarray(w[:, perm].T), rt, None if keep is None else np.ascontiguousarray(keep[:, perm].T))
+    ut = _inverse_factor_t(hd[np.ix_(perm, perm)] if act_order else hd, damp)
+    sweep = _Sweep(np.ascontiguousarray(w[:, perm].T), ut, None if keep is None else np.ascontiguousarray(keep[:, perm].T))
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)
@@ -573,16 +588,16 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
             g = gid[p]
             if not have[g]:
                 pos = inv[g * gs:min((g + 1) * gs, n_in)]  # every one >= p: none fixed yet
-                vals, _ = sweep.current(pos, i1, p)
+                vals = sweep.current(pos, i1, p)
                 sc, z = spec.params(vals.T)
                 scale[g], zp[g], have[g] = sc, z, True
-            wc, t = sweep.current(p, i1, p)
+            wc = sweep.current(p, i1, p)
             c, dq = spec.quantize(wc, scale[g], zp[g])
             if sweep.keep is not None:
                 c = np.where(sweep.keep[p], c, zp[g])
                 dq = np.where(sweep.keep[p], dq, 0.0)
             codes_t[p], deq_t[p] = c, dq
-            sweep.fix(p, wc, t, dq)
+            sweep.fix(p, wc, dq)
         sweep.end_block(i1, i2)
     return QuantizedWeight(codes=np.ascontiguousarray(codes_t[inv].T).astype(np.int32), scale=np.ascontiguousarray(scale.T),
                            zero_point=np.ascontiguousarray(zp.T), group_size=gs, spec=spec,
