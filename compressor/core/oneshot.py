@@ -576,7 +576,10 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     inv[perm] = np.arange(n_in)
     gid = perm // gs  # group of the column at each sweep position
     ut = _inverse_factor_t(hd[np.ix_(perm, perm)] if act_order else hd, damp)
-    sweep = _Sweep(np.ascontiguousarray(w[:, perm].T), ut, None if keep is None else np.ascontiguousarray(keep[:, perm].T))
+    if act_order:
+        w = w[:, perm]
+        keep = None if keep is None else keep[:, perm]
+    sweep = _Sweep(np.ascontiguousarray(w.T), ut, None if keep is None else np.ascontiguousarray(keep.T))
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)
@@ -588,8 +591,8 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
             g = gid[p]
             if not have[g]:
                 pos = inv[g * gs:min((g + 1) * gs, n_in)]  # every one >= p: none fixed yet
-                vals = sweep.current(pos, i1, p)
-                sc, z = spec.params(vals.T)
+                vals = sweep.current(pos, i1, p)  # [columns, out]
+                sc, z = spec.params_from_range(vals.min(axis=0), vals.max(axis=0), *spec.qrange)
                 scale[g], zp[g], have[g] = sc, z, True
             wc = sweep.current(p, i1, p)
             c, dq = spec.quantize(wc, scale[g], zp[g])
@@ -599,9 +602,11 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
             codes_t[p], deq_t[p] = c, dq
             sweep.fix(p, wc, dq)
         sweep.end_block(i1, i2)
-    return QuantizedWeight(codes=np.ascontiguousarray(codes_t[inv].T).astype(np.int32), scale=np.ascontiguousarray(scale.T),
+    if act_order:
+        codes_t, deq_t = codes_t[inv], deq_t[inv]
+    return QuantizedWeight(codes=np.ascontiguousarray(codes_t.T, dtype=np.int32), scale=np.ascontiguousarray(scale.T),
                            zero_point=np.ascontiguousarray(zp.T), group_size=gs, spec=spec,
-                           dequantized=np.ascontiguousarray(deq_t[inv].T), error=sweep.error,
+                           dequantized=np.ascontiguousarray(deq_t.T), error=sweep.error,
                            perm=perm if act_order else None, dead=dead)
 
 

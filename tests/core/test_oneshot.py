@@ -7,6 +7,8 @@ masks respected, determinism)."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compressor.core import oneshot as O
 from compressor.core import pruning as P
@@ -465,3 +467,27 @@ def test_awq_beats_rtn_on_salient_channels():
     e_rtn = O.layer_output_error(x, w, O.rtn_quantize(w, spec).dequantized)
     assert res.losses[0][1] == e_rtn  # alpha = 0 is plain RTN
     assert res.alpha > 0 and min(v for _, v in res.losses) < 0.9 * e_rtn
+
+
+# ------------------------------------------------------------------------------------------- properties
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(1, 5), groups=st.integers(1, 4), bits=st.sampled_from([2, 3, 4, 8]), sym=st.booleans(),
+       gs=st.sampled_from([None, 2, 3, 4]), act=st.booleans(), bs=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_property_gptq_codes_in_range_and_consistent(out, groups, bits, sym, gs, act, bs, seed):
+    n_in = 4 * groups
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out, n_in))
+    x = correlated_inputs(3 * n_in, n_in, seed=seed)
+    x[:, rng.integers(n_in)] = 0.0  # a dead input
+    spec = O.QuantSpec(bits, sym, gs)
+    g = O.gptq_quantize(w, gram(x), spec, act_order=act, block_size=bs)
+    qmin, qmax = spec.qrange
+    assert g.codes.min() >= qmin and g.codes.max() <= qmax
+    gi = g.group_index()
+    assert np.array_equal((g.codes - g.zero_point[:, gi]) * g.scale[:, gi], g.dequantized)
+    assert (g.dequantized[:, g.dead] == 0).all()
+    sp = O.sparsegpt_prune(w, gram(x), sparse_pattern="2:4", block_size=4 * max(bs // 4, 1))
+    assert bool(P.is_nm(ops, sp.mask, 2, 4)) and (sp.mask.sum(axis=1) == n_in // 2).all()
+    assert (sp.weight[~sp.mask] == 0).all()
+    again = O.sparsegpt_prune(w, gram(x), sparse_pattern="2:4", block_size=4 * max(bs // 4, 1))
+    assert np.array_equal(again.weight, sp.weight) and np.array_equal(again.mask, sp.mask)
