@@ -3,10 +3,11 @@
 Written once, for both backends. Every function takes **numpy arrays** (a backend converts the layer's
 weight and the recorded statistics to numpy, in the canonical ``[out, in]`` layout: torch ``Linear`` as is,
 HF ``Conv1D`` / Keras ``Dense`` transposed, ``EinsumDense`` reshaped) and computes in **float64**. These
-are O(in^2)..O(in^3) solves over a whole layer, done once, on the host: plain numpy float64 is both the
-simplest and the only way to make the parity requirement hold by construction (the same weights and the
-same statistics give the same masks and integer codes on torch and Keras, because one implementation
-computes them). No function here modifies its inputs.
+are O(in^2)..O(in^3) solves over a whole layer, done once, on the host; one float64 numpy implementation
+makes the parity requirement hold by construction: the same weights and the same statistics give the same
+masks and integer codes on torch and Keras (bit for bit within one numpy / BLAS build), because the same
+code computes them. No function here modifies its inputs. Layers that read the same input (q / k / v;
+gate / up) can share one :class:`GramAccumulator`.
 
 Statistics (what the sequential driver records per layer, :class:`GramAccumulator`): the Gram matrix
 ``H = sum_t x_t^T x_t`` of the layer's input rows (tokens), ``||X_j||_2 = sqrt(H_jj)`` and ``mean|X_j|``.
@@ -394,7 +395,8 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
 
     * unstructured, ``mask_scope='block'`` (the reference implementation's rule): at the start of each block,
       ``floor(out * width * sparsity)`` of the block's weights with the lowest saliency, over all rows
-      together (rows end with different sparsities; the layer's is exact up to the per-block floors);
+      together (rows end with different sparsities; the layer's is exact up to the per-block floors; the
+      reference's ``tmp <= sorted(tmp)[k]`` prunes one more per block, we keep the project's exact count);
       ``mask_scope='row'``: ``floor(width * sparsity)`` per row inside each block (every row equally sparse);
     * ``sparse_pattern='N:M'``: when the sweep reaches each group of M columns, each row keeps the N of
       highest saliency among them (``block_size`` must be a multiple of M).
