@@ -26,6 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .sparse_pattern import (  # noqa: F401  (re-exported: config is where users look for them)
+    SPARSE_PATTERN_ALLOWED,
+    parse_sparse_pattern,
+    resolve_sparse_pattern,
+)
 
 QUANT_TYPES = ("weight", "input", "output")
 QUANT_DTYPES = ("int", "uint")
@@ -154,33 +159,9 @@ _SPECS = [
 #: Keys every compressor understands.
 COMMON_KEYS: dict[str, KeySpec] = {s.name: s for s in _SPECS}
 
-SPARSE_PATTERN_ALLOWED = ("a string 'N:M' with integers 1 <= N < M, e.g. '2:4' (keep the N largest |w| of every M "
-                          "consecutive weights along the layer's input axis)")
-
-
 def _sparse_pattern(v: Any) -> str:
-    from .pruning import parse_sparse_pattern
-
     n, m = parse_sparse_pattern(v)  # ValueError -> the key's 'allowed' message
     return f"{n}:{m}"
-
-
-def resolve_sparse_pattern(config_list: list[dict[str, Any]], sparsity_key: str, what: str) -> None:
-    """For entries with ``sparse_pattern``: fill in ``sparsity_key`` (``'sparsity'`` / ``'final_sparsity'``)
-    as the pattern's ``(M - N) / M``, or refuse a different value given with it (in place, on normalised
-    entries). The input dimension of each layer is checked when layers are matched."""
-    from .pruning import nm_sparsity, parse_sparse_pattern
-
-    for i, c in enumerate(config_list):
-        if c.get("exclude") or "sparse_pattern" not in c:
-            continue
-        target = nm_sparsity(*parse_sparse_pattern(c["sparse_pattern"]))
-        for key in dict.fromkeys((sparsity_key, "sparsity")):
-            if key in c and abs(c[key] - target) > 1e-9:
-                raise ConfigError(
-                    f"config_list[{i}]: {key!r} = {c[key]} contradicts 'sparse_pattern' = {c['sparse_pattern']!r}, "
-                    f"which prunes {target:g}; give the pattern alone (or {key}: {target:g})")
-        c[sparsity_key] = target
 
 
 #: Keys that algorithms may opt into by listing them in ``config_keys``.

@@ -35,3 +35,13 @@ def compressor_add_algorithms(registry: Any) -> None:
 def compressor_claim_model(model: Any) -> str | None:
     """Return the backend name that handles ``model``, or None. Must not import a framework that is not
     already imported (a model of that framework cannot exist otherwise)."""
+
+
+@hookspec
+def compressor_add_model_families(registry: Any) -> None:
+    """Declare model-family adapters: ``registry.add_model_family(backend, name, target)``.
+
+    A family adapter holds what one model family (Hugging Face ``transformers``, keras-hub, ...) needs from
+    a backend, so the backend's base classes never name a family. ``target`` is an object or a lazy
+    ``"module:attr"`` string; the backend documents the methods it calls (for PyTorch:
+    :class:`compressor.torch.families.ModelFamily`)."""

@@ -9,45 +9,15 @@ current ``mask`` makes a new mask monotone: already-pruned weights are pruned fi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from decimal import Decimal
 from typing import Any
 
+from .errors import ConfigError
 from .ops import Array, ArrayOps
+from .selection import prune_count, smallest_k_mask  # noqa: F401  (re-exported)
+from .slimming import slim_plan
+from .sparse_pattern import nm_sparsity, parse_sparse_pattern, resolve_sparse_pattern  # noqa: F401
 
 FILTER_CRITERIA = ("l1", "l2", "fpgm")
-
-
-def prune_count(n: int, sparsity: float) -> int:
-    """``floor(n * sparsity)``, computed on the decimal value the user wrote.
-
-    Binary floats make ``100 * 0.29 == 28.999999999999996``; using the shortest repr of ``sparsity``
-    gives 29, which is what ``sparsity: 0.29`` means.
-    """
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity!r}")
-    return int(Decimal(repr(float(sparsity))) * int(n))
-
-
-def smallest_k_mask(ops: ArrayOps, scores: Array, k: int) -> Array:
-    """Keep-mask (bool, shape of ``scores``) pruning the ``k`` smallest scores.
-
-    O(n): one selection (``kth_smallest``) plus elementwise passes; ties at the k-th value are pruned
-    in flat-index order, via a cumulative count of the tied entries. Everything stays on the device.
-    """
-    shape = ops.shape(scores)
-    n = ops.numel(scores)
-    if k <= 0:
-        return ops.ones_like(scores, "bool")
-    if k >= n:
-        return ops.zeros_like(scores, "bool")
-    flat = ops.reshape(scores, (-1,))
-    v = ops.kth_smallest(flat, k)
-    less = ops.less(flat, v)
-    tied = ops.equal(flat, v)
-    n_less = ops.sum(ops.cast(less, "int32"))
-    tie_rank = ops.cumsum(ops.cast(tied, "int32"), 0)  # 1-based rank among the tied entries
-    pruned = ops.logical_or(less, ops.logical_and(tied, ops.less_equal(tie_rank, k - n_less)))
-    return ops.reshape(ops.logical_not(pruned), shape)
 
 
 def _with_mask(ops: ArrayOps, scores: Array, mask: Array | None) -> Array:
@@ -213,8 +183,6 @@ def slim_masks(ops: ArrayOps, gammas: Sequence[Array], sparsity: float, masks: S
     at least one channel and ties at the threshold are spread evenly over the layers
     (:func:`compressor.core.slimming.slim_plan`). Returns one keep-mask per layer (apply to gamma and beta).
     """
-    from .slimming import slim_plan
-
     return slim_plan(ops, gammas, sparsity, masks, max_layer_sparsity)[0]
 
 
@@ -245,24 +213,6 @@ def filter_masks(weight_mask: Array, filter_keep: Array, has_bias: bool) -> dict
 
 
 # ------------------------------------------------------------------------------------------- N:M sparsity
-def parse_sparse_pattern(pattern: Any) -> tuple[int, int]:
-    """``(n, m)`` of an ``'N:M'`` pattern string (keep N of every M); ValueError unless ``1 <= N < M``."""
-    if not isinstance(pattern, str):
-        raise ValueError(f"sparse_pattern must be a string 'N:M' (e.g. '2:4'), got {pattern!r}")
-    parts = pattern.strip().split(":")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"sparse_pattern must look like 'N:M' with integers (e.g. '2:4'), got {pattern!r}")
-    n, m = (int(p) for p in parts)
-    if not 1 <= n < m:
-        raise ValueError(f"sparse_pattern {pattern!r}: need 1 <= N < M, got N={n}, M={m}")
-    return n, m
-
-
-def nm_sparsity(n: int, m: int) -> float:
-    """The sparsity of an N:M pattern, ``(m - n) / m``."""
-    return (m - n) / m
-
-
 def nm_input_dim(shape: Sequence[int]) -> int | None:
     """The length of the axis N:M groups run along (axis 1, the input channels, of the canonical layout),
     or None for a weight without one (fewer than 2 axes)."""
@@ -347,9 +297,6 @@ def nm_validate_config(config_list: list[dict[str, Any]], what: str, sparsity_ke
     """Config checks of a pruner taking ``sparse_pattern`` (LevelPruner, AGPPruner): the pattern needs the
     magnitude criterion; its sparsity is filled in (``sparsity_key``) or must agree; LevelPruner entries
     without a pattern need ``sparsity``. Raises ConfigError; mutates the normalised entries only."""
-    from .config import resolve_sparse_pattern
-    from .errors import ConfigError
-
     for i, c in enumerate(config_list):
         if "sparse_pattern" in c and not c["exclude"] and algorithm != "level":
             raise ConfigError(f"config_list[{i}]: 'sparse_pattern' needs pruning_algorithm='level' (N:M keeps the "
@@ -366,7 +313,6 @@ def nm_check_layer(layer: str, layer_type: str, canonical_shape: Sequence[int] |
                    what: str) -> None:
     """Refuse a layer that ``config['sparse_pattern']`` cannot apply to: not a Linear/Dense/Conv layer, or an
     input dimension M does not divide (``canonical_shape`` None: not built yet, checked when masked)."""
-    from .errors import ConfigError
 
     pattern = config.get("sparse_pattern")
     if pattern is None:

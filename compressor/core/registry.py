@@ -59,6 +59,7 @@ class Registry:
     def __init__(self) -> None:
         self.backends: dict[str, BackendInfo] = {}
         self._algos: dict[tuple[str, str], AlgorithmEntry] = {}
+        self._families: dict[tuple[str, str], AlgorithmEntry] = {}
         self._current_plugin = ""
 
     def add_backend(self, name: str, framework: str, description: str = "", default_types: tuple[str, ...] = ()) -> None:
@@ -70,6 +71,14 @@ class Registry:
         if not name.isidentifier():
             raise ValueError(f"algorithm name must be a Python identifier, got {name!r}")
         self._algos[(backend, name)] = AlgorithmEntry(backend, name, target, kind, self._current_plugin)
+
+    def add_model_family(self, backend: str, name: str, target: Any) -> None:
+        """A model-family adapter for ``backend`` (an object or a lazy ``"module:attr"`` string)."""
+        self._families[(backend, name)] = AlgorithmEntry(backend, name, target, "family", self._current_plugin)
+
+    def model_families(self, backend: str) -> list[Any]:
+        """The family adapters of ``backend`` (imported on first use), in name order."""
+        return [e.load() for (b, _), e in sorted(self._families.items()) if b == backend]
 
     def names(self, backend: str | None = None) -> list[str]:
         return sorted({n for (b, n) in self._algos if backend is None or b == backend})
@@ -135,7 +144,7 @@ def registry() -> Registry:
 
 
 def _fill(reg: Registry, pm: pluggy.PluginManager) -> None:
-    for hook_name in ("compressor_add_backends", "compressor_add_algorithms"):
+    for hook_name in ("compressor_add_backends", "compressor_add_algorithms", "compressor_add_model_families"):
         hook = getattr(pm.hook, hook_name)
         for impl in hook.get_hookimpls():
             reg._current_plugin = pm.get_name(impl.plugin) or ""

@@ -28,7 +28,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .ops import Array, ArrayOps
-from .pruning import prune_count, smallest_k_mask
+from .selection import prune_count, smallest_k_mask
 
 __all__ = ["global_keep", "slim_plan", "tie_warning", "layer_min_keep", "check_max_layer_sparsity"]
 

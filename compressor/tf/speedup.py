@@ -27,7 +27,7 @@ import numpy as np
 from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
 from . import layout
-from .compressor import iter_layers
+from .compressor import Compressor, iter_layers
 from .graph import build_graph, is_graph_model, walkable
 from .pruning.export import zero_masked
 
@@ -270,10 +270,14 @@ SLICERS = {
 
 
 # ---------------------------------------------------------------------------------- public API
-def _resolve(model_or_pruner: Any, masks: Any) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
-    from .pruning.pruner import TfPruner
+def _is_pruner(obj: Any) -> bool:
+    """A :class:`~compressor.tf.TfPruner` (told by the base class's ``_kind``: speedup sits above the pruners
+    and must not import them)."""
+    return isinstance(obj, Compressor) and getattr(obj, "_kind", None) == "pruner"
 
-    if isinstance(model_or_pruner, TfPruner):
+
+def _resolve(model_or_pruner: Any, masks: Any) -> tuple[Any, dict[str, dict[str, np.ndarray]]]:
+    if _is_pruner(model_or_pruner):
         if masks is not None:
             raise ConfigError("speedup_model: pass either a pruner (its masks are used) or a model and masks")
         return model_or_pruner.model, _pruner_masks(model_or_pruner)
@@ -293,9 +297,7 @@ def count_flops_params(model: Any) -> tuple[int, int, list[dict[str, Any]]]:
     the graph once, BatchNorm moving statistics excluded (as torch, where they are buffers). ``per_layer``: ``{'name', 'type', 'params', 'macs'}`` per layer path.
     Spatial sizes unknown at build time count as 1.
     """
-    from .pruning.pruner import TfPruner
-
-    if isinstance(model, TfPruner):
+    if _is_pruner(model):
         model = model.model
     graph, _ = build_graph(model)
     return count_graph(graph)

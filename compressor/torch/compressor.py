@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,25 +33,11 @@ from .. import torch_plugin
 from ..core.config import KeySpec, normalize_config_list
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
-from . import hf, hooks
+from . import families, hooks
+from .modules import _WRAPPER_FLAG, innermost_module, is_wrapper, named_wrappers  # noqa: F401  (re-exported)
 from .ties import check_tie_wrappers, resolve_ties
 
 __all__ = ["Compressor", "is_wrapper", "innermost_module"]
-
-_WRAPPER_FLAG = "_compressor_wrapper_kind"
-
-
-def is_wrapper(module: nn.Module) -> bool:
-    """True for a module created by a compressor's ``_create_wrapper``."""
-    return getattr(module, _WRAPPER_FLAG, None) is not None
-
-
-def innermost_module(module: nn.Module) -> nn.Module:
-    """The original layer inside (possibly nested) compressor wrappers."""
-    while is_wrapper(module):
-        module = module.module
-    return module
-
 
 def _wrapper_owner(module: nn.Module) -> str:
     return getattr(module, "_compressor_owner_name", "a")
@@ -138,8 +124,7 @@ class Compressor:
                 setattr(parent, attr, wrapper)
         if optimizer is not None:
             hooks.install(optimizer, self)
-        if hf.is_hf_model(model):
-            hf.install(model)
+        families.on_compress(model)  # model-family plug-ins (e.g. Hugging Face save_pretrained)
 
     # ------------------------------------------------------------------ selection
     @staticmethod
@@ -335,9 +320,3 @@ def _module_device(module: nn.Module) -> torch.device | None:
     for t in itertools.chain(module.parameters(), module.buffers()):
         return t.device
     return None
-
-
-def named_wrappers(model: nn.Module, kinds: Iterable[type] = (nn.Module,)) -> list[tuple[str, nn.Module]]:
-    """``(path, wrapper)`` of the compressor wrappers in ``model`` that are instances of ``kinds``."""
-    kinds = tuple(kinds)
-    return [(n, m) for n, m in model.named_modules() if is_wrapper(m) and isinstance(m, kinds)]

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
-from .compressor import innermost_module, is_wrapper
+from .families import is_in_out_linear
+from .modules import innermost_module, is_wrapper
 
 __all__ = ["build_graph", "module_kind", "attention_spec"]
 
@@ -117,8 +118,8 @@ def attention_spec(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
-    t = type(module)
-    return t.__name__ == "Conv1D" and t.__module__.startswith("transformers") and hasattr(module, "nf")
+    """A Linear stored ``[in, out]`` (HF ``Conv1D``; declared by a model-family plug-in)."""
+    return is_in_out_linear(module)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

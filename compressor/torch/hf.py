@@ -1,5 +1,9 @@
 """Hugging Face ``transformers`` models under a compressor (nothing here imports transformers).
 
+A model-family plug-in (:data:`FAMILY`, declared by ``compressor.torch_plugin`` through the
+``compressor_add_model_families`` hook; see :mod:`compressor.torch.families`): the base classes of the
+backend call it, never this module.
+
 * :func:`is_hf_conv1d`: GPT-2's ``Conv1D`` is a Linear whose weight is stored ``[in, out]``; the
   compressors see it in the canonical out-first layout (see :mod:`compressor.torch.layout`).
 * :func:`export_ready`: an ONNX export of a causal LM runs without its key/value cache
@@ -24,8 +28,13 @@ import torch
 from torch import nn
 
 from ..core.errors import ModelError
+from .families import ModelFamily
+from .modules import innermost_module, is_wrapper, named_wrappers
+from .pruning.wrapper import PrunerModuleWrapper
+from .quantization.export import quantized_state_dict
+from .quantization.wrapper import QuantizerModuleWrapper
 
-__all__ = ["is_hf_conv1d", "is_hf_model", "export_ready", "install", "compressed_state_dict", "speedup_config"]
+__all__ = ["FAMILY", "HuggingFace", "is_hf_conv1d", "is_hf_model", "export_ready", "install", "compressed_state_dict", "speedup_config"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -64,8 +73,6 @@ class _CompressedMethod:
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .compressor import named_wrappers
-
         original = getattr(type(self.model), self.name)
         refused = self.model.__dict__.get("_speedup_config_error")
         if self.name == "save_pretrained" and refused:
@@ -107,10 +114,6 @@ def compressed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state_dict of the plain model (ORIGINAL keys, no masks or quantizer state) holding the
     compressed values: pruned weights zero, quantized weights their quantized values. Keys that name one
     Parameter (tied weights) hold one tensor."""
-    from .pruning.wrapper import PrunerModuleWrapper
-    from .quantization.export import quantized_state_dict
-    from .quantization.wrapper import QuantizerModuleWrapper
-
     wrappers: dict[str, list[nn.Module]] = {}
     quantizers: dict[int, Any] = {}
     for _, m in model.named_modules():
@@ -157,8 +160,6 @@ def compressed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @contextlib.contextmanager
 def _plain_modules(model: nn.Module) -> Iterator[None]:
     """The original layers in the module tree for a while (wrappers put back afterwards)."""
-    from .compressor import innermost_module, is_wrapper
-
     swaps = []
     for parent in list(model.modules()):
         for attr, child in list(parent._modules.items()):
@@ -176,8 +177,6 @@ def _plain_modules(model: nn.Module) -> Iterator[None]:
 def _save_pretrained(model: nn.Module, original: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
     """Save the compressed model in the Hugging Face format: original keys, compressed values; the config
     and everything else as ``save_pretrained`` writes them."""
-    from .quantization.wrapper import QuantizerModuleWrapper
-
     if kwargs.get("state_dict") is not None or len(args) >= 2:
         raise ModelError("save_pretrained(state_dict=...) on a compressed model: the state_dict is the compressed "
                          "model's own (original keys, compressed values); leave state_dict out")
@@ -196,8 +195,6 @@ def _save_pretrained(model: nn.Module, original: Any, save_directory: Any, *args
 def _resize_token_embeddings(model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
     """Refused while the token embedding or the LM head is compressed (their masks / quantizer state
     have the old vocabulary size); other compressed layers do not care."""
-    from .compressor import is_wrapper
-
     hit = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         fn = getattr(model, getter, None)
@@ -300,3 +297,31 @@ def speedup_config(model: nn.Module, layers: list[dict[str, Any]]) -> str | None
            f"torch.save(model) (or export ONNX), or prune with the same sparsity in every repeated block")
     model.__dict__["_speedup_config_error"] = msg
     return "save_pretrained is refused: the config cannot express the new widths (see the error it raises)"
+
+
+# ---------------------------------------------------------------------------------- the plug-in
+class HuggingFace(ModelFamily):
+    """``transformers`` models: GPT-2's ``Conv1D`` is an ``[in, out]`` Linear; a compressed
+    ``PreTrainedModel`` saves its compressed values with ``save_pretrained``; causal LMs export without
+    their key/value cache; a sped-up model's config gets its new widths."""
+
+    name = "huggingface"
+
+    def claims(self, model: nn.Module) -> bool:
+        return is_hf_model(model)
+
+    def is_in_out_linear(self, layer: nn.Module) -> bool:
+        return is_hf_conv1d(layer)
+
+    def on_compress(self, model: nn.Module) -> None:
+        install(model)
+
+    def export_context(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return export_ready(model)
+
+    def after_speedup(self, model: nn.Module, layers: list[dict[str, Any]]) -> str | None:
+        return speedup_config(model, layers)
+
+
+#: the adapter ``compressor.torch_plugin`` declares
+FAMILY = HuggingFace()

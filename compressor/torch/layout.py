@@ -16,21 +16,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf import is_hf_conv1d
+from .families import is_in_out_linear
+from .families import is_in_out_linear as is_hf_conv1d  # noqa: F401  (the name the backend used first)
+from .modules import innermost_module
 
 __all__ = ["is_transposed", "to_canonical", "from_canonical", "canonical_shape", "out_axis", "layer_of"]
 
 
 def layer_of(module: nn.Module) -> nn.Module:
     """The original layer inside compressor wrappers (a wrapper or a layer may be passed)."""
-    from .compressor import innermost_module
-
     return innermost_module(module)
 
 
 def is_transposed(module: nn.Module) -> bool:
     """True when ``module``'s 2-D weight is stored ``[in, out]`` (HF ``Conv1D``)."""
-    return is_hf_conv1d(layer_of(module))
+    return is_in_out_linear(layer_of(module))
 
 
 def to_canonical(module: nn.Module, x: Any) -> Any:
@@ -54,7 +54,7 @@ def out_axis(module: nn.Module) -> int:
     layer = layer_of(module)
     if isinstance(layer, nn.modules.conv._ConvNd) and layer.transposed:
         return 1
-    return 1 if is_hf_conv1d(layer) else 0
+    return 1 if is_in_out_linear(layer) else 0
 
 
 def in_out_features(module: nn.Module) -> tuple[int, int] | None:
@@ -62,6 +62,6 @@ def in_out_features(module: nn.Module) -> tuple[int, int] | None:
     layer = layer_of(module)
     if isinstance(layer, nn.Linear):
         return layer.in_features, layer.out_features
-    if is_hf_conv1d(layer) and isinstance(getattr(layer, "weight", None), torch.Tensor):
+    if is_in_out_linear(layer) and isinstance(getattr(layer, "weight", None), torch.Tensor):
         return int(layer.weight.shape[0]), int(layer.weight.shape[1])
     return None

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..core.atomic import atomic_path
 from ..core.errors import ConfigError
+from .families import export_context
 
 __all__ = ["tensor_leaves", "model_inputs", "run_model", "export_onnx", "check_onnx", "dynamic_shapes_for",
            "dynamic_axes_for", "input_names_for"]
@@ -224,14 +225,12 @@ def export_onnx(model: nn.Module, onnx_path: str | os.PathLike, args: tuple, kwa
     axes (``dynamic=False``: the shapes of the inputs given), checked with :func:`check_onnx` before the
     file is moved to ``onnx_path``. ``onnx_kwargs`` go to ``torch.onnx.export`` (e.g. ``dynamo=False``,
     ``opset_version``, ``dynamic_shapes``)."""
-    from .hf import export_ready
-
     kwargs = dict(kwargs or {})
     options = _onnx_kwargs(model, args, kwargs, onnx_kwargs, dynamic)
     if options.get("external_data"):
         raise ConfigError("export_model: external_data=True is not supported: the ONNX file is checked and moved "
                           "into place as one file (weights inside, up to protobuf's 2 GB)")
-    with export_ready(model), atomic_path(onnx_path) as tmp:
+    with export_context(model), atomic_path(onnx_path) as tmp:
         _export_and_check(model, tmp, args, kwargs, options, check, expected, rtol, atol, optimize)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..core.layouts import check_slot_config
 from ..core.matching import LayerInfo
-from .compressor import _WRAPPER_FLAG, innermost_module, is_wrapper
+from .modules import _WRAPPER_FLAG, innermost_module, is_wrapper
 
 __all__ = ["SlotSpec", "SlottedLayer", "WeightSlot", "expand_slots", "slot_specs", "slotted_layers"]
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
+from .families import after_speedup
 from .graph import _is_hf_conv1d, attention_spec, build_graph
 
 __all__ = ["speedup_model", "count_flops_params", "speedup_report", "SpeedupReport"]
@@ -143,7 +144,7 @@ def _slice_attention(m: nn.Module, out: list[int] | None, inp: list[int] | None)
     channels (whole heads), so query / key / value keep the rows of the kept heads; ``inp`` = kept
     input features (their columns). The head count attributes follow; an inner output projection is a
     layer of its own (its input columns are sliced by the Linear slicer)."""
-    from .compressor import innermost_module
+    from .modules import innermost_module
 
     spec = attention_spec(m)
     h, d = spec["heads"], spec["head_dim"]
@@ -319,11 +320,7 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
         if spec is not None and out is not None:
             row["heads"] = (spec["heads"], len(out) // spec["head_dim"])
         report.layers.append(row)
-    from .hf import speedup_config
-
-    note = speedup_config(model, report.layers)
-    if note:
-        report.notes.append(note)
+    report.notes.extend(after_speedup(model, report.layers))  # model-family plug-ins (HF: the config's widths)
     report.macs_after, report.params_after, _ = count_flops_params(model, dummy_input)
     zeros, where = 0, 0
     for module in {id(m): m for m in leaves.values()}.values():

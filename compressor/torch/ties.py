@@ -63,7 +63,7 @@ def _key(layer: str, pname: str) -> str:
 def resolve_ties(model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]], modules: dict[str, nn.Module],
                  kind: str, what: str) -> tuple[list[tuple[LayerInfo, dict[str, Any]]], dict[str, list[str]]]:
     """Apply the rules of this module to ``selected``; returns the layers to wrap and the ties compressed."""
-    from .compressor import innermost_module, is_wrapper
+    from .modules import innermost_module, is_wrapper
 
     hidden = sorted((n for n, m in model.named_modules() if n and is_wrapper(m)), key=len, reverse=True)
     users = parameter_users(model, hidden)

@@ -33,8 +33,8 @@ from ...core.pruning import (
     importance_filter_masks,
     mean_activation_importance,
 )
-from ..compressor import innermost_module
 from ..layout import canonical_shape, to_canonical
+from ..modules import innermost_module
 from ..ops import ops
 from .filters import filter_result
 from .masker import FILTER_DEFAULT_TYPES, WeightMasker, check_filter_layer

@@ -68,7 +68,7 @@ class WeightMasker:
 
 def check_filter_layer(layer_info: LayerInfo, module: nn.Module, what: str) -> None:
     """Filter criteria need output channels (Conv, Linear, HF Conv1D seen out-first: :mod:`..layout`)."""
-    from ..hf import is_hf_conv1d
+    from ..layout import is_hf_conv1d
 
     conv = isinstance(module, nn.modules.conv._ConvNd)
     if (conv and module.transposed) or not (conv or isinstance(module, nn.Linear) or is_hf_conv1d(module)):

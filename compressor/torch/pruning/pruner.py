@@ -192,8 +192,8 @@ class DependencyAwareMixin:
         projection: that Linear is wrapped (config key ``heads_of`` = the attention module) and its rows
         of the pruned heads masked, weight and bias, so the heads' context is zero and speedup removes
         them. Needs ``dependency_aware=True`` (the head decision is the attention group's)."""
-        from ..compressor import innermost_module
         from ..graph import attention_spec
+        from ..modules import innermost_module
 
         info_of = {info.name: info for info in layers}
         heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}

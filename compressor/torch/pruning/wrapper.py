@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ...core.pruner_config import MASK_NAMES, mask_to_set
-from ..compressor import innermost_module
+from ..modules import innermost_module
 from ..slots import WeightSlot
 
 

@@ -72,9 +72,7 @@ def int8_export_problem(quantizer: Any) -> str | None:
     """Why this quantizer's model cannot be exported as an integer ONNX graph (None: it can). Layers without
     an integer kernel (LSTM, Embedding, ...) do not block it: they stay float (see :func:`float_layers`), as
     long as at least one layer is integer."""
-    from .qat import QAT_Quantizer
-
-    if not isinstance(quantizer, QAT_Quantizer):
+    if not getattr(quantizer, "integer_onnx", False):
         return f"the integer ONNX form needs QAT_Quantizer (got {type(quantizer).__name__})"
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     if not wrappers:
@@ -161,9 +159,9 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
     args = dummy_input if isinstance(dummy_input, tuple) else (dummy_input,)
     buf = io.BytesIO()
     try:
-        from ..hf import export_ready  # a causal LM runs without its key/value cache while exporting
+        from ..families import export_context  # model-family plug-ins, e.g. a causal LM without its KV cache
 
-        with torch.no_grad(), warnings.catch_warnings(), export_ready(model):
+        with torch.no_grad(), warnings.catch_warnings(), export_context(model):
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)

@@ -52,6 +52,7 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
 
     config_keys = ("quant_dtype", "quant_scheme")
     handles_start_step = True
+    integer_onnx = True
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None,
                  dummy_input: Any = None, bn_fold: bool | None = None, ema_decay: float = 0.99,

@@ -51,6 +51,9 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
 
     #: autograd function of every quantization; swap it per instance (``self.quant_grad = MyGrad``)
     quant_grad: type[QuantGrad] = QuantGrad
+    #: True: the model exports as an integer ONNX graph (``onnx_format='int8'``): the scales are the static
+    #: asymmetric ones QDQ needs (QAT_Quantizer, PtqQuantizer)
+    integer_onnx: bool = False
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], optimizer: torch.optim.Optimizer | None = None):
         self._steps = 0

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compressor import innermost_module
+from ..modules import innermost_module
 from ..pruning.wrapper import ReadThrough, effective_weight
 from .grad import QuantType
 

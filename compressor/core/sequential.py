@@ -1,0 +1,359 @@
+"""The sequential one-shot driver (issue 25): calibrate a model block by block, compress each block's
+layers from their recorded input statistics, feed the compressed block's outputs to the next block.
+
+Written once for both backends. A backend supplies an adapter (:class:`OneShotBackend`: find the blocks,
+capture the first block's inputs, run one block on cached inputs while reporting each selected layer's
+input, read and write a layer's weight); a method (:class:`OneShotMethod`: Wanda, SparseGPT, GPTQ, RTN,
+AWQ, from :mod:`compressor.core.oneshot`) turns a layer's weight and statistics into its compressed
+form. :func:`run_sequential` is the loop, as SparseGPT / GPTQ describe it:
+
+1. run the calibration batches through the model up to the first block and keep the block's inputs;
+2. for each block: run it on the cached inputs with each selected layer's input recorded into a
+   :class:`~compressor.core.oneshot.GramAccumulator` (float64); compress the block's layers; run the
+   COMPRESSED block again on the same inputs: its outputs are the next block's inputs (so later blocks
+   calibrate on what the compressed model really computes);
+3. selected layers outside every block (or all layers, for a model without repeated blocks) are
+   compressed after that, from one pass of the whole (already compressed) model.
+
+Memory: the inputs of one block at a time (plus one accumulator per layer of that block), never the
+whole model's activations. No tracing: adapters use forward hooks (torch) / wrapped ``call`` (Keras).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import oneshot as os1
+from .config import KeySpec
+from .errors import ConfigError, ModelError
+from .sparse_pattern import parse_sparse_pattern
+
+__all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
+           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "run_sequential", "quant_spec_of"]
+
+
+# ------------------------------------------------------------------------------------------------ config
+def _int_at_least(lo: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError
+        return int(v)
+    return check
+
+
+def _group_size(v: Any) -> int | None:
+    if v is None or (not isinstance(v, bool) and isinstance(v, (int, np.integer)) and (v == -1 or v >= 1)):
+        return None if v is None or v == -1 else int(v)
+    raise ValueError
+
+
+def _damp(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not 0 <= float(v) < 1:
+        raise ValueError
+    return float(v)
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError
+    return v
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError
+        return v
+    return check
+
+
+#: the config keys of the one-shot methods (each compressor lists the ones it takes in ``config_keys``)
+ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
+    KeySpec("group_size", _group_size, "a positive int (input columns per quantization group) or -1 / None "
+                                       "(one group per output channel)"),
+    KeySpec("damp", _damp, "a number in [0, 1): the fraction of mean(diag(H)) added to the Hessian's diagonal"),
+    KeySpec("block_size", _int_at_least(1), "an int >= 1 (columns per lazy OBS update block, default 128)"),
+    KeySpec("act_order", _flag, "True or False (GPTQ: sweep columns by decreasing Hessian diagonal)"),
+    KeySpec("mask_scope", _choice(*os1.MASK_SCOPES), f"one of {list(os1.MASK_SCOPES)} (SparseGPT: where the "
+                                                      f"per-block pruning threshold is taken)"),
+    KeySpec("n_grid", _int_at_least(1), "an int >= 1 (AWQ: points of the alpha grid in [0, 1), default 20)"),
+    KeySpec("duo_scaling", _flag, "True or False (AWQ: scale by activation and weight statistics)"),
+]}
+
+QUANT_SCHEMES = {"per_channel_symmetric": True, "per_tensor_symmetric": True, "symmetric": True,
+                 "per_channel_affine": False, "per_tensor_affine": False, "affine": False}
+
+
+def quant_spec_of(config: dict[str, Any], what: str) -> os1.QuantSpec:
+    """The weight grid of a one-shot quantizer's normalised config entry: ``quant_bits['weight']`` (2..8),
+    ``quant_scheme`` (symmetric / affine; default symmetric), ``group_size`` (default: per channel)."""
+    bits = config.get("quant_bits", {}).get("weight")
+    if bits is None:
+        raise ConfigError(f"{what}: config entry {config.get('op_types') or config.get('op_names')} has no weight "
+                          f"bits; give quant_bits: 4 (or {{'weight': 4}})")
+    scheme = config.get("quant_scheme", "symmetric")
+    if isinstance(scheme, dict):
+        scheme = scheme.get("weight", "symmetric")
+    if scheme not in QUANT_SCHEMES:
+        raise ConfigError(f"{what}: quant_scheme {scheme!r} is not one of {sorted(QUANT_SCHEMES)}")
+    if not 2 <= int(bits) <= 8:
+        raise ConfigError(f"{what}: weight-only one-shot quantization takes quant_bits 2..8, got {bits}")
+    return os1.QuantSpec(int(bits), symmetric=QUANT_SCHEMES[scheme], group_size=config.get("group_size"))
+
+
+# ------------------------------------------------------------------------------------------------ model side
+@dataclass
+class LayerTask:
+    """One selected layer: ``name`` (its path), ``config`` (its normalised config entry), ``in_features``
+    (the canonical weight's axis 1), ``handle`` (whatever the backend needs: the wrapper, the layer)."""
+
+    name: str
+    config: dict[str, Any]
+    in_features: int
+    handle: Any = None
+
+
+@dataclass
+class LayerResult:
+    """What a method made of one layer: ``weight`` (canonical ``[out, in]`` float64, what the layer computes
+    with from now on), ``mask`` (bool keep-mask, pruners), ``quantized`` (codes + scales, quantizers),
+    ``scales`` (AWQ's per-input-channel ``s``: ``weight = Q(W s) / s``), ``info`` (numbers for the report)."""
+
+    weight: np.ndarray
+    mask: np.ndarray | None = None
+    quantized: os1.QuantizedWeight | None = None
+    scales: np.ndarray | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class OneShotBackend(Protocol):
+    """What :func:`run_sequential` asks a backend. Inputs / outputs of blocks are opaque to the driver."""
+
+    def blocks(self) -> Sequence[tuple[str, Any]]:
+        """The repeated blocks (decoder layers) in execution order, ``(path, block)``; empty: no blocks."""
+
+    def block_layers(self, block: Any) -> list[LayerTask]:
+        """The selected layers inside ``block`` (``None``: the selected layers outside every block)."""
+
+    def first_inputs(self, batches: Sequence[Any]) -> list[Any]:
+        """The first block's inputs, one entry per calibration batch (the model is run up to the block)."""
+
+    def run_block(self, block: Any, inputs: list[Any], observe: dict[str, Callable[[Any], None]] | None) -> list[Any]:
+        """``block`` on each cached input; ``observe[layer name](x)`` gets each observed layer's input
+        (any ``[..., in]`` array-like) on every call. Returns the outputs, one per input."""
+
+    def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
+        """The whole model on the calibration batches, observing as :meth:`run_block`."""
+
+    def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(weight, keep-mask or None)`` of the layer, canonical ``[out, in]`` (float64 / bool)."""
+
+    def write(self, task: LayerTask, result: LayerResult) -> None:
+        """Install ``result`` in the layer (weight, mask, quantization state)."""
+
+
+# ------------------------------------------------------------------------------------------------ methods
+class OneShotMethod:
+    """A one-shot algorithm over one layer's weight and input statistics."""
+
+    name = "oneshot"
+    kind = "pruner"  # or 'quantizer'
+    #: statistics: 'gram' (H = sum x^T x), 'norms' (per-channel sums only), None (no calibration data)
+    statistics: str | None = "gram"
+
+    def compress(self, task: LayerTask, weight: np.ndarray, mask: np.ndarray | None,
+                 stats: os1.GramAccumulator | None) -> LayerResult:
+        raise NotImplementedError
+
+
+def _sparsity(config: dict[str, Any]) -> tuple[float | None, str | None]:
+    pattern = config.get("sparse_pattern")
+    if pattern is not None:
+        parse_sparse_pattern(pattern)
+        return None, pattern
+    return float(config["sparsity"]), None
+
+
+class WandaMethod(OneShotMethod):
+    """Wanda (Sun et al. 2023): prune by ``|W_ij| * ||X_j||`` per output row (no weight update)."""
+
+    name = "wanda"
+    statistics = "norms"
+
+    def compress(self, task, weight, mask, stats):
+        sparsity, pattern = _sparsity(task.config)
+        keep = os1.wanda_mask(weight, stats.channel_norms(), sparsity, pattern)
+        if mask is not None:
+            keep &= mask
+        return LayerResult(weight=np.where(keep, weight, 0.0), mask=keep)
+
+
+class SparseGPTMethod(OneShotMethod):
+    """SparseGPT (Frantar & Alistarh 2023): OBS pruning with weight updates from the layer's Hessian."""
+
+    name = "sparsegpt"
+
+    def compress(self, task, weight, mask, stats):
+        c = task.config
+        sparsity, pattern = _sparsity(c)
+        r = os1.sparsegpt_prune(weight, stats.gram, sparsity, pattern, damp=c.get("damp", os1.DEFAULT_DAMP),
+                                block_size=c.get("block_size", os1.DEFAULT_BLOCK_SIZE),
+                                mask_scope=c.get("mask_scope", "block"))
+        keep = r.mask if mask is None else (r.mask & mask)
+        return LayerResult(weight=np.where(keep, r.weight, 0.0), mask=keep,
+                           info={"error": r.error, "dead_inputs": int(np.count_nonzero(r.dead))})
+
+
+class GptqMethod(OneShotMethod):
+    """GPTQ (Frantar et al. 2022): weight-only quantization with OBS error feedback. A layer already pruned
+    (a keep-mask from a pruner on the same layer) keeps its zeros."""
+
+    name = "gptq"
+    kind = "quantizer"
+
+    def compress(self, task, weight, mask, stats):
+        c = task.config
+        q = os1.gptq_quantize(weight, stats.gram, quant_spec_of(c, "GptqQuantizer"),
+                              damp=c.get("damp", os1.DEFAULT_DAMP), block_size=c.get("block_size", os1.DEFAULT_BLOCK_SIZE),
+                              act_order=c.get("act_order", False), mask=mask)
+        return LayerResult(weight=q.dequantized, mask=mask, quantized=q, info={"error": q.error})
+
+
+class RtnMethod(OneShotMethod):
+    """Round to nearest, weight-only, per group (the baseline; needs no calibration data)."""
+
+    name = "rtn"
+    kind = "quantizer"
+    statistics = None
+
+    def compress(self, task, weight, mask, stats):
+        w = weight if mask is None else np.where(mask, weight, 0.0)
+        q = os1.rtn_quantize(w, quant_spec_of(task.config, "RtnQuantizer"))
+        return LayerResult(weight=q.dequantized, mask=mask, quantized=q)
+
+
+class AwqMethod(OneShotMethod):
+    """AWQ (Lin et al. 2023): per-input-channel scales ``s = mean|X|^alpha`` (grid over alpha), chosen by the
+    layer's output error on the calibration data, ``tr(D H D^T)`` with ``D = W - Q(W s) / s`` (exactly
+    ``||X W^T - X W'^T||^2``, from the Gram matrix: no activations kept), then round to nearest.
+
+    Each layer gets its own ``s`` (the reference shares one ``s`` between the layers that read the same input,
+    because it folds ``1 / s`` into the norm before them; here the layer keeps ``Q(W s) / s``, which computes
+    the same and needs no folding)."""
+
+    name = "awq"
+    kind = "quantizer"
+
+    def compress(self, task, weight, mask, stats):
+        c = task.config
+        spec = quant_spec_of(c, "AwqQuantizer")
+        w = weight if mask is None else np.where(mask, weight, 0.0)
+        h = stats.gram
+        w_mean = os1.awq_weight_mean(w, spec.group_size) if c.get("duo_scaling", True) else None
+
+        def loss(s: np.ndarray) -> float:
+            d = w - os1.awq_quantize(w, s, spec).effective
+            return float(np.sum((d @ h) * d))
+
+        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean)
+        a = os1.awq_quantize(w, found.scales, spec)
+        eff = a.effective if mask is None else np.where(mask, a.effective, 0.0)
+        return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales,
+                           info={"alpha": found.alpha, "error": min(v for _, v in found.losses)})
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+def _progress(stream: Any) -> Callable[[str], None]:
+    if stream is None or stream is False:
+        return lambda msg: None
+    out = sys.stderr if stream is True else stream
+
+    def say(msg: str) -> None:
+        print(msg, file=out, flush=True)
+    return say
+
+
+def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list[LayerTask],
+                     accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], block: str) -> None:
+    for t in tasks:
+        weight, mask = backend.read_weight(t)
+        stats = accs.get(t.name)
+        if stats is not None and stats.count == 0:
+            raise ModelError(f"{type(method).__name__}: layer {t.name!r} saw no input during calibration (is it "
+                             f"used in the model's forward for these inputs?); exclude it or check the data")
+        result = method.compress(t, np.asarray(weight, np.float64), mask, stats)
+        if not np.all(np.isfinite(result.weight)):
+            raise ModelError(f"{method.name}: layer {t.name!r}: the compressed weight is not finite")
+        backend.write(t, result)
+        row = {"layer": t.name, "block": block, "method": method.name}
+        if result.mask is not None:
+            row["sparsity"] = 1.0 - float(np.count_nonzero(result.mask)) / result.mask.size
+        if result.quantized is not None:
+            row["bits"] = result.quantized.spec.bits
+            row["group_size"] = result.quantized.group_size
+        row.update(result.info)
+        rows.append(row)
+
+
+def _observers(method: OneShotMethod, tasks: list[LayerTask]) -> tuple[dict[str, os1.GramAccumulator], dict[str, Callable]]:
+    accs = {t.name: os1.GramAccumulator(t.in_features, gram=method.statistics == "gram") for t in tasks}
+    return accs, {n: a.add for n, a in accs.items()}
+
+
+def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
+                   progress: Any = True) -> list[dict[str, Any]]:
+    """Compress every selected layer of the backend's model with ``method``, block by block (see the module
+    docstring). ``batches``: the calibration batches (backend-specific objects; a method without
+    statistics, RTN, needs none). ``progress``: True (stderr), False / None, or a file. Returns one report
+    row per layer (``layer``, ``block``, ``method``, ``sparsity`` / ``bits``, the method's numbers)."""
+    say = _progress(progress)
+    rows: list[dict[str, Any]] = []
+    blocks = list(backend.blocks())
+    needs_data = method.statistics is not None
+    if needs_data and not batches:
+        raise ConfigError(f"{type(method).__name__}: the calibration set is empty; give a few hundred sequences")
+    inputs: list[Any] | None = None
+    total = len(blocks)
+    for i, (name, block) in enumerate(blocks):
+        tasks = backend.block_layers(block)
+        t0 = time.perf_counter()
+        if not needs_data:
+            _compress_layers(backend, method, tasks, {}, rows, name)
+        else:
+            if inputs is None:
+                inputs = backend.first_inputs(batches)
+            if tasks:
+                accs, observe = _observers(method, tasks)
+                backend.run_block(block, inputs, observe)
+                _compress_layers(backend, method, tasks, accs, rows, name)
+            if i + 1 < total:  # the compressed block's outputs feed the next block
+                inputs = backend.run_block(block, inputs, None)
+        say(f"[{method.name}] block {i + 1}/{total} {name}: {len(tasks)} layer(s), {time.perf_counter() - t0:.1f} s")
+    inputs = None  # free the last block's activations
+    rest = backend.block_layers(None)
+    if rest:
+        t0 = time.perf_counter()
+        if needs_data:
+            accs, observe = _observers(method, rest)
+            backend.run_model(batches, observe)
+        else:
+            accs = {}
+        _compress_layers(backend, method, rest, accs, rows, "")
+        where = "outside the blocks" if blocks else "whole model"
+        say(f"[{method.name}] {where}: {len(rest)} layer(s), {time.perf_counter() - t0:.1f} s")
+    if not rows:
+        raise ConfigError(f"{type(method).__name__}: no layer was selected for one-shot compression")
+    return rows
+
+
+def mean_error(rows: list[dict[str, Any]]) -> float:
+    """Mean of the rows' ``error`` entries (nan when none has one)."""
+    vals = [r["error"] for r in rows if "error" in r]
+    return float(np.mean(vals)) if vals else math.nan
