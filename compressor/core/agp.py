@@ -12,7 +12,7 @@ what touches its framework (validating a layer, computing masks on its tensors, 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import ConfigError
@@ -21,12 +21,38 @@ from .pruning import nm_validate_config
 from .schedules import agp_should_update, agp_sparsity
 
 __all__ = [
-    "AGP_DEFAULTS", "AGPScheduleMixin", "agp_due_layers", "agp_masker_kwargs", "agp_schedule", "agp_target", "check_agp_algorithm",
+    "AGP_CRITERIA_TABLE", "AGP_DEFAULTS", "AGPScheduleMixin", "resolve_agp_criteria", "agp_due_layers", "agp_masker_kwargs", "agp_schedule", "agp_target", "check_agp_algorithm",
     "check_agp_args", "check_agp_dependency", "validate_agp_config", "AGP_FILTER_CRITERIA",
 ]
 
 #: values of the per-entry AGP keys an entry leaves out
 AGP_DEFAULTS: dict[str, Any] = {"initial_sparsity": 0.0, "start_epoch": 0, "end_epoch": 10, "frequency": 1}
+
+
+#: The criteria AGPPruner offers on both backends, in this order: ``pruning_algorithm -> (masker class name,
+#: what op_types 'default' means)``; the latter is ``'weighted'`` (the backend's weighted layers), ``'filter'``
+#: (the layers whose filters a filter criterion ranks) or ``'bn'`` (the norms slimming ranks).
+AGP_CRITERIA_TABLE: dict[str, tuple[str, str]] = {
+    "level": ("LevelPrunerMasker", "weighted"),
+    "l1": ("L1FilterPrunerMasker", "filter"),
+    "l2": ("L2FilterPrunerMasker", "filter"),
+    "fpgm": ("FPGMPrunerMasker", "filter"),
+    "slim": ("SlimPrunerMasker", "bn"),
+    "apoz": ("ActivationAPoZRankFilterPrunerMasker", "filter"),
+    "mean_activation": ("ActivationMeanRankFilterPrunerMasker", "filter"),
+    "taylorfo": ("TaylorFOWeightFilterPrunerMasker", "filter"),
+}
+
+
+def resolve_agp_criteria(maskers: Iterable[type],
+                         default_types: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[type, tuple[str, ...]]]:
+    """A backend's ``AGP_CRITERIA``: :data:`AGP_CRITERIA_TABLE` with each masker name resolved among the
+    backend's ``maskers`` (by class name) and each default-types kind in ``default_types``."""
+    by_name = {m.__name__: m for m in maskers}
+    missing = [name for name, _ in AGP_CRITERIA_TABLE.values() if name not in by_name]
+    if missing:
+        raise TypeError(f"resolve_agp_criteria: no masker class named {missing}")
+    return {algo: (by_name[masker], tuple(default_types[kind])) for algo, (masker, kind) in AGP_CRITERIA_TABLE.items()}
 
 
 def agp_schedule(config: dict[str, Any]) -> tuple[float, float, int, int, int]:

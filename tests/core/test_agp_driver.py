@@ -124,3 +124,15 @@ def test_bad_arguments_are_refused_before_anything():
         _Pruner([A], "level", dependency_aware=True)
     with pytest.raises(ConfigError, match="statistics_batch_num"):
         _Pruner([A], "apoz", statistics_batch_num=0)
+
+
+def test_criteria_table_resolves_per_backend():
+    from compressor.core.agp import AGP_CRITERIA_TABLE, resolve_agp_criteria
+
+    maskers = [type(name, (), {}) for name, _ in AGP_CRITERIA_TABLE.values()]
+    got = resolve_agp_criteria(maskers, {"weighted": ["Linear"], "filter": ("Conv2d",), "bn": ("BatchNorm2d",)})
+    assert list(got) == ["level", "l1", "l2", "fpgm", "slim", "apoz", "mean_activation", "taylorfo"]
+    assert got["level"] == (maskers[0], ("Linear",)) and got["slim"] == (maskers[4], ("BatchNorm2d",))
+    assert got["taylorfo"] == (maskers[7], ("Conv2d",))
+    with pytest.raises(TypeError, match=r"no masker class named \['TaylorFOWeightFilterPrunerMasker'\]"):
+        resolve_agp_criteria(maskers[:7], {"weighted": (), "filter": (), "bn": ()})

@@ -34,7 +34,7 @@ from typing import Any
 import tensorflow as tf
 
 from ... import tf_plugin
-from ...core.agp import AGPScheduleMixin, agp_schedule
+from ...core.agp import AGPScheduleMixin, agp_schedule, resolve_agp_criteria
 from ...core.matching import LayerInfo
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .dependency import DependencyAwareMixin
@@ -47,17 +47,11 @@ from .taylor import TaylorFOWeightFilterPrunerMasker
 
 __all__ = ["AGPPruner", "AGP_CRITERIA", "agp_schedule"]
 
-#: pruning_algorithm -> (masker class, what op_types 'default' means)
-AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
-    "level": (LevelPrunerMasker, tf_plugin.DEFAULT_TYPES),
-    "l1": (L1FilterPrunerMasker, ("Conv2D",)),
-    "l2": (L2FilterPrunerMasker, ("Conv2D",)),
-    "fpgm": (FPGMPrunerMasker, ("Conv2D",)),
-    "slim": (SlimPrunerMasker, BN_TYPES),
-    "apoz": (ActivationAPoZRankFilterPrunerMasker, ("Conv2D",)),
-    "mean_activation": (ActivationMeanRankFilterPrunerMasker, ("Conv2D",)),
-    "taylorfo": (TaylorFOWeightFilterPrunerMasker, ("Conv2D",)),
-}
+#: pruning_algorithm -> (masker class, what op_types 'default' means); the table is core's
+AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = resolve_agp_criteria(
+    (LevelPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker, FPGMPrunerMasker, SlimPrunerMasker,
+     ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker, TaylorFOWeightFilterPrunerMasker),
+    {"weighted": tf_plugin.DEFAULT_TYPES, "filter": ("Conv2D",), "bn": BN_TYPES})
 
 
 class AGPPruner(AGPScheduleMixin, DependencyAwareMixin, TfPruner):

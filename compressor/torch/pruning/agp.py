@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from ... import torch_plugin
-from ...core.agp import AGPScheduleMixin, agp_schedule
+from ...core.agp import AGPScheduleMixin, agp_schedule, resolve_agp_criteria
 from ...core.matching import LayerInfo
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
@@ -41,17 +41,11 @@ from .taylor import TaylorFOWeightFilterPrunerMasker
 
 __all__ = ["AGPPruner", "AGP_CRITERIA", "agp_schedule"]
 
-#: pruning_algorithm -> (masker class, what op_types 'default' means)
-AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = {
-    "level": (LevelPrunerMasker, torch_plugin.DEFAULT_TYPES),
-    "l1": (L1FilterPrunerMasker, FILTER_DEFAULT_TYPES),
-    "l2": (L2FilterPrunerMasker, FILTER_DEFAULT_TYPES),
-    "fpgm": (FPGMPrunerMasker, FILTER_DEFAULT_TYPES),
-    "slim": (SlimPrunerMasker, BN_TYPES),
-    "apoz": (ActivationAPoZRankFilterPrunerMasker, FILTER_DEFAULT_TYPES),
-    "mean_activation": (ActivationMeanRankFilterPrunerMasker, FILTER_DEFAULT_TYPES),
-    "taylorfo": (TaylorFOWeightFilterPrunerMasker, FILTER_DEFAULT_TYPES),
-}
+#: pruning_algorithm -> (masker class, what op_types 'default' means); the table is core's
+AGP_CRITERIA: dict[str, tuple[type[WeightMasker], tuple[str, ...]]] = resolve_agp_criteria(
+    (LevelPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker, FPGMPrunerMasker, SlimPrunerMasker,
+     ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker, TaylorFOWeightFilterPrunerMasker),
+    {"weighted": torch_plugin.DEFAULT_TYPES, "filter": FILTER_DEFAULT_TYPES, "bn": BN_TYPES})
 
 
 class AGPPruner(AGPScheduleMixin, DependencyAwareMixin, TorchPruner):
