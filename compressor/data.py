@@ -8,19 +8,25 @@
 Images are float32 ``[N, H, W]`` scaled to [0, 1] (backends add the channel axis where their layout
 wants it), labels int64 ``[N]``. Missing files raise ``FileNotFoundError``; unreadable or inconsistent
 files raise :class:`DataError` naming the file and what is wrong. Importing this module imports only numpy.
+
+For language models: :func:`load_text_corpus` reads a corpus of text files (a ``.tar.gz`` or a directory,
+e.g. Vim's help files) as byte-level tokens with a fixed train / held-out split, and :func:`byte_windows`
+draws calibration / training windows from it.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import tarfile
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DataError", "Dataset", "MNIST_FILES", "load_dataset", "load_digits", "load_mnist", "read_idx"]
+__all__ = ["DataError", "Dataset", "MNIST_FILES", "TextCorpus", "byte_windows", "load_dataset", "load_digits", "load_mnist",
+           "load_text_corpus", "read_idx"]
 
 #: split -> (images file, labels file), the names of the original distribution
 MNIST_FILES: dict[str, tuple[str, str]] = {
@@ -163,3 +169,71 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
             raise ValueError("the MNIST data set needs a directory with its IDX files (--data-dir DIR)")
         return load_mnist(data_dir)
     raise ValueError(f"unknown data set {name!r}; allowed: 'digits', 'mnist'")
+
+
+# ---------------------------------------------------------------------------------- text (language models)
+@dataclass(frozen=True)
+class TextCorpus:
+    """Byte-level text (vocabulary 256): ``train`` / ``held_out`` are uint8 arrays, the files of each split
+    concatenated in name order; ``train_files`` / ``held_out_files`` their names."""
+
+    name: str
+    train: np.ndarray
+    held_out: np.ndarray
+    train_files: tuple[str, ...]
+    held_out_files: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.train_files)} train files ({len(self.train):,} bytes), "
+                f"{len(self.held_out_files)} held out ({len(self.held_out):,} bytes)")
+
+
+def _text_files(path: Path, suffix: str) -> dict[str, bytes]:
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file() and p.name.endswith(suffix)}
+    if path.is_file():
+        try:
+            with tarfile.open(path, "r:*") as tar:
+                out = {}
+                for m in tar.getmembers():
+                    name = m.name.rsplit("/", 1)[-1]
+                    if m.isfile() and name.endswith(suffix):
+                        f = tar.extractfile(m)
+                        out[name] = f.read() if f is not None else b""
+                return out
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{path}: not a readable tar archive of text files ({e})") from e
+    raise FileNotFoundError(f"text corpus not found: {path} (give a directory or a .tar.gz of text files)")
+
+
+def load_text_corpus(path: str | os.PathLike, held_out_every: int = 10, held_out_index: int = 7,
+                     suffix: str = ".txt") -> TextCorpus:
+    """The files ``*suffix`` of a directory or tar archive, sorted by name; file ``i`` is held out when
+    ``i % held_out_every == held_out_index`` (the protocol of ``shared/data/text``: Vim's 151 help files,
+    15 held out), the rest is training text. Bytes are the tokens (vocabulary 256). Nothing is decoded."""
+    p = Path(path)
+    files = _text_files(p, suffix)
+    if not files:
+        raise DataError(f"{p}: no '*{suffix}' file in it")
+    if not 0 <= held_out_index < held_out_every:
+        raise ValueError(f"held_out_index must be in [0, {held_out_every}), got {held_out_index}")
+    names = sorted(files)
+    held = tuple(n for i, n in enumerate(names) if i % held_out_every == held_out_index)
+    train = tuple(n for n in names if n not in set(held))
+    if not train or not held:
+        raise DataError(f"{p}: {len(names)} file(s) give no train or no held-out split")
+
+    def cat(ns: tuple[str, ...]) -> np.ndarray:
+        return np.frombuffer(b"".join(files[n] for n in ns), dtype=np.uint8).copy()
+
+    return TextCorpus(p.name, cat(train), cat(held), train, held)
+
+
+def byte_windows(tokens: np.ndarray, count: int, length: int, seed: int = 0) -> np.ndarray:
+    """``count`` windows of ``length`` consecutive tokens at random starts (``np.random.default_rng(seed)``),
+    int64 ``[count, length]``: calibration sequences or training batches."""
+    t = np.asarray(tokens)
+    if t.ndim != 1 or len(t) <= length:
+        raise ValueError(f"need a 1-D token array longer than length={length}, got shape {t.shape}")
+    starts = np.random.default_rng(seed).integers(0, len(t) - length, size=int(count))
+    return np.stack([t[s:s + length] for s in starts]).astype(np.int64)

@@ -5,6 +5,7 @@
 * ``COMPRESSOR_REQUIRE_BACKENDS=torch,tf`` (set by tox, and implied for both by ``CI=true``) turns a
   missing framework into an ERROR instead of a skip: in CI a backend test is never silently skipped.
 * ``mnist_dir`` fixture: ``$COMPRESSOR_MNIST_DIR`` or ``../shared/data/mnist``; skips when absent (fails in CI).
+* ``text_corpus`` fixture: ``$COMPRESSOR_TEXT_CORPUS`` or ``../shared/data/text/vim-help.tar.gz``; likewise.
 """
 
 from __future__ import annotations
@@ -88,3 +89,13 @@ def mnist_dir() -> Path:
             pytest.fail(f"MNIST IDX files not found in {d} (set COMPRESSOR_MNIST_DIR)")
         pytest.skip(f"MNIST IDX files not found in {d}")
     return d
+
+
+@pytest.fixture(scope="session")
+def text_corpus() -> Path:
+    p = Path(os.environ.get("COMPRESSOR_TEXT_CORPUS", ROOT.parent / "shared" / "data" / "text" / "vim-help.tar.gz"))
+    if not p.exists():
+        if in_ci():
+            pytest.fail(f"text corpus not found at {p} (set COMPRESSOR_TEXT_CORPUS)")
+        pytest.skip(f"text corpus not found at {p}")
+    return p

@@ -132,3 +132,58 @@ def test_real_mnist(mnist_dir):
     assert ds.x_train.shape == (60000, 28, 28) and ds.x_test.shape == (10000, 28, 28)
     np.testing.assert_array_equal(ds.y_test[:10], [7, 2, 1, 0, 4, 1, 4, 9, 5, 9])
     np.testing.assert_array_equal(np.bincount(ds.y_train), [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949])
+
+
+# ---------------------------------------------------------------------------------- text corpus
+def _corpus_dir(tmp_path, n):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(n):
+        (d / f"f{i:02d}.txt").write_bytes(bytes([65 + i]) * (i + 1))
+    (d / "skip.md").write_bytes(b"not text")
+    return d
+
+
+def test_text_corpus_split_is_by_sorted_name_index(tmp_path):
+    import tarfile
+
+    from compressor.data import byte_windows, load_text_corpus
+
+    d = _corpus_dir(tmp_path, 12)
+    c = load_text_corpus(d)
+    assert c.held_out_files == ("f07.txt",)
+    assert c.train_files == tuple(f"f{i:02d}.txt" for i in range(12) if i != 7)
+    assert c.held_out.tolist() == [72] * 8
+    assert len(c.train) == sum(i + 1 for i in range(12)) - 8 and c.train[:3].tolist() == [65, 66, 66]
+    tgz = tmp_path / "c.tar.gz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(d, arcname="help")
+    c2 = load_text_corpus(tgz)
+    assert c2.train.tolist() == c.train.tolist() and c2.held_out_files == c.held_out_files
+    w = byte_windows(c.train, 3, 4, seed=1)
+    assert w.shape == (3, 4) and w.dtype == np.int64
+    assert (byte_windows(c.train, 3, 4, seed=1) == w).all()
+    with pytest.raises(ValueError, match="longer than length"):
+        byte_windows(c.held_out, 1, 8)
+
+
+def test_text_corpus_bad_input(tmp_path):
+    from compressor.data import load_text_corpus
+
+    with pytest.raises(FileNotFoundError):
+        load_text_corpus(tmp_path / "missing")
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(b"\x1f\x8b not really")
+    with pytest.raises(DataError, match="not a readable tar"):
+        load_text_corpus(bad)
+    with pytest.raises(DataError, match="no train or no held-out"):
+        load_text_corpus(_corpus_dir(tmp_path, 5))
+
+
+def test_shared_vim_help_corpus_protocol(text_corpus):
+    from compressor.data import load_text_corpus
+
+    c = load_text_corpus(text_corpus)
+    assert (len(c.train_files), len(c.held_out_files)) == (136, 15)
+    assert c.held_out_files[0] == "debugger.txt"
+    assert 290_000 < len(c.held_out) < 300_000
