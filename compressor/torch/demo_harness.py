@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.progress import progress_bar as _progress
+from .._progress import progress_bar as _progress
 
 __all__ = ["TorchHarness"]
 

@@ -1,4 +1,5 @@
-"""An optional progress bar for the training helpers (the demo's harnesses).
+"""An optional progress bar for the training helpers (the demo's harnesses); outside core, which imports
+numpy, yaml and pluggy only.
 
 tqdm is imported when a bar is first asked for (it comes with the ``demo`` extra), never at import time.
 """
