@@ -53,6 +53,21 @@ def innermost_module(module: nn.Module) -> nn.Module:
     return module
 
 
+def torch_base_type(module: nn.Module) -> str | None:
+    """The ``torch.nn`` layer class that ``module``'s class subclasses WITHOUT a forward of its own (HF
+    EfficientNet's ``EfficientNetDepthwiseConv2d(nn.Conv2d)``), by name: config ``op_types`` (and
+    ``'default'``) select it as that class, wrappers run it as one. None for ``torch.nn``'s own classes and
+    for subclasses that change the computation."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn."):
+        return None
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith("torch.nn.modules."):
+            same = all(getattr(cls, m, None) is getattr(base, m, None) for m in ("forward", "_conv_forward"))
+            return base.__name__ if same and base is not nn.Module else None
+    return None
+
+
 def _wrapper_owner(module: nn.Module) -> str:
     return getattr(module, "_compressor_owner_name", "a")
 
@@ -154,7 +169,8 @@ class Compressor:
             inner = innermost_module(module)
             if is_wrapper(module):
                 hidden.append(name + "." if name else "")
-            layers.append(LayerInfo(name, type(inner).__name__, _weight_facts(inner)))
+            base = torch_base_type(inner)
+            layers.append(LayerInfo(name, type(inner).__name__, _weight_facts(inner), (base,) if base else ()))
             modules[name] = module
         return layers, modules
 
