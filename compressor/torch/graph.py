@@ -659,13 +659,18 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Te
 
 def _matmul_macs(func: Any, args: tuple, kwargs: dict) -> int:
     """MACs of one matmul (``[..., n, k] @ [..., k, m]``: ``batch * n * k * m``, batch dims broadcast) or
-    of ``scaled_dot_product_attention`` (``Q @ K^T`` and ``attn @ V``: ``batch * L * S * (E + Ev)``)."""
+    of ``scaled_dot_product_attention`` (``Q @ K^T`` and ``attn @ V``: ``batch * L * S * (E + Ev)``; with
+    grouped-query attention, fewer key/value heads than query heads (``enable_gqa``, Llama), each key/value
+    head serves ``Hq / Hkv`` query heads: batch counts the query heads)."""
     ts = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
     if func is torch.nn.functional.scaled_dot_product_attention:
         if len(ts) < 3:
             return 0
         q, k, v = ts[0].shape, ts[1].shape, ts[2].shape
-        batch = torch.broadcast_shapes(q[:-2], k[:-2]).numel()
+        qb, kb = list(q[:-2]), list(k[:-2])
+        if qb and kb and kb[-1] and qb[-1] % kb[-1] == 0:  # grouped-query attention: key heads repeat
+            kb[-1] = qb[-1]
+        batch = torch.broadcast_shapes(tuple(qb), tuple(kb)).numel()
         return int(batch * q[-2] * k[-2] * (q[-1] + v[-1]))
     if len(ts) < 2:
         return 0
@@ -770,9 +775,9 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
             try:
                 output = model(*args, **kwargs)
             except Exception as e:
-                shapes = [tuple(t.shape) for _, t in inputs]
+                shapes = [f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(args) + _tensors(kwargs)]
                 raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
-                                 f"{shapes}: {e}. Pass an input the model accepts (shape and dtype as in "
+                                 f"[{', '.join(shapes)}]: {e}. Pass an input the model accepts (shape and dtype as in "
                                  f"training; a tuple for several arguments, a dict for keyword arguments)") from e
         outs = _tensors(output)
         ends = []

@@ -368,3 +368,35 @@ def test_conv2d_subclass_without_own_forward_is_default_and_runs_in_an_integer_k
     with torch.no_grad():
         np.testing.assert_allclose(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0], model(x).numpy(),
                                    atol=1e-5)
+
+
+class Residual(nn.Module):
+    """x + fc(x) on [batch, tokens, features], fc without bias (Llama's o_proj / down_proj): the ONNX graph
+    has MatMul -> Add(residual), no bias Add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.fc(x))
+
+
+def test_int8_onnx_output_grid_of_a_bias_free_linear_is_before_the_residual_add(tmp_path):
+    torch.manual_seed(0)
+    model = Residual().eval()
+    x = torch.randn(16, 5, 8)
+    q = PtqQuantizer(model, cfg(op_types=["Linear"])).calibrate([x[:8], x[8:]])
+    path = tmp_path / "int8.onnx"
+    q.export_model(tmp_path / "m.pt", onnx_path=path, dummy_input=x[:2])
+    graph = onnx.load(str(path)).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    # the residual Add reads fc's quantized (DequantizeLinear) output, not the raw MatMul
+    add = next(n for n in graph.node if n.op_type == "Add")
+    assert [producer[i].op_type for i in add.input if i in producer] == ["DequantizeLinear"]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        want = model(x).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max())
