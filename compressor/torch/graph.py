@@ -23,6 +23,7 @@ from torch import nn
 from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
 from .compressor import innermost_module, is_wrapper
+from .layout import is_grn
 
 __all__ = ["build_graph", "module_kind", "attention_spec"]
 
@@ -64,6 +65,8 @@ def module_kind(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return "linear", {}
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "norm", {}
+    if is_grn(module):  # per channel (channels last); the channel mean is kept by speedup (see _slice_grn)
+        return "norm", {"channels_last": True}
     if isinstance(module, nn.Embedding):
         return "embedding", {}
     return "other", {}
@@ -157,6 +160,9 @@ def _facts(kind: str, m: nn.Module) -> dict[str, Any]:
         if kind == "depthwise":
             out["passes_zero"] = bias_zero.tolist()
         return out
+    if kind == "norm" and is_grn(m):  # x + gamma * x * N + beta: never zero whatever x; zero in -> beta out
+        beta = m.bias.detach().reshape(-1).float().cpu()
+        return {"dead": [False] * beta.numel(), "passes_zero": (beta == 0).tolist()}
     if kind == "norm":
         n = m.num_features
         gamma = m.weight.detach() if m.weight is not None else torch.ones(n)
@@ -378,7 +384,13 @@ class _Builder:
         if len(rec["out_shapes"]) > 1 and kind != "other":
             kind, attrs = "other", {}
         # the layer must see its channels on the axis we track; otherwise it is an op we cannot cut
-        if kind in ("conv", "depthwise", "group_conv", "norm"):
+        if kind == "norm" and attrs.get("channels_last"):  # GRN: channels on the last axis
+            ok = first is not None and self.info[first][1] == len(self.info[first][0]) - 1 \
+                and self.info[first][0][-1] == leaf.weight.shape[-1] and tuple(out_shape) == self.info[first][0]
+            if not ok:
+                kind, attrs = "other", {}
+            out_axis = len(out_shape) - 1
+        elif kind in ("conv", "depthwise", "group_conv", "norm"):
             expect = leaf.in_channels if kind != "norm" else leaf.num_features
             ok = first is not None and self.info[first][1] == (1 if len(self.info[first][0]) > 1 else 0) \
                 and self.info[first][0][self.info[first][1]] == expect
