@@ -410,7 +410,7 @@ def _onnx_latency(paths: dict[str, str], xs: np.ndarray) -> dict[tuple[str, int]
     fns = {}
     for key, path in paths.items():
         so = ort.SessionOptions()
-        so.intra_op_num_threads = 2
+        so.intra_op_num_threads = 1  # 1 thread, as RESULTS.md reports
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         name = sess.get_inputs()[0].name
         for b in (1, 16):

@@ -787,7 +787,7 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
             try:
                 output = model(*args, **kwargs)
             except Exception as e:
-                shapes = [f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(args) + _tensors(kwargs)]
+                shapes = [str(tuple(t.shape)) for t in _tensors(args) + _tensors(kwargs)]
                 raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
                                  f"[{', '.join(shapes)}]: {e}. Pass an input the model accepts (shape and dtype as in "
                                  f"training; a tuple for several arguments, a dict for keyword arguments)") from e
