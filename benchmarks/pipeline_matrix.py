@@ -378,10 +378,12 @@ def _torch_zero_weights(model: Any) -> int:
     """Exact zeros left in the weights of conv / linear layers (what speedup could not remove)."""
     import torch
 
+    from compressor.torch.graph import module_kind
+
     n = 0
-    for m in model.modules():
+    for m in model.modules():  # (not e.g. ConvNeXt V2's GRN gamma [1, 1, 1, C], which starts at zero)
         w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() >= 2 and not isinstance(m, torch.nn.Embedding):
+        if isinstance(w, torch.Tensor) and module_kind(m)[0] in ("conv", "depthwise", "group_conv", "linear"):
             n += int((w == 0).sum())
     return n
 
@@ -408,7 +410,7 @@ def _onnx_latency(paths: dict[str, str], xs: np.ndarray) -> dict[tuple[str, int]
     fns = {}
     for key, path in paths.items():
         so = ort.SessionOptions()
-        so.intra_op_num_threads = 2
+        so.intra_op_num_threads = 1  # 1 thread, as RESULTS.md reports
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         name = sess.get_inputs()[0].name
         for b in (1, 16):

@@ -74,11 +74,19 @@ def type_names(name: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """A layer as core sees it: its name (module path) and its type name (class name)."""
+    """A layer as core sees it: its name (module path) and its type name (class name). ``bases``: names of
+    framework layer classes the layer's class subclasses without changing their computation (HF
+    EfficientNet's ``EfficientNetDepthwiseConv2d`` is a ``Conv2d``): ``op_types`` (``'default'`` included)
+    match them too."""
 
     name: str
     type: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    bases: tuple[str, ...] = field(default=(), compare=False, hash=False, repr=False)
+
+    def is_one_of(self, names: frozenset[str] | set[str]) -> bool:
+        """The layer's type or one of its ``bases`` is in ``names``."""
+        return self.type in names or any(b in names for b in self.bases)
 
 
 def expand_op_types(op_types: Iterable[str], default_types: Iterable[str]) -> frozenset[str]:
@@ -93,7 +101,7 @@ def expand_op_types(op_types: Iterable[str], default_types: Iterable[str]) -> fr
 
 
 def entry_matches(entry: dict[str, Any], layer: LayerInfo, default_types: Iterable[str]) -> bool:
-    if "op_types" in entry and layer.type not in expand_op_types(entry["op_types"], default_types):
+    if "op_types" in entry and not layer.is_one_of(expand_op_types(entry["op_types"], default_types)):
         return False
     if "op_names" in entry and layer.name not in entry["op_names"]:
         return False
@@ -125,7 +133,7 @@ def match_layers(
             selected.append((layer, chosen))
 
     names = {layer.name for layer in layers}
-    types = {layer.type for layer in layers}
+    types = {t for layer in layers for t in (layer.type, *layer.bases)}
     for i, entry in enumerate(config_list):
         missing = [n for n in entry.get("op_names", ()) if n not in names]
         if missing:
@@ -156,7 +164,7 @@ def _mentioned(entry: dict[str, Any], layer: LayerInfo) -> bool:
     """The entry names ``layer`` itself (op_names, or op_types other than 'default')."""
     if layer.name in entry.get("op_names", ()):
         return True
-    return layer.type in expand_op_types([t for t in entry.get("op_types", ()) if t != "default"], ())
+    return layer.is_one_of(expand_op_types([t for t in entry.get("op_types", ()) if t != "default"], ()))
 
 
 def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[LayerInfo, dict[str, Any]]],
@@ -185,7 +193,7 @@ def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[L
             continue
         outer = [o for o in owners if _inside(layer.name, o.name)]
         owner = min(outer, key=lambda o: len(o.name)) if outer else layer  # the outermost one
-        if owner.type in defaults or owner.type in NORM_TYPES:
+        if owner.is_one_of(defaults) or owner.type in NORM_TYPES:
             continue
         if any(_mentioned(e, owner) or _mentioned(e, layer) for e in config_list):
             continue

@@ -34,7 +34,13 @@ from ..core.config import KeySpec, normalize_config_list
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
 from . import families, hooks
-from .modules import _WRAPPER_FLAG, innermost_module, is_wrapper, named_wrappers  # noqa: F401  (re-exported)
+from .modules import (  # noqa: F401  (re-exported)
+    _WRAPPER_FLAG,
+    innermost_module,
+    is_wrapper,
+    named_wrappers,
+    torch_base_type,
+)
 from .ties import check_tie_wrappers, resolve_ties
 
 __all__ = ["Compressor", "is_wrapper", "innermost_module"]
@@ -139,7 +145,8 @@ class Compressor:
             inner = innermost_module(module)
             if is_wrapper(module):
                 hidden.append(name + "." if name else "")
-            layers.append(LayerInfo(name, type(inner).__name__, _weight_facts(inner)))
+            base = torch_base_type(inner)
+            layers.append(LayerInfo(name, type(inner).__name__, _weight_facts(inner), (base,) if base else ()))
             modules[name] = module
         return layers, modules
 

@@ -23,6 +23,7 @@ from torch import nn
 from ..core.errors import ModelError
 from ..core.graph import Graph, Node, classify_reshape, conv_macs, linear_macs
 from .families import is_in_out_linear
+from .layout import is_grn
 from .modules import innermost_module, is_wrapper
 
 __all__ = ["build_graph", "module_kind", "attention_spec"]
@@ -65,6 +66,8 @@ def module_kind(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return "linear", {}
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "norm", {}
+    if is_grn(module):  # per channel (channels last); the channel mean is kept by speedup (see _slice_grn)
+        return "norm", {"channels_last": True}
     if isinstance(module, nn.Embedding):
         return "embedding", {}
     return "other", {}
@@ -158,6 +161,9 @@ def _facts(kind: str, m: nn.Module) -> dict[str, Any]:
         if kind == "depthwise":
             out["passes_zero"] = bias_zero.tolist()
         return out
+    if kind == "norm" and is_grn(m):  # x + gamma * x * N + beta: never zero whatever x; zero in -> beta out
+        beta = m.bias.detach().reshape(-1).float().cpu()
+        return {"dead": [False] * beta.numel(), "passes_zero": (beta == 0).tolist()}
     if kind == "norm":
         n = m.num_features
         gamma = m.weight.detach() if m.weight is not None else torch.ones(n)
@@ -379,7 +385,13 @@ class _Builder:
         if len(rec["out_shapes"]) > 1 and kind != "other":
             kind, attrs = "other", {}
         # the layer must see its channels on the axis we track; otherwise it is an op we cannot cut
-        if kind in ("conv", "depthwise", "group_conv", "norm"):
+        if kind == "norm" and attrs.get("channels_last"):  # GRN: channels on the last axis
+            ok = first is not None and self.info[first][1] == len(self.info[first][0]) - 1 \
+                and self.info[first][0][-1] == leaf.weight.shape[-1] and tuple(out_shape) == self.info[first][0]
+            if not ok:
+                kind, attrs = "other", {}
+            out_axis = len(out_shape) - 1
+        elif kind in ("conv", "depthwise", "group_conv", "norm"):
             expect = leaf.in_channels if kind != "norm" else leaf.num_features
             ok = first is not None and self.info[first][1] == (1 if len(self.info[first][0]) > 1 else 0) \
                 and self.info[first][0][self.info[first][1]] == expect
@@ -660,13 +672,18 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Te
 
 def _matmul_macs(func: Any, args: tuple, kwargs: dict) -> int:
     """MACs of one matmul (``[..., n, k] @ [..., k, m]``: ``batch * n * k * m``, batch dims broadcast) or
-    of ``scaled_dot_product_attention`` (``Q @ K^T`` and ``attn @ V``: ``batch * L * S * (E + Ev)``)."""
+    of ``scaled_dot_product_attention`` (``Q @ K^T`` and ``attn @ V``: ``batch * L * S * (E + Ev)``; with
+    grouped-query attention, fewer key/value heads than query heads (``enable_gqa``, Llama), each key/value
+    head serves ``Hq / Hkv`` query heads: batch counts the query heads)."""
     ts = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
     if func is torch.nn.functional.scaled_dot_product_attention:
         if len(ts) < 3:
             return 0
         q, k, v = ts[0].shape, ts[1].shape, ts[2].shape
-        batch = torch.broadcast_shapes(q[:-2], k[:-2]).numel()
+        qb, kb = list(q[:-2]), list(k[:-2])
+        if qb and kb and kb[-1] and qb[-1] % kb[-1] == 0:  # grouped-query attention: key heads repeat
+            kb[-1] = qb[-1]
+        batch = torch.broadcast_shapes(tuple(qb), tuple(kb)).numel()
         return int(batch * q[-2] * k[-2] * (q[-1] + v[-1]))
     if len(ts) < 2:
         return 0
@@ -771,9 +788,9 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
             try:
                 output = model(*args, **kwargs)
             except Exception as e:
-                shapes = [tuple(t.shape) for _, t in inputs]
+                shapes = [str(tuple(t.shape)) for t in _tensors(args) + _tensors(kwargs)]
                 raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
-                                 f"{shapes}: {e}. Pass an input the model accepts (shape and dtype as in "
+                                 f"[{', '.join(shapes)}]: {e}. Pass an input the model accepts (shape and dtype as in "
                                  f"training; a tuple for several arguments, a dict for keyword arguments)") from e
         outs = _tensors(output)
         ends = []

@@ -20,7 +20,7 @@ from .families import is_in_out_linear
 from .families import is_in_out_linear as is_hf_conv1d  # noqa: F401  (the name the backend used first)
 from .modules import innermost_module
 
-__all__ = ["is_transposed", "to_canonical", "from_canonical", "canonical_shape", "out_axis", "layer_of"]
+__all__ = ["is_transposed", "to_canonical", "from_canonical", "canonical_shape", "out_axis", "layer_of", "is_grn"]
 
 
 def layer_of(module: nn.Module) -> nn.Module:
@@ -33,27 +33,47 @@ def is_transposed(module: nn.Module) -> bool:
     return is_in_out_linear(layer_of(module))
 
 
+def is_grn(module: nn.Module) -> bool:
+    """Global response normalisation (ConvNeXt V2; HF ``ConvNextV2GRN``): ``weight`` (gamma) and ``bias`` (beta)
+    of shape ``[1, 1, 1, C]`` on a channels-last tensor, ``x + gamma * x * N + beta`` with ``N`` the spatial L2
+    norm of each channel divided by its mean over the channels. Its channels are the LAST axis of its
+    parameters (canonical layout: moved first)."""
+    layer = layer_of(module)
+    w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    return (type(layer).__name__.endswith("GRN") and isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor)
+            and w.dim() >= 2 and w.shape == b.shape and all(d == 1 for d in w.shape[:-1]))
+
+
 def to_canonical(module: nn.Module, x: Any) -> Any:
     """``x`` (the weight, a mask or a gradient of ``module``'s weight) in canonical out-first layout."""
+    if is_grn(module) and x.dim() >= 2:
+        return x.movedim(-1, 0)
     return x.t() if is_transposed(module) and x.dim() == 2 else x
 
 
 def from_canonical(module: nn.Module, x: Any) -> Any:
     """Inverse of :func:`to_canonical` (a contiguous tensor in the weight's own layout)."""
+    if is_grn(module) and x.dim() >= 2:
+        return x.movedim(0, -1).contiguous()
     return x.t().contiguous() if is_transposed(module) and x.dim() == 2 else x
 
 
 def canonical_shape(module: nn.Module, shape: Any) -> tuple[int, ...]:
     """The shape :func:`to_canonical` gives a tensor of ``shape``."""
     s = tuple(int(d) for d in shape)
+    if is_grn(module) and len(s) >= 2:
+        return (s[-1], *s[:-1])
     return (s[1], s[0]) if is_transposed(module) and len(s) == 2 else s
 
 
 def out_axis(module: nn.Module) -> int:
-    """Axis of the output channels in ``module.weight`` as stored (1 for transposed convs and HF Conv1D)."""
+    """Axis of the output channels in ``module.weight`` as stored (1 for transposed convs and HF Conv1D, the
+    last for GRN)."""
     layer = layer_of(module)
     if isinstance(layer, nn.modules.conv._ConvNd) and layer.transposed:
         return 1
+    if is_grn(layer):
+        return layer.weight.dim() - 1
     return 1 if is_in_out_linear(layer) else 0
 
 

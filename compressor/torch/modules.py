@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["is_wrapper", "innermost_module", "named_wrappers"]
+__all__ = ["is_wrapper", "innermost_module", "named_wrappers", "torch_base_type"]
 
 _WRAPPER_FLAG = "_compressor_wrapper_kind"
 
@@ -33,3 +33,18 @@ def named_wrappers(model: nn.Module, kinds: Iterable[type] = (nn.Module,)) -> li
     """``(path, wrapper)`` of the compressor wrappers in ``model`` that are instances of ``kinds``."""
     kinds = tuple(kinds)
     return [(n, m) for n, m in model.named_modules() if is_wrapper(m) and isinstance(m, kinds)]
+
+
+def torch_base_type(module: nn.Module) -> str | None:
+    """The ``torch.nn`` layer class that ``module``'s class subclasses WITHOUT a forward of its own (HF
+    EfficientNet's ``EfficientNetDepthwiseConv2d(nn.Conv2d)``), by name: config ``op_types`` (and
+    ``'default'``) select it as that class, wrappers run it as one. None for ``torch.nn``'s own classes and
+    for subclasses that change the computation."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn."):
+        return None
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith("torch.nn.modules."):
+            same = all(getattr(cls, m, None) is getattr(base, m, None) for m in ("forward", "_conv_forward"))
+            return base.__name__ if same and base is not nn.Module else None
+    return None

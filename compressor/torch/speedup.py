@@ -24,6 +24,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
 from .families import after_speedup
 from .graph import _is_hf_conv1d, attention_spec, build_graph
+from .layout import is_grn
 
 __all__ = ["speedup_model", "count_flops_params", "speedup_report", "SpeedupReport"]
 
@@ -133,6 +134,21 @@ def _slice_bn(m: nn.modules.batchnorm._BatchNorm, out: list[int] | None, inp: li
         m.num_features = len(keep)
 
 
+def _slice_grn(m: nn.Module, out: list[int] | None, inp: list[int] | None) -> None:
+    """GRN (:func:`~compressor.torch.layout.is_grn`): gamma / beta of the kept channels. Its ``N`` divides by the
+    MEAN of the channels' spatial norms, and the removed channels are zero there (they add 0 to the sum but
+    counted in the mean), so gamma is scaled by ``C / C_kept``: exact up to GRN's ``eps`` (1e-6 in the
+    denominator, relative change ~1e-6 / mean norm)."""
+    keep = out if out is not None else inp
+    if keep is None:
+        return
+    c = m.weight.shape[-1]
+    with torch.no_grad():
+        idx = torch.as_tensor(keep, device=m.weight.device)
+        m.weight = _new_param(m.weight, m.weight.index_select(-1, idx) * (c / len(keep)))
+        m.bias = _new_param(m.bias, m.bias.index_select(-1, idx))
+
+
 def _slice_embedding(m: nn.Embedding, out: list[int] | None, inp: list[int] | None) -> None:
     _set(m, "weight", out, 1)
     if out is not None:
@@ -177,6 +193,8 @@ def _slicer(module: nn.Module) -> Callable[[Any, Any, Any], None] | None:
         return _slice_hf_conv1d
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return _slice_bn
+    if is_grn(module):
+        return _slice_grn
     if isinstance(module, nn.Embedding):
         return _slice_embedding
     return None
@@ -197,6 +215,8 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
         return module.weight.shape[1], module.weight.shape[0]
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return module.num_features, module.num_features
+    if is_grn(module):
+        return module.weight.shape[-1], module.weight.shape[-1]
     if isinstance(module, nn.Embedding):
         return module.embedding_dim, module.num_embeddings
     return 0, 0

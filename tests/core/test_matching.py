@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 from compressor import ConfigError, ConfigWarning, normalize_config_list
@@ -63,3 +65,15 @@ def test_no_layer_selected_is_an_error_listing_types():
             m([{"sparsity": 0.5, "op_types": ["LSTM"]}])
     assert m([{"sparsity": 0.5, "op_types": ["default"]}, {"op_types": ["default"], "exclude": True}],
              require_match=False) == []
+
+
+def test_a_subclass_that_keeps_its_base_computation_matches_as_the_base():
+    """HF EfficientNet's depthwise convs are ``EfficientNetDepthwiseConv2d(nn.Conv2d)``: 'default' and
+    'Conv2d' select them (the backend lists the base in ``bases``), their own type name does too."""
+    layers = [LayerInfo("dw", "EfficientNetDepthwiseConv2d", bases=("Conv2d",)), LayerInfo("own", "MyConv"),
+              LayerInfo("fc", "Linear")]
+    assert m([{"sparsity": 0.5, "op_types": ["default"]}], layers) == [("dw", 0.5), ("fc", 0.5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'match no layer' warning: Conv2D matches dw
+        assert m([{"sparsity": 0.5, "op_types": ["Conv2D"]}], layers) == [("dw", 0.5)]
+    assert m([{"sparsity": 0.5, "op_types": ["EfficientNetDepthwiseConv2d"]}], layers) == [("dw", 0.5)]

@@ -7,6 +7,7 @@ import copy
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ import compressor
 from compressor.core import observers as cobs
 from compressor.core import quant as cq
 from compressor.core.errors import ConfigError, ModelError
+from compressor.core.matching import DefaultSkipWarning
 from compressor.torch import PtqQuantizer
 from compressor.torch.quantization.bn_fold import fold_factor
 from compressor.torch.quantization.fakequant import ops
@@ -63,6 +65,17 @@ def hand_linear():
     return model, x
 
 
+def runtime_fq(x, scale, zp, qmin=0, qmax=255):
+    """onnxruntime's QuantizeLinear -> DequantizeLinear: (clip(round(x / s) + zp) - zp) * s."""
+    return (torch.clamp(torch.round(x / scale) + zp, qmin, qmax) - zp) * scale
+
+
+def int32_grid(bias, wr):
+    """The bias as the int8 export writes it: codes round(b / s) with s = float32(input_scale * weight_scale)."""
+    s = (wr.input_scale.double() * wr.weight_scale.double()).float()
+    return torch.round(bias.double() / s.double()).float() * s
+
+
 # ------------------------------------------------------------------------------------------- hand case
 
 
@@ -83,11 +96,11 @@ def test_hand_case_exact_scales_and_fake_quant_outputs():
         assert torch.equal(getattr(wr, f"{t}_scale"), s) and torch.equal(getattr(wr, f"{t}_zero_point"), z)
         assert float(getattr(wr, f"tracked_min_{t}")) == float(v.min())
         assert float(getattr(wr, f"tracked_max_{t}")) == float(v.max())
-    # eval output = core fake-quant of the float computation
-    fq = cq.fake_quantize
-    xq = fq(ops, x, wr.input_scale, wr.input_zero_point, 0, 255)
-    wq = fq(ops, w, wr.weight_scale.reshape(-1, 1), wr.weight_zero_point.reshape(-1, 1), -127, 127)
-    want = fq(ops, xq @ wq.T + model[0].bias.detach(), wr.output_scale, wr.output_zero_point, 0, 255)
+    # eval output = the integer kernel's computation: activations rounded as onnxruntime's QuantizeLinear
+    # (round(x / s) + zp), core fake-quant weights, the bias on the int32 grid input_scale * weight_scale
+    xq = runtime_fq(x, wr.input_scale, wr.input_zero_point)
+    wq = cq.fake_quantize(ops, w, wr.weight_scale.reshape(-1, 1), wr.weight_zero_point.reshape(-1, 1), -127, 127)
+    want = runtime_fq(xq @ wq.T + int32_grid(model[0].bias.detach(), wr), wr.output_scale, wr.output_zero_point)
     with torch.no_grad():
         got = model(x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -230,6 +243,42 @@ def test_int8_onnx_export(tmp_path):
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.99
 
 
+def test_fake_quant_model_computes_what_the_int8_graph_computes(tmp_path):
+    """Rounding ties and the int32 bias: the calibrated model and its int8 ONNX graph give the same outputs,
+    bit for bit, also on inputs exactly halfway between two codes (an odd zero point: round(x / s + zp) and
+    onnxruntime's round(x / s) + zp differ there) -- one such flip per layer was enough to change the
+    prediction of a random-weight HF MobileNetV2."""
+    model, _ = hand_linear()
+    s_in = 2.0**-6  # input range [-59 s, 196 s]: scale 2^-6 exactly, zero point 59 (odd)
+    calib = torch.tensor([[-59 * s_in, 196 * s_in, 0.0, 1.0], [0.5, -0.25, 2.0, 3.0]])
+    q = PtqQuantizer(model, cfg(op_types=["Linear"])).calibrate(calib)
+    wr = q.get_modules_wrapper()[0]
+    assert float(wr.input_scale) == s_in and float(wr.input_zero_point) == 59
+    ties = torch.tensor([[0.5, 1.5, 2.5, -0.5], [4.5, -1.5, 10.5, 100.5]]) * s_in
+    with torch.no_grad():  # codes 59 + round-half-even(t), not round-half-even(t + 59)
+        assert torch.equal(q._quantize("input", ties, wr) / s_in,
+                           torch.tensor([[0.0, 2.0, 2.0, 0.0], [4.0, -2.0, 10.0, 100.0]]))
+    # the bias the layer adds is on the int32 grid input_scale * weight_scale (as the integer kernel's)
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    wq = cq.fake_quantize(ops, w, wr.weight_scale.reshape(-1, 1), wr.weight_zero_point.reshape(-1, 1), -127, 127)
+    xq = runtime_fq(ties, wr.input_scale, wr.input_zero_point)
+    with torch.no_grad():
+        want = model(ties)
+        assert torch.equal(want, runtime_fq(xq @ wq.T + int32_grid(b, wr), wr.output_scale, wr.output_zero_point))
+        assert not torch.equal(int32_grid(b, wr), b)
+    want = want.numpy()
+    path = tmp_path / "int8.onnx"
+    q.export_model(tmp_path / "m.pt", onnx_path=path, input_shape=(1, 4))
+    codes = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+    assert codes["0.bias_quantized"].dtype == np.int32
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        got = sess.run(None, {sess.get_inputs()[0].name: ties.numpy()})[0]
+        np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------------------------------------- bad input
 
 
@@ -280,3 +329,74 @@ def test_bad_arguments():
     with pytest.raises(ConfigError, match="percentile"):
         PtqQuantizer(model, cfg(op_types=["Linear"]), percentile=150)
     assert isinstance(model[0], nn.Linear)  # not wrapped
+
+
+class DepthwiseConv(nn.Conv2d):
+    """As HF EfficientNet's EfficientNetDepthwiseConv2d: a Conv2d subclass that only sets groups."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, channels, 3, padding=1, groups=channels)
+
+
+class ScaledConv(nn.Conv2d):
+    """A Conv2d subclass with its own forward: not a Conv2d for 'default'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_conv2d_subclass_without_own_forward_is_default_and_runs_in_an_integer_kernel(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), DepthwiseConv(8), nn.ReLU(), ScaledConv(8, 4, 1)).eval()
+    x = torch.randn(8, 3, 6, 6)
+    with pytest.warns(DefaultSkipWarning, match=r"leaves out weighted layers of type ScaledConv \(1 layer"):
+        q = PtqQuantizer(model, [{"op_types": ["default"], "quant_types": ALL, "quant_bits": 8}])
+    assert [w.name for w in q.get_modules_wrapper()] == ["0", "2"]  # not '4' (own forward)
+    assert q.get_modules_wrapper()[1]._fn == "conv"
+    q.calibrate([x[:4], x[4:]])
+    path = tmp_path / "int8.onnx"
+    q.export_model(tmp_path / "m.pt", onnx_path=path, input_shape=(1, 3, 6, 6))
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(tmp_path / "opt.onnx")).graph
+    consts = {i.name for i in graph.initializer}
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QLinearConv") == 2
+    float_convs = [n for n in graph.node if n.op_type in ("Conv", "FusedConv") and n.input[1] in consts]
+    assert len(float_convs) == 1  # ScaledConv, not selected
+    with torch.no_grad():
+        np.testing.assert_allclose(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0], model(x).numpy(),
+                                   atol=1e-5)
+
+
+class Residual(nn.Module):
+    """x + fc(x) on [batch, tokens, features], fc without bias (Llama's o_proj / down_proj): the ONNX graph
+    has MatMul -> Add(residual), no bias Add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.fc(x))
+
+
+def test_int8_onnx_output_grid_of_a_bias_free_linear_is_before_the_residual_add(tmp_path):
+    torch.manual_seed(0)
+    model = Residual().eval()
+    x = torch.randn(16, 5, 8)
+    q = PtqQuantizer(model, cfg(op_types=["Linear"])).calibrate([x[:8], x[8:]])
+    path = tmp_path / "int8.onnx"
+    q.export_model(tmp_path / "m.pt", onnx_path=path, dummy_input=x[:2])
+    graph = onnx.load(str(path)).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    # the residual Add reads fc's quantized (DequantizeLinear) output, not the raw MatMul
+    add = next(n for n in graph.node if n.op_type == "Add")
+    assert [producer[i].op_type for i in add.input if i in producer] == ["DequantizeLinear"]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        want = model(x).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max())

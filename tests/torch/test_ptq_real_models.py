@@ -172,11 +172,7 @@ def check_int8(arch, tmp_path, q, path, float_model, smaller=True):
     return n_int, size, fsize
 
 
-MOBILENET_GAP = pytest.mark.xfail(strict=True, reason="open: the int8 graph of HF MobileNetV2 differs from the "
-                                  "fake-quant model by ~30-47% even with onnxruntime optimisations off; not found")
-
-
-@pytest.mark.parametrize("arch", ["resnet", pytest.param("mobilenet_v2", marks=MOBILENET_GAP), "convnext", "vit",
+@pytest.mark.parametrize("arch", ["resnet", "mobilenet_v2", "convnext", "vit",
                                   "bert", "gpt2"])
 def test_hf_model_int8_onnx(arch, tmp_path):
     model, float_model, q = quantize(arch)

@@ -108,3 +108,20 @@ def test_cli_report_flops_needs_model_fn_and_shape(capsys, tmp_path, model_fn):
     assert "--input-shape" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "m.pt"), "--model-fn", "nope_module:x", "--input-shape", "1,3,8,8"]) == 2
     assert "nope_module" in capsys.readouterr().err
+
+
+def test_grouped_query_attention_macs_on_a_batch_1_input():
+    """HF Llama with 4 query heads sharing 2 key/value heads (scaled_dot_product_attention with
+    enable_gqa): the trace used to fail broadcasting [1, 4] with [1, 2] heads. Per token and layer:
+    q 32*32 + k 32*16 + v 32*16 + o 32*32 + gate/up/down 3*32*64 = 9216 MACs; attention 4 heads * 16 * (8 + 8)
+    per query position; the score head 32*10 per token; 16 tokens, 2 layers."""
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tr.LlamaForSequenceClassification(tr.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, num_labels=10, use_cache=False)).eval()
+    from compressor.torch import count_flops_params
+
+    macs, params, _ = count_flops_params(model, torch.randint(1, 64, (1, 16)))
+    assert macs == 2 * 16 * 9216 + 2 * 16 * 4 * 16 * (8 + 8) + 16 * 32 * 10
+    assert params == sum(p.numel() for p in model.parameters())

@@ -489,3 +489,34 @@ def test_fine_grained_zeros_are_left_and_reported():
     assert_close(run(m, X), ref)
     note = next(n for n in cth.speedup_report(m).notes if "fine-grained" in n)
     assert "2 zero weight(s) remain in 1 layer(s)" in note
+
+
+def test_convnextv2_grn_passes_channels_and_is_sliced_exactly():
+    """ConvNeXt V2's GRN (gamma / beta [1, 1, 1, C], x + gamma * x * N + beta, N = spatial L2 norm / its mean
+    over channels) is a per-channel norm: dependency-aware pruning masks its beta with pwconv1's filters,
+    speedup removes the block's hidden channels (pwconv1 rows, GRN entries, pwconv2 columns) and scales the
+    kept gamma by C / C_kept (the removed channels were zeros counted in the channel mean): the sped-up model
+    gives the masked model's outputs, and no zero weight is left in a conv / linear."""
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tr.ConvNextV2ForImageClassification(tr.ConvNextV2Config(
+        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], image_size=32, num_labels=10)).eval()
+    grns = [m for m in model.modules() if type(m).__name__ == "ConvNextV2GRN"]
+    with torch.no_grad():  # trained-like: nonzero gamma AND beta (HF initialises both to zero)
+        for m in grns:
+            m.weight.normal_(0, 0.5)
+            m.bias.normal_(0, 0.5)
+    x = torch.randn(4, 3, 32, 32)
+    pruner = cth.L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}], dependency_aware=True,
+                                dummy_input=x[:1])
+    pruner.compress()
+    with torch.no_grad():
+        masked = pruner.bound_model(x).logits
+    small = cth.speedup_model(pruner, x[:1]).eval()
+    grns = [m for m in small.modules() if type(m).__name__ == "ConvNextV2GRN"]
+    assert [tuple(m.weight.shape) for m in grns] == [(1, 1, 1, 32), (1, 1, 1, 64)]  # 4 * hidden, halved
+    assert [tuple(m.bias.shape) for m in grns] == [(1, 1, 1, 32), (1, 1, 1, 64)]
+    with torch.no_grad():
+        torch.testing.assert_close(small(x).logits, masked, rtol=1e-4, atol=1e-5)
+    zeros = sum(int((m.weight == 0).sum()) for m in small.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+    assert zeros == 0

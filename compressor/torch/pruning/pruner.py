@@ -299,7 +299,7 @@ class DependencyAwareMixin:
                 masks = {"weight_mask": from_canonical(w, expand_filter_mask(ops, keep,
                                                                              canonical_shape(w, w.weight.shape)))}
                 if w.bias_mask is not None:
-                    masks["bias_mask"] = keep
+                    masks["bias_mask"] = keep.reshape(w.bias_mask.shape)  # a GRN's beta is [1, 1, 1, C]
                 w.set_masks(masks)
                 done.append(index[layer])
         return done

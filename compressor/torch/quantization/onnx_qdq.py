@@ -388,9 +388,12 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if "output" not in w.quant_types:
             continue
         end = node
-        if node.op_type == "MatMul":  # Linear on >2-D inputs: MatMul + Add(bias)
+        has_bias = exported[w.name][1] is not None or getattr(w.layer, "bias", None) is not None
+        if node.op_type == "MatMul" and has_bias:  # Linear on >2-D inputs: MatMul + Add(bias)
             users = graph.consumers(node.output[0])
-            if len(users) == 1 and users[0].op_type == "Add":
+            # the bias Add adds a constant; an Add of two activations is the model's (a residual: Llama's
+            # o_proj / down_proj have no bias and feed one), after which this layer's output grid is wrong
+            if len(users) == 1 and users[0].op_type == "Add" and any(i in graph.arrays for i in users[0].input):
                 end = users[0]
         if getattr(w, "fused_relu", False):  # the wrapper's own relu: quantize after it (DQ-Conv-Relu-Q fuses)
             users = graph.consumers(end.output[0])

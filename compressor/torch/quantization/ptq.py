@@ -22,6 +22,14 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
 * ``fuse_relu=True`` (default): an output feeding only a ReLU is observed and quantized after the ReLU
   (see :class:`~.qat.QAT_Quantizer`), so its uint8 range starts at 0 as in onnxruntime's and TFLite's
   own quantizers; also disabled with a warning when ``torch.fx`` cannot trace the model.
+* int32 bias: once calibrated, a Conv (or a Linear on a 2-D input) that quantizes its input and weight adds
+  its bias (the folded bias ``beta + (b - mean) * f`` of a folded pair in eval mode) rounded to the grid
+  ``input_scale * weight_scale``, as the integer kernels of the int8 ONNX graph (and TFLite) do; see
+  :func:`int32_bias_forward`. Without it the fake-quant model and the artifact differ in one code at ~0.1 % of
+  the outputs of every layer (outputs within 1e-3 steps of a rounding tie), which a deep network with high
+  gain (a random-weight MobileNetV2: 8-bit noise alone moves its logits by ~80 %) amplifies into a
+  different prediction. Activations are fake-quantized as onnxruntime's QuantizeLinear computes them,
+  ``round(x / s) + zp`` (see :meth:`PtqQuantizer._activation`).
 * ``share_ranges=True`` (default): a layer's quantized input that is another quantized layer's quantized
   output passed only through ReLU / max pooling / flatten / reshape takes that output's scale and zero
   point (one grid per tensor, as onnxruntime and TFLite quantize), so it is not quantized twice; in the
@@ -45,7 +53,14 @@ from torch import nn
 
 from ...core import observers as cobs
 from ...core.errors import ConfigError, ConfigWarning, ModelError
-from .bn_fold import _GRID_MODULES, find_conv_bn_pairs, find_input_sources, find_relu_followers, fold_factor
+from .bn_fold import (
+    _GRID_MODULES,
+    find_conv_bn_pairs,
+    find_input_sources,
+    find_relu_followers,
+    fold_factor,
+    folded_forward,
+)
 from .fakequant import fake_quant, ops
 from .qat import QAT_Quantizer
 from .quantizer import builtin_ste
@@ -59,6 +74,45 @@ PTQ_DEFAULTS = {"weight": ("int", "per_channel_symmetric"), "input": ("uint", "p
                 "output": ("uint", "per_tensor_affine")}
 
 _NO_DATA = "calibrate with at least one batch"
+_INT32_MAX = 2**31 - 1
+
+
+def int32_bias(wrapper: QuantizerModuleWrapper, bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` on the int32 grid of scale ``input_scale * weight_scale`` (per output channel), computed as the
+    int8 ONNX export writes it (float64 product rounded to float32, round half to even) and as onnxruntime's
+    DequantizeLinear reads it back (``float32(code) * scale``); unchanged when a code does not fit int32 (the
+    export then keeps that bias in float). Straight-through gradient."""
+    scale = (wrapper.input_scale.double() * wrapper.weight_scale.double()).float()
+    codes = torch.round(bias.detach().double() / scale.double())
+    fits = (codes.abs() <= _INT32_MAX).all()  # a graph op: no host round trip
+    snapped = torch.where(fits, codes.float() * scale, bias.detach().float()).to(bias.dtype)
+    return bias + (snapped - bias).detach()
+
+
+def int32_bias_forward(wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: dict[str, Any]) -> Any:
+    """The quantized-weight forward of a calibrated PtqQuantizer layer with the bias the integer kernels add
+    (see :func:`int32_bias`); while calibrating, before calibration, in a folded pair whose BatchNorm is in
+    training mode (batch statistics), or for a Linear on a >2-D input (exported as MatMul + float Add), the
+    forward without it."""
+    q = wrapper.quantizer
+    folded = q._bn is not None and q._bn.has(wrapper)
+    x = inputs[0] if inputs else None
+    plain = (q._calibrating or not wrapper.quant_active or kwargs or x is None
+             or (folded and wrapper.bn_module.training) or (wrapper._fn == "linear" and x.dim() != 2))
+    if plain:
+        if folded:
+            return folded_forward(wrapper, inputs, kwargs)
+        return wrapper.forward_with_weight(q._quantize("weight", wrapper.weight, wrapper), inputs, kwargs)
+    if folded:
+        bn = wrapper.bn_module
+        f = fold_factor(bn)
+        qw = q._quantize("weight", wrapper.weight * f.reshape(-1, 1, 1, 1), wrapper)
+        b = wrapper.bias if wrapper.bias is not None else torch.zeros_like(bn.running_mean)
+        beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
+        return wrapper.layer._conv_forward(x, qw, int32_bias(wrapper, beta + (b - bn.running_mean) * f))
+    qw = q._quantize("weight", wrapper.weight, wrapper)
+    bias = wrapper.bias
+    return wrapper.forward_with_weight(qw, inputs, kwargs, bias=None if bias is None else int32_bias(wrapper, bias))
 
 
 def _describe(args: tuple, kwargs: dict[str, Any]) -> str:
@@ -141,6 +195,10 @@ class PtqQuantizer(QAT_Quantizer):
         if "weight" in wrapper.qat_specs:
             wrapper.register_buffer("weight_observed",
                                     torch.zeros((), dtype=torch.bool, device=wrapper.weight_scale.device))
+        specs = wrapper.qat_specs
+        if ("input" in specs and "weight" in specs and specs["input"].channels is None
+                and wrapper._fn in ("conv", "linear")):  # the layers whose bias the int8 export makes int32
+            wrapper.weight_forward = int32_bias_forward
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,7 +239,18 @@ class PtqQuantizer(QAT_Quantizer):
             return x
         spec = wrapper.qat_specs[t]
         buf = wrapper._buffers
-        return fake_quant(x, buf[f"{t}_scale"], buf[f"{t}_zero_point"], spec.qmin, spec.qmax, spec.axis)
+        scale, zp = buf[f"{t}_scale"], buf[f"{t}_zero_point"]
+        out = fake_quant(x, scale, zp, spec.qmin, spec.qmax, spec.axis)
+        if spec.channels is not None or x.dtype != torch.float32:
+            return out
+        # the value onnxruntime's QuantizeLinear computes, round(x / s) + zp (a division, then the zero point);
+        # fake_quant computes round(x * (1 / s) + zp), which lands on the other side of a rounding tie for
+        # ~1e-5 of the values: enough to change the prediction of a deep network with high gain. Same
+        # gradient (fake_quant's clipped STE)
+        with torch.no_grad():
+            z = zp.round()
+            runtime = (torch.clamp(torch.round(x / scale) + z, spec.qmin, spec.qmax) - z) * scale
+        return out + (runtime - out).detach()
 
     # ------------------------------------------------------------------ observers
     def _observer_kwargs(self, method: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..modules import innermost_module
+from ..modules import innermost_module, torch_base_type
 from ..pruning.wrapper import ReadThrough, effective_weight
 from .grad import QuantType
 
@@ -90,6 +90,9 @@ class QuantizerModuleWrapper(ReadThrough):
         self._export_weight: torch.Tensor | None = None
         # functional forms of the common layers; others go through functional_call
         kind = type(layer)
+        base = torch_base_type(layer)  # a subclass without a forward of its own runs as its torch.nn class
+        if base is not None:
+            kind = getattr(nn, base, kind)
         if kind is nn.Linear:
             self._fn = "linear"
         elif kind in _CONV:
