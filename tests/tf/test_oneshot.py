@@ -332,6 +332,9 @@ def test_errors_before_the_model_changes():
     for v, b in zip(m.weights, before):
         np.testing.assert_array_equal(v.numpy(), b)
     assert all(bool(np.all(w.weight_mask.numpy())) for w in p.modules_wrapper)
+    # every call wrapped for calibration is restored after the errors (only the pruner's own wrapper remains)
+    assert all("call" not in vars(b) and "quantized_call" not in vars(b) for b in m.decoder)
+    assert all(vars(w.layer)["call"] == w._call and "quantized_call" not in vars(w.layer) for w in p.modules_wrapper)
 
 
 class Parallel(keras.Model):
@@ -382,3 +385,21 @@ def test_ptq_calibrate_takes_the_same_forms():
     m3 = keras.models.clone_model(m)
     with pytest.raises(ConfigError, match="contains NaN or inf"):
         PtqQuantizer(m3, cfg).calibrate(bad)
+
+
+def test_exported_keras_files_compute_what_the_compressed_model_computes(tmp_path):
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    keras.utils.set_random_seed(5)
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    x = keras.layers.Dense(2 * WIDTH, activation="gelu", name="up")(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, WIDTH), name="down")(x)
+    m = keras.Model(ids, keras.layers.Dense(VOCAB, name="lm")(x))
+    SparseGPTPruner(m, [{"sparse_pattern": "2:4", **DEFAULT}]).calibrate(CALIB, progress=False)
+    q = GptqQuantizer(m, [{"quant_bits": 4, "group_size": 16, **DEFAULT}]).calibrate(CALIB, progress=False)
+    want = m(HELD).numpy()
+    q.export_model(str(tmp_path / "q.keras"))
+    loaded = keras.saving.load_model(str(tmp_path / "q.keras"))
+    np.testing.assert_array_equal(loaded(HELD).numpy(), want)
+    k = loaded.get_layer("down").kernel.numpy()  # [in, out]: 2:4 along the input axis, 4-bit grid per group
+    assert ((k.T.reshape(WIDTH, -1, 4) != 0).sum(-1) <= 2).all()
+    assert max(len(np.unique(k[g * 16:(g + 1) * 16, j])) for g in range(4) for j in range(WIDTH)) <= 15
