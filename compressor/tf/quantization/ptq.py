@@ -192,25 +192,12 @@ class PtqQuantizer(QAT_Quantizer):
         return OBSERVERS[self.observer].from_spec(ops, spec, **self._observer_kwargs)
 
     def _batches(self, data: Any, num_batches: int | None) -> Iterable[Any]:
-        if isinstance(data, tf.data.Dataset):
-            it: Iterable[Any] = data
-        elif isinstance(data, (np.ndarray, tf.Tensor)):
-            arr = data
-            it = (arr[i:i + self.batch_size] for i in range(0, int(arr.shape[0]), self.batch_size))
-        elif isinstance(data, dict) and data and all(isinstance(v, (np.ndarray, tf.Tensor)) for v in data.values()):
-            n = int(next(iter(data.values())).shape[0])  # one array per input of a multi-input model
-            it = ({k: v[i:i + self.batch_size] for k, v in data.items()} for i in range(0, n, self.batch_size))
-        elif data is None or isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
-            raise ConfigError(f"PtqQuantizer.calibrate: data must be a tf.data.Dataset, a numpy array or an "
-                              f"iterable of batches; got {type(data).__name__}; {_NO_DATA}")
-        else:
-            it = data
-        n = 0
-        for batch in it:
-            if num_batches is not None and n >= num_batches:
-                return
-            n += 1
-            yield self._inputs_of(batch)
+        # the calibration data forms of every TF compressor (tensor, dict, (x, y), tf.data, iterables)
+        from ..calibration_data import calibration_batches
+
+        return calibration_batches(data, what="PtqQuantizer.calibrate", num_batches=num_batches,
+                                   batch_size=self.batch_size, hint=_NO_DATA,
+                                   n_inputs=len(getattr(self.bound_model, "inputs", None) or []) or 1)
 
     def _inputs_of(self, batch: Any) -> Any:
         """The model inputs of one batch: ``x`` of ``(x,)`` / ``(x, y)`` / ``(x, y, sample_weight)``; a dict

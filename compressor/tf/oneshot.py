@@ -1,0 +1,668 @@
+"""One-shot compression of Keras 3 models from a calibration set (issue 25): ``WandaPruner``,
+``SparseGPTPruner``, ``GptqQuantizer``, ``RtnQuantizer``, ``AwqQuantizer``.
+
+The math and the block-by-block loop are core's (:mod:`compressor.core.oneshot`,
+:mod:`compressor.core.sequential`); this module is the Keras adapter (:class:`KerasOneShotBackend`) and
+the compressor classes. No tracing of the model:
+
+* **blocks** (decoder layers): the classes named by ``sequential_targets=['TransformerDecoder']``, else
+  found without naming a family: the largest group (at least two) of same-class children of one layer
+  that contain selected layers (keras-hub's ``transformer_layers``, the repeated blocks of a Functional or
+  subclassed model). Before anything changes the model is run once on the first calibration batch with
+  every block's ``call`` wrapped, to check that the blocks form a chain (each called once, in order, each
+  one's first input the output of the one before, the same other arguments) and that every selected layer
+  is called; found blocks that fail the check are dropped (whole-model pass, with a warning), named ones
+  are a ``ModelError``.
+* **first block inputs**: the model runs on each batch with block 0's ``call`` wrapped to record its
+  ``(args, kwargs)`` and stop. A block runs on the stored arguments with the hidden state (its first
+  argument) replaced; its output (or the first element of a tuple output) is the next block's hidden state.
+* **layer inputs**: each selected layer's ``call`` (and ``quantized_call``, used by Keras-quantized layers)
+  is wrapped on the instance while a block runs, passing float64 rows ``[tokens, in]`` to the core
+  accumulator (the layer's float32 input, converted only there, as on torch). Every wrapped call is
+  restored afterwards, also on errors.
+* **weights** in core's canonical ``[out, in]`` layout: ``Dense`` ``[in, out]`` transposed
+  (:mod:`compressor.tf.layout`); ``EinsumDense`` from its equation: the kernel axes contracted with the
+  input (which must be the input's trailing axes) are ``in``, the ones in the output ``out`` (query
+  ``'abc,cde->abde'``: ``[in, heads, head_dim]`` -> ``[heads * head_dim, in]``; output
+  ``'abcd,cde->abe'``: ``[heads, head_dim, out]`` -> ``[out, heads * head_dim]``), as torch's Linear.
+
+Pruners put the chosen masks in the usual :class:`PrunerLayerWrapper` and the (SparseGPT-updated) weights
+in the kernel. Quantizers are weight-only: the kernel holds the method's dequantized weight (the values the
+model computes with; no float copy is kept), and the wrapper keeps the integer grid for packing as
+non-trainable variables: ``weight_codes`` (``[out, in]`` canonical, int8 / uint8), ``weight_group_scale``
+and ``weight_group_zero_point`` (``[out, groups]``, float64 / int32) and, for AWQ, ``awq_scales`` (``s``,
+``[in]``, float64: the kernel is ``Q(W s) / s``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ..core.config import KeySpec
+from ..core.errors import ConfigError, ModelError
+from ..core.matching import LayerInfo
+from ..core.pruning import nm_validate_config
+from ..core.sequential import (
+    ONESHOT_KEYS,
+    QUANT_SCHEMES,
+    AwqMethod,
+    GptqMethod,
+    LayerResult,
+    LayerTask,
+    OneShotMethod,
+    RtnMethod,
+    SparseGPTMethod,
+    WandaMethod,
+    quant_spec_of,
+    run_sequential,
+)
+from ..core.sparse_pattern import parse_sparse_pattern
+from . import layout
+from .calibration_data import calibration_batches
+from .compressor import iter_layers, wrappers_of
+from .pruning.pruner import TfPruner
+from .pruning.wrapper import PrunerLayerWrapper
+from .quantization.quantizer import TfQuantizer
+from .quantization.wrapper import QuantizerLayerWrapper
+
+__all__ = ["WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "KernelLayout",
+           "kernel_layout", "find_blocks", "KerasOneShotBackend", "OneShotReport", "ONESHOT_DEFAULT_TYPES"]
+
+#: what ``op_types: ['default']`` means for the one-shot compressors (attention projections are EinsumDense)
+ONESHOT_DEFAULT_TYPES = ("Dense", "EinsumDense")
+#: sequences per forward pass when the calibration data is one array of samples
+CALIBRATION_BATCH_SIZE = 8
+
+
+# ------------------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class KernelLayout:
+    """How a Dense / EinsumDense kernel maps to core's ``[out, in]`` and its input to rows ``[tokens, in]``."""
+
+    layer_type: str
+    kernel_shape: tuple[int, ...]
+    perm: tuple[int, ...]  # kernel axes in [out axes..., in axes...] order
+    n_out: int
+    n_in: int
+
+    def to_canonical(self, kernel: Any) -> np.ndarray:
+        k = np.asarray(kernel)
+        if self.layer_type == "Dense":
+            return np.asarray(layout.to_canonical("Dense", tf.convert_to_tensor(k)))
+        return np.transpose(k, self.perm).reshape(self.n_out, self.n_in)
+
+    def from_canonical(self, w: Any) -> np.ndarray:
+        w = np.asarray(w)
+        if self.layer_type == "Dense":
+            return np.asarray(layout.from_canonical("Dense", tf.convert_to_tensor(w), self.kernel_shape))
+        permuted = [self.kernel_shape[a] for a in self.perm]
+        return np.transpose(w.reshape(permuted), np.argsort(self.perm))
+
+    def rows(self, x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=np.float64).reshape(-1, self.n_in)
+
+
+def _einsum_layout(name: str, equation: str, shape: tuple[int, ...]) -> KernelLayout:
+    bad = (f"layer {name!r} (EinsumDense) has equation {equation!r}: one-shot compression needs the kernel's "
+           f"contracted axes to be the input's trailing axes and every other kernel axis an output axis "
+           f"(e.g. 'abc,cd->abd', 'abc,cde->abde', 'abcd,cde->abe')")
+    try:
+        lhs, out = equation.replace(" ", "").split("->")
+        x_spec, k_spec = lhs.split(",")
+    except ValueError:
+        raise ConfigError(bad) from None
+    x_spec, out = x_spec.replace("...", ""), out.replace("...", "")
+    if "." in k_spec or len(k_spec) != len(shape):
+        raise ConfigError(bad)
+    contracted = [c for c in x_spec if c in k_spec and c not in out]
+    outs = [c for c in out if c in k_spec and c not in x_spec]
+    if not contracted or len(contracted) + len(outs) != len(k_spec) or x_spec[len(x_spec) - len(contracted):] != "".join(contracted):
+        raise ConfigError(bad)
+    perm = tuple(k_spec.index(c) for c in outs + contracted)
+    n_out = int(np.prod([shape[k_spec.index(c)] for c in outs])) if outs else 1
+    n_in = int(np.prod([shape[k_spec.index(c)] for c in contracted]))
+    return KernelLayout("EinsumDense", tuple(shape), perm, n_out, n_in)
+
+
+def kernel_layout(name: str, layer: Any) -> KernelLayout:
+    """The :class:`KernelLayout` of a built Dense / EinsumDense ``layer`` (ConfigError for anything else)."""
+    kernel = layout.weight_of(layer)
+    if kernel is None or not hasattr(layer, "kernel"):
+        raise ConfigError(f"layer {name!r} ({type(layer).__name__}) has no built kernel; one-shot compression takes "
+                          f"Dense and EinsumDense layers of a built model (call it on data or keras.Input first)")
+    shape = tuple(int(d) for d in kernel.shape)
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _einsum_layout(name, layer.equation, shape)
+    if isinstance(layer, keras.layers.Dense) and len(shape) == 2:
+        return KernelLayout("Dense", shape, (1, 0), shape[1], shape[0])
+    raise ConfigError(f"layer {name!r} ({type(layer).__name__}) is not a Dense or EinsumDense layer; one-shot "
+                      f"compression takes {list(ONESHOT_DEFAULT_TYPES)}")
+
+
+# ------------------------------------------------------------------------------------------- call interception
+_MISSING = object()
+
+
+@contextmanager
+def _intercepted(layer: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Replace ``layer.call`` (and ``layer.quantized_call``) on the instance by ``make(original)``; restore on exit."""
+    saved = []
+    try:
+        for attr in ("call", "quantized_call"):
+            if not hasattr(layer, attr):
+                continue
+            saved.append((attr, vars(layer).get(attr, _MISSING)))
+            object.__setattr__(layer, attr, make(getattr(layer, attr)))
+        yield
+    finally:
+        for attr, old in reversed(saved):
+            if old is _MISSING:
+                object.__delattr__(layer, attr)
+            else:
+                object.__setattr__(layer, attr, old)
+
+
+def _first_arg(layer: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """``(position or keyword, value)`` of the first argument of a call."""
+    if args:
+        return 0, args[0]
+    params = [p for p in inspect.signature(type(layer).call).parameters if p != "self"]
+    key = params[0] if params and params[0] in kwargs else next(iter(kwargs), None)
+    if key is None:
+        raise ModelError(f"layer {layer.name!r} ({type(layer).__name__}) was called without arguments")
+    return key, kwargs[key]
+
+
+class _Stop(Exception):
+    """Raised inside block 0's call once its inputs are recorded (never escapes this module)."""
+
+
+@dataclass
+class BlockInput:
+    """One calibration batch's inputs of a block: the call's arguments with the hidden state at ``key``."""
+
+    args: tuple
+    kwargs: dict
+    key: Any
+
+    @property
+    def hidden(self) -> Any:
+        return self.args[0] if self.key == 0 else self.kwargs[self.key]
+
+    def with_hidden(self, h: Any) -> BlockInput:
+        if self.key == 0:
+            return BlockInput((h, *self.args[1:]), self.kwargs, 0)
+        return BlockInput(self.args, {**self.kwargs, self.key: h}, self.key)
+
+    def call(self, block: Any) -> Any:
+        return block(*self.args, **self.kwargs)
+
+
+def _hidden_of(out: Any, block: Any) -> Any:
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if isinstance(out, Mapping) or not hasattr(out, "shape"):
+        raise ModelError(f"block {block.name!r} ({type(block).__name__}) returned {type(out).__name__}; a block must "
+                         f"return its hidden state (a tensor, or a tuple whose first element is it)")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal structures of equal values (tensors compared by value)."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    ta, tb = hasattr(a, "shape") and hasattr(a, "dtype"), hasattr(b, "shape") and hasattr(b, "dtype")
+    if ta or tb:
+        if not (ta and tb) or tuple(a.shape) != tuple(b.shape):
+            return False
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values differ
+        return False
+
+
+# ------------------------------------------------------------------------------------------- blocks
+def _children(layer: Any) -> list[Any]:
+    return [c for c in layer._flatten_layers(include_self=False, recursive=False)
+            if not isinstance(c, keras.layers.InputLayer)]
+
+
+def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """The model's repeated blocks ``[(path, layer)]`` (see the module docstring); ``[]``: none found.
+    ``targets``: class names of the blocks (a ModelError when the model has none)."""
+    layers = iter_layers(model)
+    path_of = {id(layer): p for p, layer in layers}
+
+    def holds_selected(path: str) -> bool:
+        return any(s.startswith(path + "/") for s in selected)
+
+    if targets:
+        found: list[tuple[str, Any]] = []
+        for p, layer in layers:
+            if type(layer).__name__ in targets and not any(p.startswith(b + "/") for b, _ in found):
+                found.append((p, layer))
+        if not found:
+            containers = sorted({type(layer).__name__ for p, layer in layers if _children(layer)})
+            raise ModelError(f"sequential_targets {list(targets)}: the model has no layer of these classes; its layers "
+                             f"with sub-layers are {containers}")
+        return found
+    best: list[tuple[str, Any]] = []
+    for node in [model] + [layer for _, layer in layers]:
+        groups: dict[type, list[tuple[str, Any]]] = {}
+        for child in _children(node):
+            p = path_of.get(id(child))
+            if p is not None and _children(child):
+                groups.setdefault(type(child), []).append((p, child))
+        for members in groups.values():
+            if len(members) >= 2 and any(holds_selected(p) for p, _ in members) and len(members) > len(best):
+                best = members
+    return best
+
+
+# ------------------------------------------------------------------------------------------- the backend
+class KerasOneShotBackend:
+    """The Keras side of :func:`compressor.core.sequential.run_sequential` for one compressor."""
+
+    def __init__(self, compressor: Any, blocks: list[tuple[str, Any]]) -> None:
+        self.c = compressor
+        self.model = compressor.bound_model
+        self._blocks = list(blocks)
+        self.tasks = {w.name: LayerTask(w.name, w.config, compressor._layouts[w.name].n_in, w)
+                      for w in compressor.modules_wrapper}
+
+    # -- structure
+    def blocks(self) -> list[tuple[str, Any]]:
+        return list(self._blocks)
+
+    def _block_of(self, name: str) -> Any:
+        return next((b for p, b in self._blocks if name.startswith(p + "/")), None)
+
+    def block_layers(self, block: Any) -> list[LayerTask]:
+        return [t for n, t in self.tasks.items() if self._block_of(n) is block]
+
+    # -- running
+    def _run_model(self, batch: Any, index: int) -> Any:
+        try:
+            return self.model(batch, training=False)
+        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+            desc = keras.tree.map_structure(lambda t: f"{tuple(t.shape)} {t.dtype.name}" if hasattr(t, "shape") else t,
+                                            batch)
+            raise ModelError(f"{self.c._what}: the model refused calibration batch {index} {desc}: {e}") from None
+
+    @contextmanager
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None) -> Iterator[None]:
+        with ExitStack() as stack:
+            for name, fn in (observe or {}).items():
+                task = self.tasks[name]
+                plan = self.c._layouts[name]
+                layer = task.handle.layer
+
+                def make(orig: Callable[..., Any], fn: Callable[[Any], None] = fn, plan: KernelLayout = plan,
+                         layer: Any = layer) -> Callable[..., Any]:
+                    def observed(*args: Any, **kwargs: Any) -> Any:
+                        fn(plan.rows(_first_arg(layer, args, kwargs)[1]))
+                        return orig(*args, **kwargs)
+                    return observed
+
+                stack.enter_context(_intercepted(layer, make))
+            yield
+
+    def check(self, batch: Any) -> str | None:
+        """Run the model once on ``batch`` with every block and selected layer watched (nothing changes).
+        Returns None when the blocks form a chain, else why not; a selected layer that is never called is a
+        ModelError."""
+        calls: list[tuple[int, BlockInput, Any]] = []
+        seen: set[str] = set()
+        with ExitStack() as stack:
+            for i, (_, block) in enumerate(self._blocks):
+                def make(orig: Callable[..., Any], i: int = i, block: Any = block) -> Callable[..., Any]:
+                    def watched(*args: Any, **kwargs: Any) -> Any:
+                        key, _ = _first_arg(block, args, kwargs)
+                        out = orig(*args, **kwargs)
+                        calls.append((i, BlockInput(args, kwargs, key), out))
+                        return out
+                    return watched
+                stack.enter_context(_intercepted(block, make))
+            stack.enter_context(self._observing({n: (lambda x, n=n: seen.add(n)) for n in self.tasks}))
+            self._run_model(batch, 0)
+        missing = [n for n in self.tasks if n not in seen]
+        if missing:
+            raise ModelError(f"{self.c._what}: selected layer(s) {missing} are not called when the model runs on the "
+                             f"calibration data; exclude them (op_names + exclude: True) or check the data")
+        if not self._blocks:
+            return None
+        order = [i for i, _, _ in calls]
+        if order != list(range(len(self._blocks))):
+            return (f"the blocks are called in the order {order} (block indices), not once each in model order "
+                    f"{list(range(len(self._blocks)))}")
+        for (i, inp, _), (_, prev_in, prev_out) in zip(calls[1:], calls[:-1]):
+            name = self._blocks[i][0]
+            try:
+                prev_hidden = _hidden_of(prev_out, self._blocks[i - 1][1])
+            except ModelError as e:
+                return str(e)
+            if not _same(inp.hidden, prev_hidden):
+                return f"block {name!r} does not get the previous block's output as its first input"
+            if not _same(inp.with_hidden(None).args, prev_in.with_hidden(None).args) or \
+                    not _same(inp.with_hidden(None).kwargs, prev_in.with_hidden(None).kwargs):
+                return f"block {name!r} gets other arguments than the block before it"
+        return None
+
+    def first_inputs(self, batches: Sequence[Any]) -> list[BlockInput]:
+        block = self._blocks[0][1]
+        out: list[BlockInput] = []
+        for i, batch in enumerate(batches):
+            got: list[BlockInput] = []
+
+            def make(orig: Callable[..., Any], got: list[BlockInput] = got) -> Callable[..., Any]:
+                def record(*args: Any, **kwargs: Any) -> Any:
+                    got.append(BlockInput(args, dict(kwargs), _first_arg(block, args, kwargs)[0]))
+                    raise _Stop()
+                return record
+
+            with _intercepted(block, make):
+                try:
+                    self._run_model(batch, i)
+                except _Stop:
+                    pass
+            if not got:
+                raise ModelError(f"{self.c._what}: block {self._blocks[0][0]!r} was not called on calibration batch {i}")
+            out.append(got[0])
+        return out
+
+    def run_block(self, block: Any, inputs: list[BlockInput], observe: dict[str, Callable[[Any], None]] | None) -> list[BlockInput]:
+        out = []
+        with self._observing(observe):
+            for inp in inputs:
+                out.append(inp.with_hidden(_hidden_of(inp.call(block), block)))
+        return out
+
+    def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
+        with self._observing(observe):
+            for i, b in enumerate(batches):
+                self._run_model(b, i)
+
+    # -- weights
+    def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
+        w = task.handle
+        plan = self.c._layouts[task.name]
+        weight = plan.to_canonical(np.asarray(w.weight.numpy())).astype(np.float64)
+        pruner = next((p for p in wrappers_of(w.layer) if isinstance(p, PrunerLayerWrapper) and p.ready), None)
+        mask = None
+        if pruner is not None and pruner.slot is None:
+            mask = plan.to_canonical(np.asarray(pruner.weight_mask.numpy())).astype(bool)
+        return weight, mask
+
+    def write(self, task: LayerTask, result: LayerResult) -> None:
+        self.c._write(task.handle, self.c._layouts[task.name], result)
+
+
+# ------------------------------------------------------------------------------------------- report
+class OneShotReport(list):
+    """Rows of a one-shot run (one dict per layer: ``layer``, ``block``, ``method``, ``sparsity`` / ``bits``,
+    ``group_size``, the method's numbers); ``str()`` is a table."""
+
+    def __str__(self) -> str:
+        cols = ["layer", "block", "method", "sparsity", "bits", "group_size", "alpha", "error"]
+        cols = [c for c in cols if any(c in r for r in self)]
+
+        def fmt(v: Any) -> str:
+            return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+        table = [cols] + [[fmt(r.get(c)) for c in cols] for r in self]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)
+
+
+# ------------------------------------------------------------------------------------------- compressors
+def _quant_scheme(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) - {"weight"} or any(s not in QUANT_SCHEMES for s in v.values()):
+            raise ValueError
+        return dict(v)
+    if v not in QUANT_SCHEMES:
+        raise ValueError
+    return v
+
+
+QUANT_SCHEME_KEY = KeySpec("quant_scheme", _quant_scheme, f"one of {sorted(QUANT_SCHEMES)} (weights; default "
+                                                          f"'symmetric') or {{'weight': one of them}}")
+
+
+def _targets(sequential_targets: Any, what: str) -> list[str] | None:
+    if sequential_targets is None:
+        return None
+    if isinstance(sequential_targets, str):
+        sequential_targets = [sequential_targets]
+    if not isinstance(sequential_targets, (list, tuple)) or not sequential_targets or \
+            not all(isinstance(t, str) and t for t in sequential_targets):
+        raise ConfigError(f"{what}: sequential_targets must be None or a non-empty list of layer class names (e.g. "
+                          f"['TransformerDecoder']), got {sequential_targets!r}")
+    return list(sequential_targets)
+
+
+class _OneShot:
+    """What the one-shot pruners and quantizers share (mixed in before TfPruner / TfQuantizer)."""
+
+    method: OneShotMethod
+    default_types = ONESHOT_DEFAULT_TYPES
+
+    def _oneshot_setup(self, sequential_targets: Any) -> None:
+        self._what = type(self).__name__
+        self.sequential_targets = _targets(sequential_targets, self._what)
+        self._layouts: dict[str, KernelLayout] = {}
+        self._blocks: list[tuple[str, Any]] = []
+        self.excluded: list[str] = []
+        self.calibrated = False
+        self.rows: OneShotReport = OneShotReport()
+
+    # -- selection (before the model changes)
+    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
+                           by_name: dict[str, Any]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """A selected MultiHeadAttention is compressed through its EinsumDense projections; the LM head (a layer
+        outside every block producing the vocabulary of an Embedding of the model) is left out unless it is
+        named in ``op_names``; the blocks are found here."""
+        what = self._what
+        chosen = {i.name for i, _ in selected}
+        out: list[tuple[LayerInfo, dict[str, Any]]] = []
+        for info, cfg in selected:
+            layer = by_name[info.name]
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                subs = [i for i in layers if i.name.startswith(info.name + "/") and i.type == "EinsumDense"]
+                if not layer.built or not subs:
+                    raise ConfigError(f"{what}: layer {info.name!r} (MultiHeadAttention) is compressed through its "
+                                      f"EinsumDense projections; build the model first (call it on data)")
+                out.extend((i, cfg) for i in subs if i.name not in chosen)
+                chosen.update(i.name for i in subs)
+            else:
+                out.append((info, cfg))
+        for info, _ in out:
+            self._layouts[info.name] = kernel_layout(info.name, by_name[info.name])
+        self._blocks = find_blocks(self.bound_model, [i.name for i, _ in out], self.sequential_targets)
+        vocab = {int(layer.input_dim) for layer in by_name.values() if isinstance(layer, keras.layers.Embedding)}
+        kept = []
+        for info, cfg in out:
+            inside = any(info.name.startswith(p + "/") for p, _ in self._blocks)
+            if not inside and self._layouts[info.name].n_out in vocab and info.name not in cfg.get("op_names", ()):
+                self.excluded.append(info.name)
+                continue
+            kept.append((info, cfg))
+        if not kept:
+            raise ConfigError(f"{what}: the config selects only the LM head {self.excluded} (left out by default: it "
+                              f"produces the vocabulary); name it in op_names to compress it. Layers in the model: "
+                              f"{sorted({i.type for i in layers})}")
+        return kept
+
+    def validate_layer(self, layer_info: LayerInfo, layer: Any, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, layer, config)  # type: ignore[misc]
+        plan = self._layouts.get(layer_info.name) or kernel_layout(layer_info.name, layer)
+        pattern = config.get("sparse_pattern")
+        if pattern is not None:
+            _, m = parse_sparse_pattern(pattern)
+            if plan.n_in % m:
+                raise ConfigError(f"{self._what}: layer {layer_info.name!r} ({layer_info.type}) has {plan.n_in} input "
+                                  f"features, not a multiple of M={m} of sparse_pattern {pattern!r}; exclude it")
+        if self.method.kind == "quantizer":
+            quant_spec_of(config, self._what)
+
+    # -- calibration
+    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True) -> Any:
+        """Run the one-shot algorithm on ``data`` (see :mod:`compressor.tf.calibration_data` for the forms; at most
+        ``num_samples`` sequences) block by block and leave the model compressed. ``progress``: a line per
+        block on stderr (True), nothing (False) or a file. Bad data is an error before the model changes.
+        Returns self."""
+        what = f"{self._what}.calibrate"
+        batches: list[Any] = []
+        if self.method.statistics is not None or data is not None:
+            if data is None:
+                raise ConfigError(f"{what}: {self.method.name} needs calibration data (a few hundred sequences)")
+            n_inputs = len(getattr(self.bound_model, "inputs", None) or []) or 1
+            batches = list(calibration_batches(data, what=what, num_samples=num_samples,
+                                               batch_size=CALIBRATION_BATCH_SIZE, n_inputs=n_inputs,
+                                               hint="give a few hundred calibration sequences"))
+            if not batches:
+                raise ConfigError(f"{what}: the calibration data is empty; give a few hundred calibration sequences")
+        blocks = self._blocks
+        if self.method.statistics is not None:
+            backend = KerasOneShotBackend(self, blocks)
+            why = backend.check(batches[0])
+            if why is not None:
+                if self.sequential_targets:
+                    raise ModelError(f"{what}: the blocks {self.sequential_targets} cannot be calibrated one after "
+                                     f"the other: {why}")
+                warnings.warn(f"{what}: the repeated layers {[p for p, _ in blocks]} are not a chain of blocks ({why}); "
+                              f"calibrating the whole model in one pass instead", RuntimeWarning, stacklevel=2)
+                blocks = []
+        backend = KerasOneShotBackend(self, blocks)
+        rows = run_sequential(backend, self.method, batches, progress=progress)
+        self.rows = OneShotReport(rows)
+        self.calibrated = True
+        self._after_calibrate()
+        self._retrace()  # type: ignore[attr-defined]
+        return self
+
+    def _after_calibrate(self) -> None:
+        pass
+
+    @property
+    def blocks(self) -> list[str]:
+        """Paths of the blocks calibrated one after the other."""
+        return [p for p, _ in self._blocks]
+
+
+class _OneShotPruner(_OneShot, TfPruner):
+    masks_bias = False
+    config_keys: tuple[Any, ...] = ("sparse_pattern",)
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], sequential_targets: Any = None) -> None:
+        self._oneshot_setup(sequential_targets)
+        super().__init__(model, config_list, None)
+
+    def validate_config(self, config_list: list[dict[str, Any]]) -> None:
+        nm_validate_config(config_list, self._what)
+
+    def calc_mask(self, wrapper: PrunerLayerWrapper, wrapper_idx: int | None = None) -> None:
+        return None  # the masks are set by calibrate() and never recomputed
+
+    def _write(self, wrapper: PrunerLayerWrapper, plan: KernelLayout, result: LayerResult) -> None:
+        kernel = getattr(wrapper.weight, "_value", wrapper.weight)
+        kernel.assign(tf.cast(plan.from_canonical(result.weight), kernel.dtype))
+        wrapper.set_masks({"weight_mask": plan.from_canonical(result.mask)})
+        wrapper.apply_masks()
+
+    def _after_calibrate(self) -> None:
+        self._compressed = True
+
+
+class WandaPruner(_OneShotPruner):
+    """Wanda (Sun et al. 2023): prune the weights with the smallest ``|W_ij| * ||X_j||`` of each output row, from
+    the layer inputs on calibration data; no weight update. Config: ``sparsity`` or ``sparse_pattern``.
+
+    ``p = WandaPruner(model, [{'sparsity': 0.5, 'op_types': ['default']}]); p.calibrate(token_ids)``
+    """
+
+    method = WandaMethod()
+
+
+class SparseGPTPruner(_OneShotPruner):
+    """SparseGPT (Frantar & Alistarh 2023): OBS pruning with weight updates from each layer's Hessian ``XᵀX``.
+    Config: ``sparsity`` or ``sparse_pattern``, ``damp``, ``block_size``, ``mask_scope``."""
+
+    method = SparseGPTMethod()
+    config_keys = ("sparse_pattern", ONESHOT_KEYS["damp"], ONESHOT_KEYS["block_size"], ONESHOT_KEYS["mask_scope"])
+
+
+class _OneShotQuantizer(_OneShot, TfQuantizer):
+    required_keys = ("quant_bits",)
+    supported_quant_types = ("weight",)
+    config_keys: tuple[Any, ...] = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"])
+
+    def __init__(self, model: Any, config_list: list[dict[str, Any]], sequential_targets: Any = None) -> None:
+        self._oneshot_setup(sequential_targets)
+        super().__init__(model, _weight_only(config_list), None)
+
+    def quantize_weight(self, weight: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
+        return tf.identity(weight)  # the kernel holds the dequantized weight once calibrated
+
+    def _write(self, wrapper: QuantizerLayerWrapper, plan: KernelLayout, result: LayerResult) -> None:
+        q = result.quantized
+        kernel = getattr(wrapper.weight, "_value", wrapper.weight)
+        kernel.assign(tf.cast(plan.from_canonical(result.weight), kernel.dtype))
+        code_dtype = tf.int8 if q.spec.symmetric else tf.uint8
+        wrapper.add_state("weight_codes", tf.constant(q.codes), code_dtype)
+        wrapper.add_state("weight_group_scale", tf.constant(q.scale, tf.float64))
+        wrapper.add_state("weight_group_zero_point", tf.constant(np.rint(q.zero_point).astype(np.int32)))
+        wrapper._setattr_raw("weight_group_size", int(q.group_size))
+        if result.scales is not None:
+            wrapper.add_state("awq_scales", tf.constant(result.scales, tf.float64))
+
+    def report(self) -> OneShotReport:
+        """One row per compressed layer (bits, group size, the method's error / alpha)."""
+        return OneShotReport(self.rows)
+
+
+def _weight_only(config_list: Any) -> Any:
+    """Entries without ``quant_types`` quantize weights (``quant_bits: 4`` means ``{'weight': 4}``)."""
+    if not isinstance(config_list, (list, tuple)):
+        return config_list
+    return [{"quant_types": ["weight"], **e} if isinstance(e, Mapping) and "quant_types" not in e
+            and not isinstance(e.get("quant_bits"), Mapping) else e for e in config_list]
+
+
+class GptqQuantizer(_OneShotQuantizer):
+    """GPTQ (Frantar et al. 2022): weight-only quantization (2..8 bits) with OBS error feedback from each layer's
+    Hessian. Config: ``quant_bits``, ``group_size``, ``quant_scheme`` (symmetric / affine), ``damp``,
+    ``block_size``, ``act_order``. A layer pruned before (a pruner's mask on it) keeps its zeros."""
+
+    method = GptqMethod()
+    config_keys = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"], ONESHOT_KEYS["damp"], ONESHOT_KEYS["block_size"],
+                   ONESHOT_KEYS["act_order"])
+
+
+class RtnQuantizer(_OneShotQuantizer):
+    """Round to nearest, weight-only, per group: the baseline; needs no calibration data (``calibrate()``)."""
+
+    method = RtnMethod()
+
+
+class AwqQuantizer(_OneShotQuantizer):
+    """AWQ (Lin et al. 2023): per-input-channel scales ``s`` searched on each layer's output error, then round to
+    nearest; the kernel holds ``Q(W s) / s``. Config: ``quant_bits``, ``group_size``, ``quant_scheme``,
+    ``n_grid``, ``duo_scaling``."""
+
+    method = AwqMethod()
+    config_keys = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"], ONESHOT_KEYS["n_grid"], ONESHOT_KEYS["duo_scaling"])

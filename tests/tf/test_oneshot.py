@@ -1,0 +1,405 @@
+"""One-shot compressors on Keras 3 (issue 25): WandaPruner, SparseGPTPruner, GptqQuantizer, RtnQuantizer,
+AwqQuantizer on a tiny causal LM of our own (Embedding -> 2 x DecoderBlock(LayerNorm, MultiHeadAttention with a
+causal mask, gelu FFN) -> Dense head; vocab 64, width 32), and the calibration data forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+from compressor.core import oneshot as os1  # noqa: E402
+from compressor.core.errors import ConfigError, ModelError  # noqa: E402
+from compressor.tf import (  # noqa: E402
+    AwqQuantizer,
+    GptqQuantizer,
+    LevelPruner,
+    PtqQuantizer,
+    RtnQuantizer,
+    SparseGPTPruner,
+    WandaPruner,
+)
+from compressor.tf.calibration_data import calibration_batches  # noqa: E402
+from compressor.tf.oneshot import _einsum_layout, kernel_layout  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore:.*leaves out weighted layers")]
+
+VOCAB, WIDTH = 64, 32
+DEFAULT = {"op_types": ["default"]}
+
+
+class DecoderBlock(keras.layers.Layer):
+    def __init__(self, width, heads, ffn, **kw):
+        super().__init__(**kw)
+        self.ln1 = keras.layers.LayerNormalization(name="ln1")
+        self.attn = keras.layers.MultiHeadAttention(heads, width // heads, name="attn")
+        self.ln2 = keras.layers.LayerNormalization(name="ln2")
+        self.up = keras.layers.Dense(ffn, activation="gelu", name="up")
+        self.down = keras.layers.Dense(width, name="down")
+
+    def call(self, x, training=False):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, use_causal_mask=True, training=training)
+        return x + self.down(self.up(self.ln2(x)))
+
+
+class TinyLM(keras.Model):
+    def __init__(self, n=2, **kw):
+        super().__init__(**kw)
+        self.embed = keras.layers.Embedding(VOCAB, WIDTH, name="embed")
+        self.decoder = [DecoderBlock(WIDTH, 4, 2 * WIDTH, name=f"block{i}") for i in range(n)]
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.head = keras.layers.Dense(VOCAB, name="head")
+
+    def call(self, ids, training=False):
+        x = self.embed(ids)
+        for b in self.decoder:
+            x = b(x, training=training)
+        return self.head(self.norm(x))
+
+
+RNG = np.random.default_rng(0)
+CALIB = RNG.integers(0, VOCAB, (16, 12)).astype("int32")
+HELD = RNG.integers(0, VOCAB, (8, 12)).astype("int32")
+LAYERS = [f"block{i}/{n}" for i in range(2)
+          for n in ("attn/query", "attn/key", "attn/value", "attn/attention_output", "up", "down")]
+
+
+def lm(seed=0):
+    keras.utils.set_random_seed(seed)
+    m = TinyLM()
+    m(CALIB[:1])
+    return m
+
+
+def err(model, ref):
+    return float(np.mean((model(HELD).numpy() - ref) ** 2))
+
+
+def canon(p, name):
+    w = next(w for w in p.modules_wrapper if w.name == name)
+    return kernel_layout(name, w.layer).to_canonical(w.weight.numpy()), w
+
+
+def test_blocks_are_found_and_the_lm_head_is_left_out():
+    m = lm()
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}])
+    assert p.blocks == ["block0", "block1"]
+    assert p.excluded == ["head"]
+    assert [w.name for w in p.modules_wrapper] == LAYERS
+    assert [w.type for w in p.modules_wrapper][:6] == ["EinsumDense"] * 4 + ["Dense"] * 2
+    q = SparseGPTPruner(lm(), [{"sparsity": 0.5, **DEFAULT}, {"op_names": ["head"], "sparsity": 0.5}])
+    assert q.excluded == [] and q.modules_wrapper[-1].name == "head"  # named: compressed after the blocks
+
+
+def test_sparsegpt_exact_sparsity_and_closer_to_dense_than_magnitude_and_wanda_2_4():
+    m = lm()
+    ref = m(HELD).numpy()
+    dense = m.get_weights()
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False)
+    for name in LAYERS:
+        w, wrapper = canon(p, name)
+        keep = kernel_layout(name, wrapper.layer).to_canonical(wrapper.weight_mask.numpy())
+        assert keep.sum() == keep.size // 2  # exactly 50 % of each layer
+        assert np.all(w[~keep] == 0)
+    e_sgpt = err(m, ref)
+    assert np.isfinite(e_sgpt)
+    p.strip()
+    m.set_weights(dense)
+    LevelPruner(m, [{"sparsity": 0.5, "op_names": LAYERS}]).compress()
+    e_mag = err(m, ref)
+    assert e_sgpt < e_mag
+    m2 = lm()
+    w = WandaPruner(m2, [{"sparse_pattern": "2:4", **DEFAULT}]).calibrate(CALIB, progress=False)
+    for name in LAYERS:
+        wrapper = next(x for x in w.modules_wrapper if x.name == name)
+        keep = kernel_layout(name, wrapper.layer).to_canonical(wrapper.weight_mask.numpy())
+        assert (keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2).all()
+    assert np.isfinite(m2(HELD).numpy()).all()
+
+
+def _inputs_of(model, layer, batches, block0_weights=None):
+    """Float32 inputs of ``layer`` (captured by a test-side wrapped call) on each batch."""
+    seen = []
+    orig = layer.call
+
+    def grab(x, *a, **k):
+        seen.append(np.asarray(x))
+        return orig(x, *a, **k)
+
+    object.__setattr__(layer, "call", grab)
+    try:
+        for b in batches:
+            model(b)
+    finally:
+        object.__delattr__(layer, "call")
+    return seen
+
+
+def test_block_2_statistics_come_from_the_compressed_block_1():
+    m = lm()
+    dense = m.get_weights()
+    w_up = m.decoder[1].up.kernel.numpy()
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False)
+    got = m.decoder[1].up.kernel.numpy()
+    pruned0 = [v.numpy() for v in m.decoder[0].weights]
+    p.strip()
+    batches = [CALIB[:8], CALIB[8:]]
+
+    ref = lm()
+
+    def expected(block0):
+        ref.set_weights(dense)
+        for v, val in zip(ref.decoder[0].weights, block0):
+            v.assign(val)
+        acc = os1.GramAccumulator(WIDTH)
+        for x in _inputs_of(ref, ref.decoder[1].up, batches):
+            acc.add(x.astype(np.float64).reshape(-1, WIDTH))
+        return os1.sparsegpt_prune(w_up.T.astype(np.float64), acc.gram, 0.5).weight.T.astype(np.float32)
+
+    np.testing.assert_array_equal(got, expected(pruned0))  # block 1 calibrated on the COMPRESSED block 0
+    ref.set_weights(dense)
+    dense0 = [v.numpy() for v in ref.decoder[0].weights]
+    assert not np.array_equal(got, expected(dense0))
+
+
+def test_gptq_closer_than_rtn_codes_in_range_and_kernel_is_the_dequantized_grid():
+    m = lm()
+    ref = m(HELD).numpy()
+    dense = m.get_weights()
+    cfg = [{"quant_bits": 4, "group_size": 8, **DEFAULT}]
+    g = GptqQuantizer(m, cfg).calibrate(CALIB, progress=False)
+    e_gptq = err(m, ref)
+    for name in LAYERS:
+        w, wrapper = canon(g, name)
+        codes = wrapper.weight_codes.numpy().astype(np.int64)
+        assert codes.min() >= -7 and codes.max() <= 7 and wrapper.weight_codes.dtype == tf.int8
+        scale = wrapper.weight_group_scale.numpy()
+        assert scale.shape == (w.shape[0], w.shape[1] // 8)
+        deq = codes * np.repeat(scale, 8, axis=1)
+        np.testing.assert_array_equal(w, deq.astype(np.float32))
+    assert {r["bits"] for r in g.report()} == {4}
+    g.strip()
+    m.set_weights(dense)
+    r = RtnQuantizer(m, cfg).calibrate(progress=False)  # RTN needs no data
+    e_rtn = err(m, ref)
+    assert np.isfinite(e_gptq) and e_gptq < e_rtn
+    r.strip()
+    m.set_weights(dense)
+    a = AwqQuantizer(m, [{"quant_bits": 4, "group_size": 8, "quant_scheme": "affine", **DEFAULT}])
+    a.calibrate(CALIB, progress=False)
+    wrapper = a.modules_wrapper[0]
+    assert wrapper.weight_codes.dtype == tf.uint8 and int(wrapper.weight_codes.numpy().max()) <= 15
+    assert wrapper.awq_scales.shape == (WIDTH,) and np.isfinite(m(HELD).numpy()).all()
+
+
+def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
+    m = lm()
+    p = SparseGPTPruner(m, [{"sparse_pattern": "2:4", **DEFAULT}]).calibrate(CALIB, progress=False)
+    zeros = {n: canon(p, n)[0] == 0 for n in LAYERS}
+    q = GptqQuantizer(m, [{"quant_bits": 4, **DEFAULT}]).calibrate(CALIB, progress=False)
+    for n in LAYERS:
+        w, wrapper = canon(q, n)
+        assert np.all(w[zeros[n]] == 0) and np.all(wrapper.weight_codes.numpy()[zeros[n]] == 0)
+        assert (w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max() <= 2
+
+
+class Inner(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.proj = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 3, 5), name="proj")
+        self.out = keras.layers.EinsumDense("abcd,cde->abe", output_shape=(None, 8), name="out")
+
+    def call(self, x):
+        return self.out(self.proj(x))
+
+
+class Outer(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.inner = Inner(name="inner")
+
+    def call(self, x):
+        return self.inner(x)
+
+
+def test_einsum_dense_nested_in_subclassed_layers_layout_and_gptq():
+    keras.utils.set_random_seed(1)
+    m = keras.Sequential([keras.Input((6, 8)), Outer(name="outer")])
+    x = np.random.default_rng(1).normal(size=(10, 6, 8)).astype("float32")
+    proj = m.layers[0].inner.proj
+    plan = kernel_layout("p", proj)
+    assert (plan.n_out, plan.n_in) == (15, 8)
+    wc = plan.to_canonical(proj.kernel.numpy())
+    np.testing.assert_allclose(proj(x).numpy().reshape(-1, 15), x.reshape(-1, 8) @ wc.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(plan.from_canonical(wc), proj.kernel.numpy())
+    out_plan = kernel_layout("o", m.layers[0].inner.out)
+    assert (out_plan.n_out, out_plan.n_in) == (8, 15)
+    assert _einsum_layout("k", "abc,dce->abde", (2, 8, 5)).perm == (0, 2, 1)  # [out d, out e, in c]
+    with pytest.raises(ConfigError, match="EinsumDense.*equation 'abc,bd->acd'.*trailing axes"):
+        _einsum_layout("bad", "abc,bd->acd", (6, 5))  # contracts a middle axis of the input
+    w_proj = wc.copy()
+    g = GptqQuantizer(m, [{"quant_bits": 4, **DEFAULT}]).calibrate(x, progress=False)
+    assert [w.name for w in g.modules_wrapper] == ["outer/inner/proj", "outer/inner/out"]
+    assert g.blocks == []  # no repeated layers: one pass of the whole model
+    acc = os1.GramAccumulator(8)
+    for i in range(0, 10, 8):
+        acc.add(x[i:i + 8].astype(np.float64).reshape(-1, 8))
+    ref = os1.gptq_quantize(w_proj, acc.gram, os1.QuantSpec(4))
+    np.testing.assert_array_equal(plan.to_canonical(proj.kernel.numpy()), ref.dequantized.astype(np.float32))
+
+
+def test_calibration_data_forms():
+    y = np.zeros((16,), "int32")
+    ds = tf.data.Dataset.from_tensor_slices(CALIB).batch(8)
+    forms = [CALIB, list(CALIB.reshape(2, 8, 12)), tf.constant(CALIB), (CALIB, y), ds,
+             tf.data.Dataset.from_tensor_slices((CALIB, y)).batch(8),
+             tf.data.Dataset.from_tensor_slices((CALIB, y, y)).batch(8), [(CALIB[:8], y[:8]), (CALIB[8:], y[8:])]]
+    for data in forms:
+        got = list(calibration_batches(data, what="t", batch_size=8))
+        assert [b.shape[0] for b in got] == [8, 8]
+        np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in got]), CALIB)
+    cut = list(calibration_batches(ds, what="t", num_samples=11))  # the last batch is cut
+    assert [b.shape[0] for b in cut] == [8, 3]
+    # dicts (keras-hub style named inputs) are split into batches like arrays
+    d = {"token_ids": CALIB, "padding_mask": np.ones_like(CALIB, bool)}
+    got = list(calibration_batches(d, what="t", batch_size=8, num_samples=12))
+    assert [sorted(b) for b in got] == [["padding_mask", "token_ids"]] * 2
+    assert [b["token_ids"].shape[0] for b in got] == [8, 4]
+    with pytest.raises(ConfigError, match="calibration batch 1 is empty"):
+        list(calibration_batches([CALIB, CALIB[:0]], what="t"))
+    with pytest.raises(ConfigError, match="must be a tensor / numpy array of samples.*got int"):
+        calibration_batches(3, what="t")
+
+    def masks(data, **kw):  # end to end: the same statistics whatever the form
+        m = lm()
+        p = WandaPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(data, progress=False, **kw)
+        return [w.weight_mask.numpy() for w in p.modules_wrapper]
+
+    want = masks(CALIB)
+    for a, b in zip(masks(tf.data.Dataset.from_tensor_slices((np.concatenate([CALIB, HELD]), np.zeros(24), np.ones(24)))
+                          .batch(5), num_samples=16), want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dict_input_functional_model():
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    mask = keras.Input((None,), dtype="bool", name="padding_mask")
+    keras.utils.set_random_seed(2)
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    x = keras.layers.Dense(WIDTH, name="d1")(x)
+    x = keras.layers.Dense(WIDTH, name="d2")(x)
+    x = keras.ops.where(keras.ops.expand_dims(mask, -1), x, 0.0)
+    m = keras.Model({"token_ids": ids, "padding_mask": mask}, keras.layers.Dense(VOCAB, name="lm")(x))
+    data = {"token_ids": CALIB, "padding_mask": np.ones_like(CALIB, bool)}
+    p = SparseGPTPruner(m, [{"sparsity": 0.25, **DEFAULT}]).calibrate(data, progress=False)
+    assert [w.name for w in p.modules_wrapper] == ["d1", "d2"] and p.excluded == ["lm"]
+    assert all(float(np.mean(w.weight_mask.numpy())) == 0.75 for w in p.modules_wrapper)
+
+
+def test_errors_before_the_model_changes():
+    m = lm()
+    before = [v.numpy().copy() for v in m.weights]
+    checks = [
+        (ModelError, r"no layer of these classes; its layers with sub-layers are .*DecoderBlock",
+         lambda: SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}], sequential_targets=["TransformerDecoder"])),
+        (ConfigError, r"selects no layer.*Layer types in the model: \[.*'Dense'",
+         lambda: SparseGPTPruner(m, [{"sparsity": 0.5, "op_types": ["Conv2D"]}])),
+        (ConfigError, "only the LM head",
+         lambda: RtnQuantizer(m, [{"quant_bits": 4, **DEFAULT}, {"op_names": LAYERS, "exclude": True}])),
+        (ConfigError, "not a multiple of M=5", lambda: SparseGPTPruner(m, [{"sparse_pattern": "1:5", **DEFAULT}])),
+        (ConfigError, "quant_bits 2..8", lambda: GptqQuantizer(m, [{"quant_bits": 1, **DEFAULT}])),
+        (ConfigError, "quant_scheme", lambda: GptqQuantizer(m, [{"quant_bits": 4, "quant_scheme": "weird", **DEFAULT}])),
+        (ConfigError, "damp", lambda: SparseGPTPruner(m, [{"sparsity": 0.5, "damp": 2.0, **DEFAULT}])),
+        (ConfigError, "sequential_targets", lambda: WandaPruner(m, [{"sparsity": 0.5, **DEFAULT}], sequential_targets=[3])),
+    ]
+    for exc, match, make in checks:
+        with pytest.raises(exc, match=match):
+            make()
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}])
+    bad = CALIB.astype("float32")
+    bad[11, 2] = np.nan
+    with pytest.raises(ConfigError, match="calibration batch 1 contains NaN or inf"):
+        p.calibrate(bad, progress=False)
+    with pytest.raises(ConfigError, match="calibration data is empty"):
+        p.calibrate([], progress=False)
+    with pytest.raises(ConfigError, match="needs calibration data"):
+        p.calibrate(progress=False)
+    with pytest.raises(ModelError, match="refused calibration batch 0"):
+        p.calibrate(np.zeros((4, 3, 2, 1), "float32"), progress=False)
+    for v, b in zip(m.weights, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert all(bool(np.all(w.weight_mask.numpy())) for w in p.modules_wrapper)
+    # every call wrapped for calibration is restored after the errors (only the pruner's own wrapper remains)
+    assert all("call" not in vars(b) and "quantized_call" not in vars(b) for b in m.decoder)
+    assert all(vars(w.layer)["call"] == w._call and "quantized_call" not in vars(w.layer) for w in p.modules_wrapper)
+
+
+class Parallel(keras.Model):
+    """Two blocks of one class applied to the SAME input: not a chain."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.embed = keras.layers.Embedding(VOCAB, WIDTH)
+        self.a = DecoderBlock(WIDTH, 4, WIDTH, name="a")
+        self.b = DecoderBlock(WIDTH, 4, WIDTH, name="b")
+
+    def call(self, ids):
+        x = self.embed(ids)
+        return self.a(x) + self.b(x)
+
+
+def test_repeated_layers_that_are_not_a_chain():
+    keras.utils.set_random_seed(3)
+    m = Parallel()
+    m(CALIB[:1])
+    p = WandaPruner(m, [{"sparsity": 0.5, **DEFAULT}])
+    assert p.blocks == ["a", "b"]
+    with pytest.warns(RuntimeWarning, match="not a chain of blocks.*whole model in one pass"):
+        p.calibrate(CALIB, progress=False)
+    assert all(float(np.mean(w.weight_mask.numpy())) == 0.5 for w in p.modules_wrapper)
+    m2 = Parallel()
+    m2(CALIB[:1])
+    before = [v.numpy().copy() for v in m2.weights]
+    with pytest.raises(ModelError, match="cannot be calibrated one after the other"):
+        WandaPruner(m2, [{"sparsity": 0.5, **DEFAULT}], sequential_targets="DecoderBlock").calibrate(CALIB, progress=False)
+    for v, b in zip(m2.weights, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_ptq_calibrate_takes_the_same_forms():
+    keras.utils.set_random_seed(4)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")])
+    x = np.random.default_rng(4).normal(size=(20, 8)).astype("float32")
+    cfg = [{"quant_types": ["weight", "input"], "quant_bits": 8, "op_types": ["Dense"]}]
+    a = PtqQuantizer(m, cfg).calibrate(x).get_modules_wrapper()[0].input_scale.numpy()
+    m2 = keras.models.clone_model(m)
+    m2.set_weights(m.get_weights())
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1], x[:, 0])).batch(7)  # (x, y, sample_weight)
+    b = PtqQuantizer(m2, cfg).calibrate(ds).get_modules_wrapper()[0].input_scale.numpy()
+    np.testing.assert_array_equal(a, b)
+    bad = x.copy()
+    bad[5, 1] = np.inf
+    m3 = keras.models.clone_model(m)
+    with pytest.raises(ConfigError, match="contains NaN or inf"):
+        PtqQuantizer(m3, cfg).calibrate(bad)
+
+
+def test_exported_keras_files_compute_what_the_compressed_model_computes(tmp_path):
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    keras.utils.set_random_seed(5)
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    x = keras.layers.Dense(2 * WIDTH, activation="gelu", name="up")(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, WIDTH), name="down")(x)
+    m = keras.Model(ids, keras.layers.Dense(VOCAB, name="lm")(x))
+    SparseGPTPruner(m, [{"sparse_pattern": "2:4", **DEFAULT}]).calibrate(CALIB, progress=False)
+    q = GptqQuantizer(m, [{"quant_bits": 4, "group_size": 16, **DEFAULT}]).calibrate(CALIB, progress=False)
+    want = m(HELD).numpy()
+    q.export_model(str(tmp_path / "q.keras"))
+    loaded = keras.saving.load_model(str(tmp_path / "q.keras"))
+    np.testing.assert_array_equal(loaded(HELD).numpy(), want)
+    k = loaded.get_layer("down").kernel.numpy()  # [in, out]: 2:4 along the input axis, 4-bit grid per group
+    assert ((k.T.reshape(WIDTH, -1, 4) != 0).sum(-1) <= 2).all()
+    assert max(len(np.unique(k[g * 16:(g + 1) * 16, j])) for g in range(4) for j in range(WIDTH)) <= 15
