@@ -3,8 +3,8 @@
 One line per owner so parallel work does not collide; becomes "all of core.algorithms" when complete.
 """
 
-TORCH_PRUNERS: set[str] = {"LevelPruner", "AGPPruner", "SensitivityPruner", "SlimPruner", "L1FilterPruner", "L2FilterPruner", "FPGMPruner", "ActivationAPoZRankFilterPruner", "ActivationMeanRankFilterPruner", "TaylorFOWeightFilterPruner", "LotteryTicketPruner"}
-TORCH_QUANTIZERS: set[str] = {"NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer"}
+TORCH_PRUNERS: set[str] = {"WandaPruner", "SparseGPTPruner", "LevelPruner", "AGPPruner", "SensitivityPruner", "SlimPruner", "L1FilterPruner", "L2FilterPruner", "FPGMPruner", "ActivationAPoZRankFilterPruner", "ActivationMeanRankFilterPruner", "TaylorFOWeightFilterPruner", "LotteryTicketPruner"}
+TORCH_QUANTIZERS: set[str] = {"GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer"}
 TF_PRUNERS: set[str] = {"LevelPruner", "AGPPruner", "SensitivityPruner", "SlimPruner", "L1FilterPruner", "L2FilterPruner", "FPGMPruner", "ActivationAPoZRankFilterPruner", "ActivationMeanRankFilterPruner", "TaylorFOWeightFilterPruner", "LotteryTicketPruner"}
 TF_QUANTIZERS: set[str] = {"NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer"}
 

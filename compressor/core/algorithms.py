@@ -12,8 +12,11 @@ PRUNERS = (
     "ActivationMeanRankFilterPruner",
     "TaylorFOWeightFilterPruner",
     "LotteryTicketPruner",
+    "WandaPruner",
+    "SparseGPTPruner",
 )
-QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer")
+QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer",
+              "GptqQuantizer", "RtnQuantizer", "AwqQuantizer")
 
 
 def register_builtins(registry, backend: str, module: str, implemented=None) -> None:

@@ -19,6 +19,7 @@ from .filters import (
 from .level import LevelPruner, LevelPrunerMasker
 from .lottery import LotteryTicketPruner
 from .masker import WeightMasker
+from .oneshot import SparseGPTPruner, WandaPruner
 from .pruner import OneShotPruner, Pruner, TorchPruner
 from .report import SparsityReport
 from .sensitivity import SensitivityPruner
@@ -33,5 +34,5 @@ __all__ = [
     "LevelPrunerMasker", "LotteryTicketPruner", "OneShotPruner", "Pruner", "PrunerModuleWrapper",
     "SensitivityPruner", "SlimPruner", "SlimPrunerMasker", "SparsityReport", "TaylorFOWeightFilterPruner",
     "TaylorFOWeightFilterPrunerMasker", "TorchPruner", "WeightMasker", "apply_compression_results",
-    "unwrapped_model", "unwrapped_state_dict",
+    "unwrapped_model", "unwrapped_state_dict", "WandaPruner", "SparseGPTPruner",
 ]
