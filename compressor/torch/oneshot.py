@@ -114,23 +114,26 @@ def _head(args: tuple, kwargs: dict[str, Any], n: int, size: int) -> tuple[tuple
 
 
 def calibration_batches(data: Any, what: str, *, num_samples: int | None = None, num_batches: int | None = None,
-                        positional: int | None = None, expected: str | None = None,
-                        ) -> Iterator[tuple[int, tuple, dict[str, Any]]]:
+                        positional: int | None = None, expected: str | None = None, hint: str | None = None,
+                        tuple_is_batch: bool = True) -> Iterator[tuple[int, tuple, dict[str, Any]]]:
     """``(index, args, kwargs)`` per calibration batch of ``data``: a tensor, a dict / ``BatchEncoding``, a
     tuple, or a DataLoader / list / any iterable of those (see :func:`forward_inputs` for ``positional``).
 
     ``num_batches`` stops after that many batches; ``num_samples`` after that many sequences (the leading
     axis of the batch's tensors; the last batch is cut). A floating tensor with NaN / inf is a
-    :class:`ConfigError` naming the batch; no data at all is a ConfigError once the data is exhausted."""
+    :class:`ConfigError` naming the batch; no data at all is a ConfigError once the data is exhausted.
+    ``hint``: what the no-data errors tell the user to do; ``tuple_is_batch``: ``data`` given as a tuple is one
+    batch of positional inputs (False: an iterable of batches)."""
+    hint = hint or f"give a few hundred sequences as {_FORMS}"
     for key, v in (("num_samples", num_samples), ("num_batches", num_batches)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
             raise ConfigError(f"{what}: {key} must be a positive int or None, got {v!r}")
     if data is None:
-        raise ConfigError(f"{what}: no calibration data given; give {_FORMS}")
-    if torch.is_tensor(data) or isinstance(data, Mapping) or isinstance(data, tuple):
+        raise ConfigError(f"{what}: no calibration data given; {hint}")
+    if torch.is_tensor(data) or isinstance(data, Mapping) or (tuple_is_batch and isinstance(data, tuple)):
         data = [data]
     elif not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
-        raise ConfigError(f"{what}: calibration data must be {_FORMS}; got {type(data).__name__}")
+        raise ConfigError(f"{what}: calibration data must be {expected or _FORMS}, got {type(data).__name__}; {hint}")
     seen = samples = 0
     for i, batch in enumerate(data):
         if (num_batches is not None and seen >= num_batches) or (num_samples is not None and samples >= num_samples):
@@ -148,7 +151,7 @@ def calibration_batches(data: Any, what: str, *, num_samples: int | None = None,
         seen += 1
         yield i, args, kwargs
     if seen == 0:
-        raise ConfigError(f"{what}: the calibration data yielded no batch; give a few hundred sequences as {_FORMS}")
+        raise ConfigError(f"{what}: the calibration data yielded no batch; {hint}")
 
 
 # ------------------------------------------------------------------------------------------------ blocks
