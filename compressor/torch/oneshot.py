@@ -426,6 +426,8 @@ def _check_targets(model: nn.Module, targets: Any, what: str) -> list[str] | Non
 
 def _is_output_embedding(model: nn.Module, module: nn.Module, name: str, embeddings: set[int]) -> bool:
     layer = innermost_module(module)
+    if isinstance(layer, nn.Embedding):
+        return False
     get = getattr(model, "get_output_embeddings", None)
     if callable(get):
         try:

@@ -69,9 +69,13 @@ class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
         super().__init__(model, _weight_only(config_list))
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
-        for c in config_list:
-            if not c["exclude"]:
-                quant_spec_of(c, type(self).__name__)
+        for i, c in enumerate(config_list):
+            if c["exclude"]:
+                continue
+            if c.get("quant_types") != ["weight"]:
+                raise ConfigError(f"config_list[{i}]: {type(self).__name__} quantizes weights only: quant_types must be "
+                                  f"['weight'] (or left out), got {c.get('quant_types')}")
+            quant_spec_of(c, type(self).__name__)
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
         spec = quant_spec_of(wrapper.config, type(self).__name__)
