@@ -323,17 +323,25 @@ class TorchOneShotBackend:
         handles = []
         if not observe:
             return handles
+        last: list[Any] = [None, -1, None]  # (tensor, version, its rows): q / k / v read one hidden state
+
+        def rows(t: torch.Tensor) -> np.ndarray:
+            if last[0] is t and last[1] == t._version:
+                return last[2]
+            x = t.detach()
+            k = keep()
+            if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
+                x = x[k.to(x.device)]
+            last[:] = [t, t._version, x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
+            return last[2]
+
         for w in self.wrappers:
             fn = observe.get(w.name)
             if fn is None:
                 continue
 
             def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn) -> None:
-                x = args[0].detach()
-                k = keep()
-                if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
-                    x = x[k.to(x.device)]
-                fn(x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1]))
+                fn(rows(args[0]))
 
             handles.append(w.register_forward_pre_hook(pre))
         return handles

@@ -213,6 +213,8 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     p = make(SparseGPTPruner, model, {"sparsity": 0.5})
     target = model.model.layers[1].self_attn.q_proj  # the wrapper
     w_before = target.weight.detach().double().numpy().copy()
+    value = model.model.layers[1].self_attn.v_proj  # reads the same hidden state (its rows are converted once)
+    v_before = value.weight.detach().double().numpy().copy()
     seen = []
     h = target.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
     p.calibrate(calib, progress=False)
@@ -238,6 +240,8 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     ref = os1.sparsegpt_prune(w_before, acc.gram, 0.5)
     np.testing.assert_array_equal(target.weight_mask.numpy(), ref.mask)
     np.testing.assert_array_equal(target.weight.detach().numpy(), ref.weight.astype(np.float32))
+    np.testing.assert_array_equal(value.weight.detach().numpy(),
+                                  os1.sparsegpt_prune(v_before, acc.gram, 0.5).weight.astype(np.float32))
 
 
 def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
