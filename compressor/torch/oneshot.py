@@ -220,6 +220,13 @@ def _hidden_of(output: Any) -> torch.Tensor:
                      f"(a tensor) or a tuple whose first element is it")
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor (torch.inference_mode) has no version counter
+        return -1
+
+
 def _keep_mask(kwargs: dict[str, Any]) -> torch.Tensor | None:
     m = kwargs.get("attention_mask")
     if torch.is_tensor(m) and m.dim() == 2 and not m.is_floating_point():
@@ -261,6 +268,7 @@ class TorchOneShotBackend:
         except (TypeError, ValueError):
             params = {}
         self._no_cache = "use_cache" in params
+        self._shared: dict[str, str] = {}
 
     # ---- structure
     def blocks(self) -> list[tuple[str, nn.Module]]:
@@ -324,27 +332,69 @@ class TorchOneShotBackend:
         if not observe:
             return handles
         last: list[Any] = [None, -1, None]  # (tensor, version, its rows): q / k / v read one hidden state
+        fed: dict[str, Any] = {}  # layer -> the input it got last
+        shared = self._shared
 
         def rows(t: torch.Tensor) -> np.ndarray:
-            if last[0] is t and last[1] == t._version:
+            if last[0] is t and last[1] == _version(t):
                 return last[2]
             x = t.detach()
             k = keep()
             if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
                 x = x[k.to(x.device)]
-            last[:] = [t, t._version, x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
+            last[:] = [t, _version(t), x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
             return last[2]
 
         for w in self.wrappers:
             fn = observe.get(w.name)
-            if fn is None:
+            lead = shared.get(w.name)
+            if fn is not None:
+                def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn, name: str = w.name) -> None:
+                    fed[name] = args[0]
+                    fn(rows(args[0]))
+            elif lead is not None and lead in observe:
+                def pre(module: nn.Module, args: tuple, lead: str = lead, name: str = w.name) -> None:
+                    if fed.get(lead) is not args[0]:
+                        raise ModelError(f"{self.what}.calibrate: layer {name!r} read the same input as {lead!r} on "
+                                         f"the first calibration batch but not on a later one (data-dependent "
+                                         f"control flow?); their statistics cannot be shared")
+            else:
                 continue
-
-            def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn) -> None:
-                fn(rows(args[0]))
-
             handles.append(w.register_forward_pre_hook(pre))
         return handles
+
+    def shared_inputs(self, block: nn.Module, inputs: list[_Input], tasks: list[LayerTask]) -> dict[str, str]:
+        """``{layer: earlier layer}`` for the block's layers that read the very same tensor as an earlier one on
+        every call (q / k / v, gate / up), seen on the first calibration batch (one extra run of the block);
+        they share one accumulator (the later calls are checked)."""
+        self._shared = {}
+        if not inputs:
+            return {}
+        names = [t.name for t in tasks]
+        calls: dict[str, list[tuple[int, int]]] = {}
+        first: dict[str, int] = {}
+        alive: list[Any] = []  # keeps the inputs alive, so ids stay unique during the probe
+        handles = []
+        for w in self.wrappers:
+            if w.name in names:
+                def pre(module: nn.Module, args: tuple, name: str = w.name) -> None:
+                    alive.append(args[0])
+                    first.setdefault(name, len(alive))
+                    calls.setdefault(name, []).append((id(args[0]), _version(args[0])))
+                handles.append(w.register_forward_pre_hook(pre))
+        try:
+            block(*inputs[0].args, **inputs[0].kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        out: dict[str, str] = {}
+        order = sorted(calls, key=lambda n: first[n])  # the leader is the layer called first (OPT: q before k)
+        for i, n in enumerate(order):
+            lead = next((m for m in order[:i] if m not in out and calls[m] == calls[n]), None)
+            if lead is not None:
+                out[n] = lead
+        self._shared = out
+        return out
 
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
@@ -360,6 +410,8 @@ class TorchOneShotBackend:
         finally:
             for h in handles:
                 h.remove()
+            if observe is not None:
+                self._shared = {}
         return outs
 
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:

@@ -63,6 +63,9 @@ FAMILIES = {
     "opt": (opt, ["model.decoder.layers.0", "model.decoder.layers.1"], 6),
 }
 ALL = [{"op_types": ["default"]}]
+_QKV = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj"}
+SHARED = {"llama": {**_QKV, "mlp.up_proj": "mlp.gate_proj"}, "qwen2": {**_QKV, "mlp.up_proj": "mlp.gate_proj"},
+          "gpt2": {}, "opt": _QKV}
 
 
 def build(family, seed=0):
@@ -117,6 +120,11 @@ def test_blocks_are_found_without_naming_the_family_and_the_head_is_left_out(fam
     assert be.block_layers(None) == []
     block_class = type(be.blocks()[0][1]).__name__
     assert [n for n, _ in TorchOneShotBackend(p, [block_class]).blocks()] == paths
+    # layers reading the very same hidden state share one accumulator (the first one called leads)
+    name, block = be.blocks()[0]
+    first = be.first_inputs([((batches(1)[0],), {"use_cache": False})])
+    shared = {k[len(name) + 1:]: v[len(name) + 1:] for k, v in be.shared_inputs(block, first, be.block_layers(block)).items()}
+    assert shared == SHARED[family]
 
 
 def test_named_head_is_compressed_outside_the_blocks_and_a_model_without_blocks_is_one_pass():
@@ -140,6 +148,41 @@ def test_named_head_is_compressed_outside_the_blocks_and_a_model_without_blocks_
     q.calibrate([torch.randn(5, 8) for _ in range(3)], progress=False)
     assert [r["block"] for r in q.oneshot_rows] == ["", ""]
     assert len(torch.unique(mlp[0].weight[0])) <= 15
+
+
+def test_a_layer_that_stops_sharing_its_leaders_input_is_an_error():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x if x.shape[0] == 2 else x.clone())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for blk in self.layers:
+                x = blk(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    p = GptqQuantizer(model, [{"quant_bits": 4, "op_types": ["default"]}])
+    be = TorchOneShotBackend(p, None)
+    assert be.shared_inputs(model.layers[0], be.first_inputs([((torch.randn(2, 4),), {})]),
+                            be.block_layers(model.layers[0])) == {"layers.0.b": "layers.0.a"}
+    p.calibrate([torch.randn(2, 4), torch.randn(2, 4)], progress=False)  # shared on every batch: fine
+    other = Net()
+    q = GptqQuantizer(other, [{"quant_bits": 4, "op_types": ["default"]}])
+    before = state(other)
+    with pytest.raises(ModelError, match=r"layer 'layers.0.b' read the same input as 'layers.0.a' on the first "
+                                         r"calibration batch but not on a later one"):
+        q.calibrate([torch.randn(2, 4), torch.randn(3, 4)], progress=False)
+    assert same_state(other, before)
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -219,7 +262,9 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     h = target.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
     p.calibrate(calib, progress=False)
     h.remove()
-    assert len(seen) == len(calib)  # block 1 (the last) ran once, observed; no extra output pass
+    # block 1 (the last) ran on batch 0 (which layers share an input), then once observed; no output pass
+    assert len(seen) == 1 + len(calib) and torch.equal(seen[0], seen[1])
+    seen = seen[1:]
 
     def inputs_of(m):
         got = []
