@@ -38,7 +38,8 @@ from torch import nn
 
 from ..core.config import KeySpec
 from ..core.errors import ConfigError, ModelError
-from ..core.sequential import LayerResult, LayerTask, OneShotMethod, run_sequential
+from ..core.matching import type_names
+from ..core.sequential import ONESHOT_KEYS, LayerResult, LayerTask, OneShotMethod, run_sequential
 from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
 from .modules import innermost_module
 
@@ -533,7 +534,7 @@ class OneShotMixin:
             if info.name in cfg.get("op_names", ()):
                 out.append((info, cfg))
                 continue
-            typed = any(t != "default" and info.type in _type_names(t) for t in cfg.get("op_types", ()))
+            typed = any(t != "default" and info.type in type_names(t) for t in cfg.get("op_types", ()))
             if not typed and in_out_features(module) is None:
                 continue  # 'default' = Linear-like layers (a torch nn.Conv1d shares the alias Conv1D)
             if _is_output_embedding(model, module, info.name, embeddings):
@@ -588,14 +589,6 @@ class OneShotMixin:
         return self
 
 
-def _type_names(t: str) -> frozenset[str]:
-    from ..core.matching import type_names
-
-    return type_names(t)
-
-
 def oneshot_key_specs(*names: str) -> tuple[KeySpec, ...]:
     """The :data:`~compressor.core.sequential.ONESHOT_KEYS` specs of ``names``."""
-    from ..core.sequential import ONESHOT_KEYS
-
     return tuple(ONESHOT_KEYS[n] for n in names)
