@@ -18,8 +18,11 @@ PRUNERS = (
     "ActivationMeanRankFilterPruner",
     "TaylorFOWeightFilterPruner",
     "LotteryTicketPruner",
+    "WandaPruner",
+    "SparseGPTPruner",
 )
-QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer")
+QUANTIZERS = ("NaiveQuantizer", "QAT_Quantizer", "DoReFaQuantizer", "BNNQuantizer", "LsqQuantizer", "PtqQuantizer",
+              "GptqQuantizer", "RtnQuantizer", "AwqQuantizer")
 
 
 #: The public names both backends' ``pruning`` packages export, by the submodule that defines them (in

@@ -134,7 +134,11 @@ class LayerResult:
 
 
 class OneShotBackend(Protocol):
-    """What :func:`run_sequential` asks a backend. Inputs / outputs of blocks are opaque to the driver."""
+    """What :func:`run_sequential` asks a backend. Inputs / outputs of blocks are opaque to the driver.
+
+    Optional: ``shared_inputs(block, inputs, tasks) -> {layer: earlier layer}`` names the layers of a block
+    that read the very same input as an earlier one (q / k / v, gate / up); they then share its accumulator
+    (equal statistics, computed once) and are not passed to ``observe``."""
 
     def blocks(self) -> Sequence[tuple[str, Any]]:
         """The repeated blocks (decoder layers) in execution order, ``(path, block)``; empty: no blocks."""
@@ -302,9 +306,27 @@ def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list
         rows.append(row)
 
 
-def _observers(method: OneShotMethod, tasks: list[LayerTask]) -> tuple[dict[str, os1.GramAccumulator], dict[str, Callable]]:
-    accs = {t.name: os1.GramAccumulator(t.in_features, gram=method.statistics == "gram") for t in tasks}
-    return accs, {n: a.add for n, a in accs.items()}
+def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, str] | None = None
+               ) -> tuple[dict[str, os1.GramAccumulator], dict[str, Callable]]:
+    """One accumulator per layer; a layer in ``shared`` (``{layer: earlier layer that reads the same input}``,
+    e.g. k / v -> q) gets the earlier layer's accumulator and is not observed (its statistics are equal)."""
+    accs: dict[str, os1.GramAccumulator] = {}
+    observe: dict[str, Callable] = {}
+    for t in tasks:
+        lead = (shared or {}).get(t.name)
+        if lead in accs and accs[lead].in_features == t.in_features:
+            accs[t.name] = accs[lead]
+        else:
+            accs[t.name] = os1.GramAccumulator(t.in_features, gram=method.statistics == "gram")
+            observe[t.name] = accs[t.name].add
+    return accs, observe
+
+
+def _shared_inputs(backend: OneShotBackend, block: Any, inputs: list[Any], tasks: list[LayerTask]) -> dict[str, str] | None:
+    """The backend's ``shared_inputs(block, inputs, tasks)`` if it has one (optional: layers that read the very
+    same input tensor share one accumulator, computed once)."""
+    fn = getattr(backend, "shared_inputs", None)
+    return fn(block, inputs, tasks) if fn is not None else None
 
 
 def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
@@ -330,7 +352,7 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
             if inputs is None:
                 inputs = backend.first_inputs(batches)
             if tasks:
-                accs, observe = _observers(method, tasks)
+                accs, observe = _observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)
                 _compress_layers(backend, method, tasks, accs, rows, name)
             if i + 1 < total:  # the compressed block's outputs feed the next block

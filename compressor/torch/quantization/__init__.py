@@ -9,6 +9,7 @@ from .dorefa import DoReFaQuantizer
 from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
 from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TorchQuantizer
@@ -16,5 +17,6 @@ from .wrapper import QuantizerModuleWrapper
 
 __all__ = [
     "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
-    "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer",
+    "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer", "GptqQuantizer",
+    "RtnQuantizer", "AwqQuantizer",
 ]

@@ -43,9 +43,8 @@ saved after calibration restores a calibrated quantizer.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -282,22 +281,20 @@ class PtqQuantizer(QAT_Quantizer):
             self._calibrating, self._act_observers = saved
 
     # ------------------------------------------------------------------ calibration
-    def _batches(self, data: Any, num_batches: int | None) -> Iterator[tuple[int, Any]]:
-        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, numbers.Integral)
-                                        or num_batches < 1):
-            raise ConfigError(f"PtqQuantizer.calibrate: num_batches must be a positive int or None, got {num_batches!r}")
-        if data is None:
-            raise ConfigError(f"PtqQuantizer.calibrate: no data given; {_NO_DATA} (a DataLoader, an iterable of "
-                              f"tensors, dicts or (x, y) tuples, or one tensor / dict)")
-        if torch.is_tensor(data) or isinstance(data, Mapping):
-            data = [data]
-        elif not isinstance(data, Iterable):
-            raise ConfigError(f"PtqQuantizer.calibrate: data must be a DataLoader, an iterable of batches, a tensor "
-                              f"or a dict of model inputs, got {type(data).__name__}; {_NO_DATA}")
-        for i, batch in enumerate(data):
-            if num_batches is not None and i >= num_batches:
-                return
-            yield i, self._forward_inputs(i, batch)
+    def _batches(self, data: Any, num_batches: int | None, num_samples: int | None = None) -> Iterator[tuple[int, Any]]:
+        """``(index, (args, kwargs))`` per batch, by the shared calibration-data rule
+        (:func:`compressor.torch.oneshot.calibration_batches`; NaN / inf inputs are refused)."""
+        from ..oneshot import calibration_batches
+
+        for i, args, kwargs in calibration_batches(
+                data, "PtqQuantizer.calibrate", num_batches=num_batches, num_samples=num_samples,
+                positional=self._positional(), expected=self._expected(), tuple_is_batch=False,
+                hint=f"{_NO_DATA} (a DataLoader, an iterable of tensors, dicts or (x, y) tuples, or one tensor / dict)"):
+            yield i, (args, kwargs)
+
+    def _positional(self) -> int:
+        d = self.dummy_input
+        return len(d) if isinstance(d, (tuple, list)) and len(d) >= 2 else 1
 
     def _forward_inputs(self, i: int, batch: Any) -> tuple[tuple, dict[str, Any]]:
         """``(args, kwargs)`` of the forward for one batch. The rule: a tensor is the one positional input; a
@@ -305,31 +302,9 @@ class PtqQuantizer(QAT_Quantizer):
         -- its first element is the input (a tensor, a dict, or a tuple of positional inputs), the rest (labels)
         is ignored -- except when ``dummy_input`` is a tuple of n >= 2 positional inputs: then its first n
         elements are the positional inputs."""
-        if torch.is_tensor(batch):
-            return (batch,), {}
-        if isinstance(batch, Mapping):
-            bad = [k for k in batch if not isinstance(k, str)]
-            if bad:
-                raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a dict with non-string keys {bad!r}; a dict "
-                                 f"batch maps the forward's keyword-argument names to inputs")
-            return (), dict(batch)
-        if isinstance(batch, (tuple, list)):
-            if not batch:
-                raise ModelError(f"PtqQuantizer.calibrate: batch {i} is an empty {type(batch).__name__}; "
-                                 f"expected {self._expected()}")
-            d = self.dummy_input
-            if isinstance(d, (tuple, list)) and len(d) >= 2:
-                if len(batch) < len(d):
-                    raise ModelError(f"PtqQuantizer.calibrate: batch {i} has {len(batch)} elements, dummy_input "
-                                     f"{len(d)} positional inputs; expected {self._expected()}")
-                return tuple(batch[: len(d)]), {}
-            first = batch[0]
-            if isinstance(first, (tuple, list)):
-                return tuple(first), {}
-            if torch.is_tensor(first) or isinstance(first, Mapping):
-                return self._forward_inputs(i, first)
-            batch = first
-        raise ModelError(f"PtqQuantizer.calibrate: batch {i} is a {type(batch).__name__}, expected {self._expected()}")
+        from ..oneshot import forward_inputs
+
+        return forward_inputs(batch, i, "PtqQuantizer.calibrate", self._positional(), self._expected())
 
     def _expected(self) -> str:
         d = self.dummy_input
@@ -341,9 +316,10 @@ class PtqQuantizer(QAT_Quantizer):
             return f"a tuple of {len(d)} positional inputs like dummy_input"
         return "a model input: a tensor, a dict of keyword inputs, or an (x, y) tuple"
 
-    def calibrate(self, data: Any, num_batches: int | None = None) -> PtqQuantizer:
-        """Observe ``data`` (DataLoader / iterable of tensors or ``(x, y, ...)`` tuples / one tensor; at most
-        ``num_batches`` batches) in eval mode without gradients, then freeze every scale and zero point.
+    def calibrate(self, data: Any, num_batches: int | None = None, num_samples: int | None = None) -> PtqQuantizer:
+        """Observe ``data`` (DataLoader / iterable of tensors, dicts / ``BatchEncoding`` or ``(x, y, ...)``
+        tuples / one tensor or dict; at most ``num_batches`` batches and ``num_samples`` samples) in eval mode
+        without gradients, then freeze every scale and zero point.
 
         ConfigError for no data; ModelError when a batch cannot run through the model; either way the
         quantizer's buffers are left as they were. The modules' train/eval modes are restored. Returns self.
@@ -358,7 +334,7 @@ class PtqQuantizer(QAT_Quantizer):
             model.eval()
             self._calibrating = True
             with torch.no_grad():
-                for i, (args, kwargs) in self._batches(data, num_batches):
+                for i, (args, kwargs) in self._batches(data, num_batches, num_samples):
                     try:
                         model(*args, **kwargs)
                     except Exception as e:  # noqa: BLE001  (any failure of the user's model on this batch)

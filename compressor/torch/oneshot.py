@@ -1,0 +1,594 @@
+"""PyTorch side of the one-shot compressors (issue 25): calibration data, block finding, the
+:class:`~compressor.core.sequential.OneShotBackend` adapter, and the mixin the five compressors share.
+
+The math (Wanda, SparseGPT, GPTQ, RTN, AWQ) and the block-by-block loop live in
+:mod:`compressor.core.oneshot` / :mod:`compressor.core.sequential`; this module only moves tensors:
+
+* **blocks**: the model's repeated decoder layers, found without naming a model family: the longest
+  ``nn.ModuleList`` whose children all have one class and hold selected layers (Hugging Face Llama / Qwen2
+  ``model.layers``, GPT-2 ``transformer.h``, OPT ``model.decoder.layers``), or the modules whose class name
+  is in ``sequential_targets`` (``['LlamaDecoderLayer']``, as llmcompressor names them). No blocks: the
+  whole model is one pass.
+* **first inputs**: the model runs on each calibration batch until block 0, where a forward pre-hook
+  (``with_kwargs=True``) keeps the block's ``(args, kwargs)`` and stops the forward; they stay on the
+  model's device. Hugging Face models are called with ``use_cache=False`` (a key/value cache would grow at
+  every re-run of a block).
+* **running a block**: the block is called with the stored ``(args, kwargs)``, the hidden state (the first
+  positional argument, else ``hidden_states=``) replaced by the previous block's output (a tensor, or a
+  tuple whose ``[0]`` is the hidden state). Layer inputs are read with forward pre-hooks on the wrappers and
+  handed to core as float64 numpy rows ``[tokens, in]``. Padded tokens are left out of the statistics when
+  the batch has a 2-D ``attention_mask`` (``0`` = padding) whose shape matches the layer input's leading
+  axes.
+* **weights**: read and written in the canonical ``[out, in]`` layout (:mod:`compressor.torch.layout`:
+  HF ``Conv1D`` is transposed).
+
+No tracing (torch.fx), and one block's calibration activations in memory at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.config import KeySpec
+from ..core.errors import ConfigError, ModelError
+from ..core.matching import type_names
+from ..core.sequential import ONESHOT_KEYS, LayerResult, LayerTask, OneShotMethod, run_sequential
+from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
+from .modules import innermost_module
+
+__all__ = ["ONESHOT_DEFAULT_TYPES", "calibration_batches", "forward_inputs", "find_blocks", "TorchOneShotBackend",
+           "OneShotMixin", "OneShotReport"]
+
+#: what ``op_types: ['default']`` selects for the one-shot compressors: Linear layers (HF ``Conv1D`` included)
+ONESHOT_DEFAULT_TYPES = ("Linear", "Conv1D")
+
+_FORMS = ("a tensor, a tuple of positional inputs, a dict of keyword inputs (Hugging Face BatchEncoding), or "
+          "a DataLoader / list / iterable of those")
+
+
+# ------------------------------------------------------------------------------------------------ data
+def forward_inputs(batch: Any, i: int, what: str, positional: int | None = None,
+                   expected: str | None = None) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of the model's forward for one calibration batch.
+
+    A tensor is the one positional input; a Mapping (dict, Hugging Face ``BatchEncoding``) holds keyword
+    inputs. A tuple / list: with ``positional=None`` all its elements are positional inputs; with
+    ``positional=1`` it is ``(inputs, *targets)`` -- its first element is the input (a tensor, a dict, or a
+    tuple of positional inputs) and the rest (labels) is ignored; with ``positional=n >= 2`` its first n
+    elements are the positional inputs."""
+    want = expected or _FORMS
+    if torch.is_tensor(batch):
+        return (batch,), {}
+    if isinstance(batch, Mapping):
+        bad = [k for k in batch if not isinstance(k, str)]
+        if bad:
+            raise ModelError(f"{what}: batch {i} is a dict with non-string keys {bad!r}; a dict batch maps the "
+                             f"forward's keyword-argument names to inputs")
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise ModelError(f"{what}: batch {i} is an empty {type(batch).__name__}; expected {want}")
+        if positional is None:
+            return tuple(batch), {}
+        if positional >= 2:
+            if len(batch) < positional:
+                raise ModelError(f"{what}: batch {i} has {len(batch)} elements, the model takes {positional} "
+                                 f"positional inputs; expected {want}")
+            return tuple(batch[:positional]), {}
+        first = batch[0]
+        if isinstance(first, (tuple, list)):
+            return tuple(first), {}
+        if torch.is_tensor(first) or isinstance(first, Mapping):
+            return forward_inputs(first, i, what, positional, expected)
+        batch = first
+    raise ModelError(f"{what}: batch {i} is a {type(batch).__name__}, expected {want}")
+
+
+def _tensors(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for j, a in enumerate(args):
+        if torch.is_tensor(a):
+            yield f"input {j}", a
+    for k, v in kwargs.items():
+        if torch.is_tensor(v):
+            yield k, v
+
+
+def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
+    for _, t in _tensors(args, kwargs):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return 1
+
+
+def _head(args: tuple, kwargs: dict[str, Any], n: int, size: int) -> tuple[tuple, dict[str, Any]]:
+    def cut(v: Any) -> Any:
+        return v[:n] if torch.is_tensor(v) and v.dim() >= 1 and int(v.shape[0]) == size else v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def calibration_batches(data: Any, what: str, *, num_samples: int | None = None, num_batches: int | None = None,
+                        positional: int | None = None, expected: str | None = None, hint: str | None = None,
+                        tuple_is_batch: bool = True) -> Iterator[tuple[int, tuple, dict[str, Any]]]:
+    """``(index, args, kwargs)`` per calibration batch of ``data``: a tensor, a dict / ``BatchEncoding``, a
+    tuple, or a DataLoader / list / any iterable of those (see :func:`forward_inputs` for ``positional``).
+
+    ``num_batches`` stops after that many batches; ``num_samples`` after that many sequences (the leading
+    axis of the batch's tensors; the last batch is cut). A floating tensor with NaN / inf is a
+    :class:`ConfigError` naming the batch; no data at all is a ConfigError once the data is exhausted.
+    ``hint``: what the no-data errors tell the user to do; ``tuple_is_batch``: ``data`` given as a tuple is one
+    batch of positional inputs (False: an iterable of batches)."""
+    hint = hint or f"give a few hundred sequences as {_FORMS}"
+    for key, v in (("num_samples", num_samples), ("num_batches", num_batches)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ConfigError(f"{what}: {key} must be a positive int or None, got {v!r}")
+    if data is None:
+        raise ConfigError(f"{what}: no calibration data given; {hint}")
+    if torch.is_tensor(data) or isinstance(data, Mapping) or (tuple_is_batch and isinstance(data, tuple)):
+        data = [data]
+    elif not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
+        raise ConfigError(f"{what}: calibration data must be {expected or _FORMS}, got {type(data).__name__}; {hint}")
+    seen = samples = 0
+    for i, batch in enumerate(data):
+        if (num_batches is not None and seen >= num_batches) or (num_samples is not None and samples >= num_samples):
+            break
+        args, kwargs = forward_inputs(batch, i, what, positional, expected)
+        for name, t in _tensors(args, kwargs):
+            if t.is_floating_point() or t.is_complex():
+                if not bool(torch.isfinite(t).all()):
+                    raise ConfigError(f"{what}: calibration batch {i} ({name}) contains NaN or inf")
+        size = _batch_size(args, kwargs)
+        if num_samples is not None and samples + size > num_samples:
+            args, kwargs = _head(args, kwargs, num_samples - samples, size)
+            size = num_samples - samples
+        samples += size
+        seen += 1
+        yield i, args, kwargs
+    if seen == 0:
+        raise ConfigError(f"{what}: the calibration data yielded no batch; {hint}")
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+def _contains(module: nn.Module, ids: set[int]) -> bool:
+    return any(id(m) in ids for m in module.modules())
+
+
+def find_blocks(model: nn.Module, targets: Sequence[str] | None, selected: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The model's blocks in execution (definition) order: modules whose class name is in ``targets``
+    (outermost ones), or, without targets, the children of the longest ``nn.ModuleList`` whose children all
+    have one class and which holds a module of ``selected`` (ties: the first one)."""
+    ids = {id(m) for m in selected}
+    if targets:
+        names = set(targets)
+        found: list[tuple[str, nn.Module]] = []
+        for name, m in model.named_modules():
+            if type(m).__name__ in names and not any(name.startswith(f + ".") for f, _ in found):
+                found.append((name, m))
+        return found
+    best: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) <= len(best):
+            continue
+        children = list(m.named_children())
+        if len({type(c) for _, c in children}) == 1 and any(_contains(c, ids) for _, c in children):
+            best = [(f"{name}.{n}" if name else n, c) for n, c in children]
+    return best
+
+
+class _Stop(Exception):
+    """Raised by the pre-hook on block 0 once its inputs are stored."""
+
+
+class _Input:
+    """One calibration batch at a block: ``args`` / ``kwargs`` of the call, where the hidden state is, and
+    the keep-mask of real (not padded) tokens, if known."""
+
+    __slots__ = ("args", "kwargs", "where", "keep")
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any], where: tuple[str, Any], keep: torch.Tensor | None):
+        self.args, self.kwargs, self.where, self.keep = args, kwargs, where, keep
+
+    def hidden(self) -> Any:
+        kind, key = self.where
+        return self.args[key] if kind == "arg" else self.kwargs[key]
+
+    def with_hidden(self, h: torch.Tensor) -> _Input:
+        kind, key = self.where
+        if kind == "arg":
+            return _Input((*self.args[:key], h, *self.args[key + 1:]), self.kwargs, self.where, self.keep)
+        return _Input(self.args, {**self.kwargs, key: h}, self.where, self.keep)
+
+
+def _hidden_of(output: Any) -> torch.Tensor:
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    try:
+        h = output[0]  # a ModelOutput
+    except (TypeError, KeyError, IndexError):
+        h = None
+    if torch.is_tensor(h):
+        return h
+    raise ModelError(f"one-shot calibration: a block returned {type(output).__name__}; expected the hidden state "
+                     f"(a tensor) or a tuple whose first element is it")
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor (torch.inference_mode) has no version counter
+        return -1
+
+
+def _keep_mask(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    m = kwargs.get("attention_mask")
+    if torch.is_tensor(m) and m.dim() == 2 and not m.is_floating_point():
+        return m != 0
+    return None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _to(v: Any, device: torch.device) -> Any:
+    if torch.is_tensor(v):
+        return v.to(device)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_to(x, device) for x in v)
+    if isinstance(v, dict):
+        return {k: _to(x, device) for k, x in v.items()}
+    return v
+
+
+class TorchOneShotBackend:
+    """The torch adapter of :class:`compressor.core.sequential.OneShotBackend` for one compressor."""
+
+    def __init__(self, compressor: Any, targets: Sequence[str] | None):
+        self.compressor = compressor
+        self.model: nn.Module = compressor.bound_model
+        self.what = type(compressor).__name__
+        self.wrappers: list[nn.Module] = list(compressor.get_modules_wrapper())
+        self._blocks = find_blocks(self.model, targets, self.wrappers)
+        self._block_ids = [{id(m) for m in b.modules()} for _, b in self._blocks]
+        self._tasks = {id(w): LayerTask(w.name, w.config, canonical_shape(w, w.weight.shape)[1], w)
+                       for w in self.wrappers}
+        fwd = getattr(self.model, "forward", None)
+        try:
+            params = inspect.signature(fwd).parameters if fwd is not None else {}
+        except (TypeError, ValueError):
+            params = {}
+        self._no_cache = "use_cache" in params
+        self._shared: dict[str, str] = {}
+
+    # ---- structure
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        return list(self._blocks)
+
+    def block_layers(self, block: nn.Module | None) -> list[LayerTask]:
+        if block is None:
+            inside = set().union(*self._block_ids) if self._block_ids else set()
+            return [self._tasks[id(w)] for w in self.wrappers if id(w) not in inside]
+        ids = {id(m) for m in block.modules()}
+        return [self._tasks[id(w)] for w in self.wrappers if id(w) in ids]
+
+    # ---- running
+    def _call_model(self, i: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._no_cache and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}
+        try:
+            self.model(*args, **kwargs)
+        except _Stop:
+            raise
+        except Exception as e:  # noqa: BLE001  (any failure of the user's model on this batch)
+            shapes = "; ".join(f"{n}: shape {tuple(t.shape)}, dtype {t.dtype}" for n, t in _tensors(args, kwargs))
+            raise ModelError(f"{self.what}.calibrate: calibration batch {i} ({shapes}) failed in the model: "
+                             f"{type(e).__name__}: {e}") from e
+
+    def first_inputs(self, batches: Sequence[tuple[tuple, dict[str, Any]]]) -> list[_Input]:
+        _, block0 = self._blocks[0]
+        store: list[_Input] = []
+        current: dict[str, Any] = {}
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if args:
+                where: tuple[str, Any] = ("arg", 0)
+            elif "hidden_states" in kwargs:
+                where = ("kw", "hidden_states")
+            else:
+                key = next((k for k, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point()), None)
+                if key is None:
+                    raise ModelError(f"{self.what}.calibrate: block {self._blocks[0][0]!r} was called without a "
+                                     f"hidden-state tensor")
+                where = ("kw", key)
+            store.append(_Input(tuple(args), dict(kwargs), where, current.get("keep")))
+            raise _Stop
+
+        handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for i, (args, kwargs) in enumerate(batches):
+                current["keep"] = _keep_mask(kwargs)
+                try:
+                    self._call_model(i, args, kwargs)
+                except _Stop:
+                    continue
+                raise ModelError(f"{self.what}.calibrate: the model's forward never reached block "
+                                 f"{self._blocks[0][0]!r} on calibration batch {i}")
+        finally:
+            handle.remove()
+        return store
+
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any]) -> list[Any]:
+        handles = []
+        if not observe:
+            return handles
+        last: list[Any] = [None, -1, None]  # (tensor, version, its rows): q / k / v read one hidden state
+        fed: dict[str, Any] = {}  # layer -> the input it got last
+        shared = self._shared
+
+        def rows(t: torch.Tensor) -> np.ndarray:
+            if last[0] is t and last[1] == _version(t):
+                return last[2]
+            x = t.detach()
+            k = keep()
+            if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
+                x = x[k.to(x.device)]
+            last[:] = [t, _version(t), x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
+            return last[2]
+
+        for w in self.wrappers:
+            fn = observe.get(w.name)
+            lead = shared.get(w.name)
+            if fn is not None:
+                def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn, name: str = w.name) -> None:
+                    fed[name] = args[0]
+                    fn(rows(args[0]))
+            elif lead is not None and lead in observe:
+                def pre(module: nn.Module, args: tuple, lead: str = lead, name: str = w.name) -> None:
+                    if fed.get(lead) is not args[0]:
+                        raise ModelError(f"{self.what}.calibrate: layer {name!r} read the same input as {lead!r} on "
+                                         f"the first calibration batch but not on a later one (data-dependent "
+                                         f"control flow?); their statistics cannot be shared")
+            else:
+                continue
+            handles.append(w.register_forward_pre_hook(pre))
+        return handles
+
+    def shared_inputs(self, block: nn.Module, inputs: list[_Input], tasks: list[LayerTask]) -> dict[str, str]:
+        """``{layer: earlier layer}`` for the block's layers that read the very same tensor as an earlier one on
+        every call (q / k / v, gate / up), seen on the first calibration batch (one extra run of the block);
+        they share one accumulator (the later calls are checked)."""
+        self._shared = {}
+        if not inputs:
+            return {}
+        names = [t.name for t in tasks]
+        calls: dict[str, list[tuple[int, int]]] = {}
+        first: dict[str, int] = {}
+        alive: list[Any] = []  # keeps the inputs alive, so ids stay unique during the probe
+        handles = []
+        for w in self.wrappers:
+            if w.name in names:
+                def pre(module: nn.Module, args: tuple, name: str = w.name) -> None:
+                    alive.append(args[0])
+                    first.setdefault(name, len(alive))
+                    calls.setdefault(name, []).append((id(args[0]), _version(args[0])))
+                handles.append(w.register_forward_pre_hook(pre))
+        try:
+            block(*inputs[0].args, **inputs[0].kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        out: dict[str, str] = {}
+        order = sorted(calls, key=lambda n: first[n])  # the leader is the layer called first (OPT: q before k)
+        for i, n in enumerate(order):
+            lead = next((m for m in order[:i] if m not in out and calls[m] == calls[n]), None)
+            if lead is not None:
+                out[n] = lead
+        self._shared = out
+        return out
+
+    def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
+                  ) -> list[_Input]:
+        state: dict[str, Any] = {}
+        handles = self._observing(observe, lambda: state.get("keep"))
+        outs: list[_Input] = []
+        try:
+            for inp in inputs:
+                state["keep"] = inp.keep
+                out = block(*inp.args, **inp.kwargs)
+                if observe is None:
+                    outs.append(inp.with_hidden(_hidden_of(out)))
+        finally:
+            for h in handles:
+                h.remove()
+            if observe is not None:
+                self._shared = {}
+        return outs
+
+    def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:
+        state: dict[str, Any] = {}
+        handles = self._observing(observe, lambda: state.get("keep"))
+        try:
+            for i, (args, kwargs) in enumerate(batches):
+                state["keep"] = _keep_mask(kwargs)
+                self._call_model(i, args, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ---- weights
+    def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
+        w = task.handle
+        weight = to_canonical(w, w.weight.detach()).to("cpu", torch.float64).numpy()
+        mask = self.compressor._oneshot_mask(w)
+        if mask is not None:
+            mask = to_canonical(w, mask).cpu().numpy().astype(bool)
+            if mask.all():
+                mask = None
+        return weight, mask
+
+    def write(self, task: LayerTask, result: LayerResult) -> None:
+        w = task.handle
+        weight = w.weight
+        new = from_canonical(w, torch.from_numpy(np.ascontiguousarray(result.weight)))
+        with torch.no_grad():
+            weight.copy_(new.to(dtype=weight.dtype, device=weight.device))
+        self.compressor._oneshot_write(w, result)
+
+
+# ------------------------------------------------------------------------------------------------ compressors
+class OneShotReport(list):
+    """The rows of a one-shot run (dicts: ``layer``, ``block``, ``method``, ``sparsity`` or ``bits`` /
+    ``group_size``, the method's numbers); ``str()`` is a table."""
+
+    def __str__(self) -> str:
+        keys: list[str] = []
+        for r in self:
+            keys += [k for k in r if k not in keys]
+
+        def fmt(v: Any) -> str:
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            return "" if v is None else str(v)
+
+        body = [[fmt(r.get(k)) for k in keys] for r in self]
+        widths = [max([len(k)] + [len(row[i]) for row in body]) for i, k in enumerate(keys)]
+        line = "  ".join(f"{{:<{w}}}" for w in widths)
+        return "\n".join([line.format(*keys), line.format(*("-" * w for w in widths))]
+                         + [line.format(*row) for row in body])
+
+
+def _check_targets(model: nn.Module, targets: Any, what: str) -> list[str] | None:
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"{what}: sequential_targets must be None or a non-empty list of block class names, e.g. "
+                          f"['LlamaDecoderLayer'], got {targets!r}")
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        lists = sorted({type(c).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for c in m})
+        raise ModelError(f"{what}: sequential_targets {missing} name no module class of the model; the classes in "
+                         f"its ModuleLists are {lists}")
+    return list(targets)
+
+
+def _is_output_embedding(model: nn.Module, module: nn.Module, name: str, embeddings: set[int]) -> bool:
+    layer = innermost_module(module)
+    if isinstance(layer, nn.Embedding):
+        return False
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            out = get()
+        except Exception:  # noqa: BLE001  (a model whose method needs more than it has)
+            out = None
+        if out is not None and innermost_module(out) is layer:
+            return True
+    w = getattr(layer, "weight", None)
+    return name.rpartition(".")[2] == "lm_head" or (w is not None and id(w) in embeddings)
+
+
+class OneShotMixin:
+    """What the one-shot pruners and quantizers share: ``sequential_targets``, the default layer types
+    (Linear + HF Conv1D, the output head and embedding-tied layers left out unless named in op_names), and
+    :meth:`calibrate`. Mixed in before :class:`TorchPruner` / :class:`TorchQuantizer`."""
+
+    method_class: type[OneShotMethod] = OneShotMethod
+    default_types = ONESHOT_DEFAULT_TYPES
+    #: the rows of the last :meth:`calibrate` (``layer``, ``block``, ``method``, ``sparsity`` / ``bits``, ...)
+    oneshot_rows: list[dict[str, Any]]
+
+    def _init_oneshot(self, model: nn.Module, sequential_targets: Any) -> None:
+        what = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"{what}: model must be a torch.nn.Module, got {type(model).__module__}."
+                             f"{type(model).__qualname__}")
+        self.sequential_targets = _check_targets(model, sequential_targets, what)
+        self.oneshot_rows = []
+        self.calibrated = False
+
+    def _substitute_layers(self, selected: list, layers: list, modules: dict[str, nn.Module]) -> list:
+        """'default' selects Linear-like layers only (a torch nn.Conv1d shares the alias Conv1D); the output head
+        (``get_output_embeddings()``, a layer called ``lm_head``, a weight tied to an ``nn.Embedding``) is left
+        out unless op_names names it."""
+        selected = super()._substitute_layers(selected, layers, modules)  # type: ignore[misc]
+        model = self.bound_model  # type: ignore[attr-defined]
+        embeddings = {id(e.weight) for e in map(innermost_module, modules.values()) if isinstance(e, nn.Embedding)}
+        out = []
+        skipped = []
+        for info, cfg in selected:
+            module = modules[info.name]
+            if info.name in cfg.get("op_names", ()):
+                out.append((info, cfg))
+                continue
+            typed = any(t != "default" and info.type in type_names(t) for t in cfg.get("op_types", ()))
+            if not typed and in_out_features(module) is None:
+                continue  # 'default' = Linear-like layers (a torch nn.Conv1d shares the alias Conv1D)
+            if _is_output_embedding(model, module, info.name, embeddings):
+                skipped.append(info.name)
+                continue
+            out.append((info, cfg))
+        if not out:
+            present = sorted({info.type for info in layers if info.extra.get("weighted")})
+            extra = f" (left out by default: the output head {skipped}; name it in op_names to include it)" if skipped else ""
+            raise ConfigError(f"{type(self).__name__}: config_list selects no Linear layer of the model{extra}. Weighted "
+                              f"layer types in the model: {present}; 'default' means {list(ONESHOT_DEFAULT_TYPES)}")
+        return out
+
+    def validate_layer(self, layer_info: Any, module: nn.Module, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, module, config)  # type: ignore[misc]
+        if in_out_features(module) is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
+            raise ConfigError(f"{type(self).__name__}: layer {layer_info.name!r} ({layer_info.type}) is not a Linear "
+                              f"layer; the one-shot methods take nn.Linear and Hugging Face Conv1D")
+
+    def _oneshot_mask(self, wrapper: nn.Module) -> torch.Tensor | None:
+        """The keep-mask the method must respect (a pruner's own mask / the pruner wrapper under a quantizer)."""
+        return None
+
+    def _oneshot_write(self, wrapper: nn.Module, result: LayerResult) -> None:
+        """Install the method's result in ``wrapper`` (the weight is written already)."""
+
+    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True) -> Any:
+        """Run the one-shot method on the calibration ``data`` (a tensor of token ids, a tuple of positional
+        inputs, a dict / ``BatchEncoding`` of keyword inputs, or a DataLoader / list / iterable of those;
+        ``num_samples``: at most that many sequences), block by block, and leave the model compressed.
+        ``progress``: one line per block on stderr (True), a file, or False. Bad data raises before any weight
+        changes. Returns self."""
+        what = type(self).__name__
+        method = self.method_class()
+        model: nn.Module = self.bound_model  # type: ignore[attr-defined]
+        device = _model_device(model)
+        if method.statistics is None and data is None:
+            batches: list[tuple[tuple, dict[str, Any]]] = []
+        else:
+            batches = [(_to(a, device), _to(k, device))
+                       for _, a, k in calibration_batches(data, f"{what}.calibrate", num_samples=num_samples)]
+        backend = TorchOneShotBackend(self, self.sequential_targets)
+        modes = {m: m.training for m in model.modules()}
+        try:
+            model.eval()
+            with torch.no_grad():
+                self.oneshot_rows = run_sequential(backend, method, batches, progress=progress)
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+        self.calibrated = True
+        return self
+
+
+def oneshot_key_specs(*names: str) -> tuple[KeySpec, ...]:
+    """The :data:`~compressor.core.sequential.ONESHOT_KEYS` specs of ``names``."""
+    return tuple(ONESHOT_KEYS[n] for n in names)

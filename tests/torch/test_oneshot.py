@@ -1,0 +1,439 @@
+"""One-shot compressors on PyTorch (issue 25): WandaPruner, SparseGPTPruner, GptqQuantizer, RtnQuantizer,
+AwqQuantizer on tiny Hugging Face causal LMs (random weights from configs), the block adapter, and the
+calibration-data helper shared with PtqQuantizer."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import compressor
+from compressor.core import oneshot as os1
+from compressor.core.errors import ConfigError, ModelError
+from compressor.torch import (
+    AwqQuantizer,
+    GptqQuantizer,
+    LevelPruner,
+    PtqQuantizer,
+    RtnQuantizer,
+    SparseGPTPruner,
+    WandaPruner,
+)
+from compressor.torch.oneshot import TorchOneShotBackend, calibration_batches
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+VOCAB = 64
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0))
+
+
+def opt():
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32))
+
+
+#: family -> (builder, block paths, wrapped Linear / Conv1D layers per block)
+FAMILIES = {
+    "llama": (llama, ["model.layers.0", "model.layers.1"], 7),
+    "qwen2": (qwen2, ["model.layers.0", "model.layers.1"], 7),
+    "gpt2": (gpt2, ["transformer.h.0", "transformer.h.1"], 4),
+    "opt": (opt, ["model.decoder.layers.0", "model.decoder.layers.1"], 6),
+}
+ALL = [{"op_types": ["default"]}]
+_QKV = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj"}
+SHARED = {"llama": {**_QKV, "mlp.up_proj": "mlp.gate_proj"}, "qwen2": {**_QKV, "mlp.up_proj": "mlp.gate_proj"},
+          "gpt2": {}, "opt": _QKV}
+
+
+def build(family, seed=0):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FAMILIES[family][0]().eval()
+
+
+def batches(n=4, size=4, seq=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (size, seq), generator=g) for _ in range(n)]
+
+
+HELD = batches(1, 4, 16, seed=99)[0]
+
+
+def make(cls, model, cfg, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DefaultSkipWarning (embeddings, norms)
+        return cls(model, [{**cfg, "op_types": ["default"]}], **kw)
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_state(model, before):
+    now = model.state_dict()
+    return all(torch.equal(before[k], now[k]) for k in before if k in now)
+
+
+def logits_error(model, ref):
+    with torch.no_grad():
+        out = model(HELD).logits
+    assert torch.isfinite(out).all()
+    return float(((out - ref) ** 2).mean())
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_blocks_are_found_without_naming_the_family_and_the_head_is_left_out(family):
+    _, paths, per_block = FAMILIES[family]
+    model = build(family)
+    p = make(WandaPruner, model, {"sparsity": 0.5})
+    names = [w.name for w in p.get_modules_wrapper()]
+    assert len(names) == 2 * per_block
+    assert not any("lm_head" in n for n in names)
+    be = TorchOneShotBackend(p, None)
+    assert [n for n, _ in be.blocks()] == paths
+    assert [len(be.block_layers(b)) for _, b in be.blocks()] == [per_block, per_block]
+    assert be.block_layers(None) == []
+    block_class = type(be.blocks()[0][1]).__name__
+    assert [n for n, _ in TorchOneShotBackend(p, [block_class]).blocks()] == paths
+    # layers reading the very same hidden state share one accumulator (the first one called leads)
+    name, block = be.blocks()[0]
+    first = be.first_inputs([((batches(1)[0],), {"use_cache": False})])
+    shared = {k[len(name) + 1:]: v[len(name) + 1:] for k, v in be.shared_inputs(block, first, be.block_layers(block)).items()}
+    assert shared == SHARED[family]
+
+
+def test_named_head_is_compressed_outside_the_blocks_and_a_model_without_blocks_is_one_pass():
+    model = build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"]},
+                                    {"sparsity": 0.25, "op_names": ["lm_head"]}])
+    out = io.StringIO()
+    p.calibrate(batches(2), progress=out)
+    assert [ln.split(":")[0] for ln in out.getvalue().splitlines()] == [
+        "[sparsegpt] block 1/2 model.layers.0", "[sparsegpt] block 2/2 model.layers.1", "[sparsegpt] outside the blocks"]
+    head = [r for r in p.oneshot_rows if r["layer"] == "lm_head"]
+    assert head == [dict(head[0], block="", sparsity=0.25)]
+    assert int((~model.lm_head.weight_mask).sum()) == 64 * 32 // 4
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    q = GptqQuantizer(mlp, [{"quant_bits": 4, "op_types": ["default"]}])
+    assert TorchOneShotBackend(q, None).blocks() == []
+    q.calibrate([torch.randn(5, 8) for _ in range(3)], progress=False)
+    assert [r["block"] for r in q.oneshot_rows] == ["", ""]
+    assert len(torch.unique(mlp[0].weight[0])) <= 15
+
+
+def test_a_layer_that_stops_sharing_its_leaders_input_is_an_error():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x if x.shape[0] == 2 else x.clone())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for blk in self.layers:
+                x = blk(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    p = GptqQuantizer(model, [{"quant_bits": 4, "op_types": ["default"]}])
+    be = TorchOneShotBackend(p, None)
+    assert be.shared_inputs(model.layers[0], be.first_inputs([((torch.randn(2, 4),), {})]),
+                            be.block_layers(model.layers[0])) == {"layers.0.b": "layers.0.a"}
+    p.calibrate([torch.randn(2, 4), torch.randn(2, 4)], progress=False)  # shared on every batch: fine
+    other = Net()
+    q = GptqQuantizer(other, [{"quant_bits": 4, "op_types": ["default"]}])
+    before = state(other)
+    with pytest.raises(ModelError, match=r"layer 'layers.0.b' read the same input as 'layers.0.a' on the first "
+                                         r"calibration batch but not on a later one"):
+        q.calibrate([torch.randn(2, 4), torch.randn(3, 4)], progress=False)
+    assert same_state(other, before)
+
+
+# ------------------------------------------------------------------------------------------------ methods
+def _check_codes(wrapper, spec_bits, group_size):
+    codes = wrapper.weight_codes.to(torch.float64)
+    qmax = 2 ** (spec_bits - 1) - 1
+    assert int(codes.min()) >= -qmax and int(codes.max()) <= qmax
+    gidx = torch.arange(codes.shape[1]) // group_size
+    deq = codes * wrapper.weight_group_scale.double()[:, gidx]
+    if hasattr(wrapper, "awq_scales"):
+        deq = deq / wrapper.awq_scales.double()[None, :]
+    weight = wrapper.weight.double()
+    if type(wrapper.layer).__name__ == "Conv1D":
+        weight = weight.t()  # codes are kept in the canonical [out, in] layout
+    torch.testing.assert_close(deq, weight, rtol=1e-6, atol=1e-6)
+    assert bool(wrapper.oneshot_calibrated)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_method_compresses_every_family_exactly_as_configured(family):
+    per_block = FAMILIES[family][2]
+    calib = batches()
+    for cls, cfg in [(WandaPruner, {"sparsity": 0.5}), (SparseGPTPruner, {"sparse_pattern": "2:4"})]:
+        model = build(family)
+        p = make(cls, model, cfg).calibrate(calib, progress=False)
+        assert len(p.oneshot_rows) == 2 * per_block
+        for w in p.get_modules_wrapper():
+            keep = w.weight_mask if type(w.module).__name__ != "Conv1D" else w.weight_mask.t()
+            assert torch.equal(w.weight == 0, ~w.weight_mask)  # exactly the pruned weights are zero
+            if cls is WandaPruner:  # half of every output row
+                assert (keep.sum(dim=1) == keep.shape[1] // 2).all(), w.name
+            else:  # 2 of every 4 consecutive inputs
+                assert (keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2).all(), w.name
+        assert p.report().total["sparsity"] == 0.5
+    for cls in (GptqQuantizer, RtnQuantizer, AwqQuantizer):
+        model = build(family)
+        q = make(cls, model, {"quant_bits": 4, "group_size": 16})
+        q.calibrate(None if cls is RtnQuantizer else calib, progress=False)
+        assert {r["bits"] for r in q.oneshot_rows} == {4} and {r["group_size"] for r in q.oneshot_rows} == {16}
+        for w in q.get_modules_wrapper():
+            _check_codes(w, 4, 16)
+        assert "group_size" in str(q.report())
+        logits_error(model, 0.0)  # finite
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sparsegpt_beats_magnitude_and_gptq_beats_rtn_on_held_out_logits(family):
+    ref_model = build(family)
+    with torch.no_grad():
+        ref = ref_model(HELD).logits
+    calib = batches(8)
+    err = {}
+    for name, cls, cfg in [("sparsegpt", SparseGPTPruner, {"sparsity": 0.5}), ("magnitude", LevelPruner, {"sparsity": 0.5}),
+                           ("gptq", GptqQuantizer, {"quant_bits": 3, "group_size": 16}),
+                           ("rtn", RtnQuantizer, {"quant_bits": 3, "group_size": 16})]:
+        model = build(family)
+        if cls is LevelPruner:  # the same layers as the one-shot pruner: the decoder Linear / Conv1D layers
+            names = [w.name for w in make(WandaPruner, build(family), {"sparsity": 0.5}).get_modules_wrapper()]
+            LevelPruner(model, [{"sparsity": 0.5, "op_names": names}]).compress()
+        else:
+            make(cls, model, cfg).calibrate(calib, progress=False)
+        err[name] = logits_error(model, ref)
+    assert err["sparsegpt"] < err["magnitude"], err
+    assert err["gptq"] < err["rtn"], err
+
+
+def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
+    model = build("llama")
+    dense = build("llama")
+    calib = batches(3)
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    target = model.model.layers[1].self_attn.q_proj  # the wrapper
+    w_before = target.weight.detach().double().numpy().copy()
+    value = model.model.layers[1].self_attn.v_proj  # reads the same hidden state (its rows are converted once)
+    v_before = value.weight.detach().double().numpy().copy()
+    seen = []
+    h = target.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    p.calibrate(calib, progress=False)
+    h.remove()
+    # block 1 (the last) ran on batch 0 (which layers share an input), then once observed; no output pass
+    assert len(seen) == 1 + len(calib) and torch.equal(seen[0], seen[1])
+    seen = seen[1:]
+
+    def inputs_of(m):
+        got = []
+        layer = m.model.layers[1].self_attn.q_proj
+        hh = layer.register_forward_pre_hook(lambda mod, a: got.append(a[0].detach().clone()))
+        with torch.no_grad():
+            for b in calib:
+                m(b, use_cache=False)
+        hh.remove()
+        return got
+
+    for a, b in zip(seen, inputs_of(model)):  # what the compressed model computes ...
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.allclose(seen[0], inputs_of(dense)[0], atol=1e-3)  # ... not what the dense one does
+    acc = os1.GramAccumulator(32)
+    for x in seen:
+        acc.add(x.double().numpy())
+    ref = os1.sparsegpt_prune(w_before, acc.gram, 0.5)
+    np.testing.assert_array_equal(target.weight_mask.numpy(), ref.mask)
+    np.testing.assert_array_equal(target.weight.detach().numpy(), ref.weight.astype(np.float32))
+    np.testing.assert_array_equal(value.weight.detach().numpy(),
+                                  os1.sparsegpt_prune(v_before, acc.gram, 0.5).weight.astype(np.float32))
+
+
+def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
+    model = build("llama")
+    calib = batches(3)
+    make(SparseGPTPruner, model, {"sparse_pattern": "2:4"}).calibrate(calib, progress=False)
+    q = make(GptqQuantizer, model, {"quant_bits": 4, "group_size": 16}).calibrate(calib, progress=False)
+    for w in q.get_modules_wrapper():
+        inner = w.module
+        assert type(inner).__name__ == "PrunerModuleWrapper"
+        pruned = ~inner.weight_mask
+        assert int(pruned.sum()) == pruned.numel() // 2
+        assert (w.weight[pruned] == 0).all() and (w.weight_codes[pruned] == 0).all()
+        assert ((w.weight != 0).reshape(w.weight.shape[0], -1, 4).sum(-1) <= 2).all()
+        _check_codes(w, 4, 16)
+    with torch.no_grad():
+        assert torch.isfinite(model(HELD).logits).all()
+
+
+def test_export_writes_the_compressed_weights_loadable_into_the_original_class(tmp_path):
+    model = build("gpt2")
+    q = make(AwqQuantizer, model, {"quant_bits": 4, "group_size": 16}).calibrate(batches(2), progress=False)
+    with torch.no_grad():
+        want = model(HELD).logits
+    q.export_model(str(tmp_path / "m.pt"))
+    fresh = build("gpt2", seed=5)
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True), strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(HELD).logits, want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ data
+def test_calibration_data_in_every_form_gives_the_same_masks():
+    ids = batches(1, 4, 16)[0]
+    ones = torch.ones_like(ids)
+    enc = transformers.BatchEncoding({"input_ids": ids, "attention_mask": ones})
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+    forms = {"tensor": ids, "list": [ids[:2], ids[2:]], "tuple": (ids, ones), "dict": {"input_ids": ids},
+             "batch_encoding": enc, "dataloader": loader, "dicts": [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]}
+    masks = {}
+    for name, data in forms.items():
+        model = build("llama")
+        p = make(WandaPruner, model, {"sparsity": 0.5}).calibrate(data, progress=False)
+        masks[name] = [w.weight_mask.clone() for w in p.get_modules_wrapper()]
+    for name, m in masks.items():  # the same tokens in one or two batches: the same masks
+        assert all(torch.equal(a, b) for a, b in zip(m, masks["tensor"])), name
+
+
+def test_num_samples_counts_sequences_and_cuts_the_last_batch():
+    data = [torch.zeros(3, 5, dtype=torch.long), {"input_ids": torch.zeros(3, 5, dtype=torch.long),
+                                                  "attention_mask": torch.ones(3, 5, dtype=torch.long)}]
+    got = list(calibration_batches(data, "t", num_samples=4))
+    assert [(i, [tuple(a.shape) for a in args], {k: tuple(v.shape) for k, v in kw.items()}) for i, args, kw in got] == [
+        (0, [(3, 5)], {}), (1, [], {"input_ids": (1, 5), "attention_mask": (1, 5)})]
+    assert len(list(calibration_batches(data, "t", num_samples=3))) == 1
+    model = build("llama")
+    p = make(WandaPruner, model, {"sparsity": 0.5})
+    be = TorchOneShotBackend(p, None)
+    first = be.first_inputs([((), {"input_ids": torch.zeros(2, 6, dtype=torch.long),
+                                   "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])})])
+    rows = []
+    be.run_block(be.blocks()[0][1], first, {"model.layers.0.mlp.down_proj": lambda x: rows.append(x.shape)})
+    assert rows == [(10, 64)]  # 12 tokens, 2 of them padding: left out of the statistics
+
+
+def test_bad_data_is_refused_before_any_weight_changes():
+    model = build("llama")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    before = state(model)
+    emb = torch.randn(2, 8, 32)
+    emb[1, 3, 0] = float("nan")
+    cases = [(None, ConfigError, "no calibration data"), ([], ConfigError, "yielded no batch"),
+             ([batches(1)[0], {"inputs_embeds": emb}], ConfigError, r"batch 1 \(inputs_embeds\) contains NaN or inf"),
+             ([{"input_ids": torch.full((2, 8), VOCAB + 5)}], ModelError, r"calibration batch 0 .*failed in the model"),
+             (["text"], ModelError, "batch 0 is a str"), (3, ConfigError, "calibration data must be")]
+    for data, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            p.calibrate(data, progress=False)
+        assert same_state(model, before)
+    with pytest.raises(ConfigError, match="num_samples must be a positive int"):
+        p.calibrate(batches(1), num_samples=0)
+    assert same_state(model, before) and not p.calibrated
+
+
+def test_ptq_takes_dicts_batch_encodings_and_refuses_nan():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp
+
+        def forward(self, x=None):
+            return self.net(x)
+
+    model = Kw()
+    cfg = [{"quant_types": ["weight", "input"], "quant_bits": 8, "op_types": ["default"]}]
+    q = PtqQuantizer(model, cfg, fuse_relu=False, share_ranges=False)
+    with pytest.raises(ConfigError, match="contains NaN or inf"):
+        q.calibrate([{"x": torch.full((2, 4), float("nan"))}])
+    assert not q.calibrated
+    q.calibrate(transformers.BatchEncoding({"x": torch.randn(6, 4)}), num_samples=5)
+    assert q.calibrated and q.calibration_batches == 1
+
+
+# ------------------------------------------------------------------------------------------------ config errors
+def test_config_and_model_errors_name_what_is_wrong_before_the_model_changes():
+    model = build("llama")
+    before = state(model)
+    types = {type(m) for m in model.modules()}
+    cases = [
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2d"]}]), ConfigError,
+         r"selects no layer of the model. Layer types in the model: \[.*'Linear'"),
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_names": ["lm_head"], "op_types": ["Embedding"]}]),
+         ConfigError, "selects no layer"),
+        (lambda: WandaPruner(model, [{"sparsity": 0.5, "op_types": ["default"], "damp": 0.1}]), ConfigError,
+         r"unknown key 'damp'.*WandaPruner accepts"),
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"], "damp": 1.5}]), ConfigError,
+         r"'damp' = 1.5 is invalid"),
+        (lambda: WandaPruner(model, [{"op_types": ["default"]}]), ConfigError, r"needs key\(s\) \['sparsity'\]"),
+        (lambda: GptqQuantizer(model, [{"quant_bits": 16, "op_types": ["default"]}]), ConfigError,
+         "quant_bits 2..8, got 16"),
+        (lambda: GptqQuantizer(model, [{"quant_bits": 4, "quant_scheme": "per_tensor", "op_types": ["default"]}]),
+         ConfigError, r"'quant_scheme' = 'per_tensor' is invalid"),
+        (lambda: GptqQuantizer(model, [{"quant_bits": 4, "quant_types": ["input"], "op_types": ["default"]}]),
+         ConfigError, r"quantizes weights only: quant_types must be \['weight'\].*got \['input'\]"),
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}], sequential_targets=["GPT2Block"]),
+         ModelError, r"sequential_targets \['GPT2Block'\] name no module class.*LlamaDecoderLayer"),
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}], sequential_targets=[3]),
+         ConfigError, "sequential_targets must be None or a non-empty list"),
+        (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["Embedding"]}]), ConfigError,
+         r"'model.embed_tokens' \(Embedding\) is not a Linear layer"),
+    ]
+    for build_it, err, msg in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(err, match=msg):
+                build_it()
+        assert same_state(model, before) and {type(m) for m in model.modules()} == types
+
+
+def test_the_registry_picks_the_torch_classes():
+    model = build("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = compressor.SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}])
+    assert type(p) is SparseGPTPruner
+    for name in ("WandaPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer"):
+        assert compressor.core.registry.registry().get("torch", name) is getattr(compressor.torch, name)
