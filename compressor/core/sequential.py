@@ -24,71 +24,67 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from . import oneshot as os1
-from .config import KeySpec
+from .config import KeySpec, _bool, _choice, _fraction, _int_at_least, _is_int
 from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "QUANT_SCHEME_KEY", "weight_only_config", "run_sequential", "quant_spec_of"]
 
 
 # ------------------------------------------------------------------------------------------------ config
-def _int_at_least(lo: int) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise ValueError
-        return int(v)
-    return check
-
-
 def _group_size(v: Any) -> int | None:
-    if v is None or (not isinstance(v, bool) and isinstance(v, (int, np.integer)) and (v == -1 or v >= 1)):
+    if v is None or (_is_int(v) and (v == -1 or v >= 1)):
         return None if v is None or v == -1 else int(v)
     raise ValueError
-
-
-def _damp(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not 0 <= float(v) < 1:
-        raise ValueError
-    return float(v)
-
-
-def _flag(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError
-    return v
-
-
-def _choice(*options: str) -> Callable[[Any], str]:
-    def check(v: Any) -> str:
-        if v not in options:
-            raise ValueError
-        return v
-    return check
 
 
 #: the config keys of the one-shot methods (each compressor lists the ones it takes in ``config_keys``)
 ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
     KeySpec("group_size", _group_size, "a positive int (input columns per quantization group) or -1 / None "
                                        "(one group per output channel)"),
-    KeySpec("damp", _damp, "a number in [0, 1): the fraction of mean(diag(H)) added to the Hessian's diagonal"),
+    KeySpec("damp", _fraction(0.0, 1.0), "a number in [0, 1): the fraction of mean(diag(H)) added to the Hessian's diagonal"),
     KeySpec("block_size", _int_at_least(1), "an int >= 1 (columns per lazy OBS update block, default 128)"),
-    KeySpec("act_order", _flag, "True or False (GPTQ: sweep columns by decreasing Hessian diagonal)"),
-    KeySpec("mask_scope", _choice(*os1.MASK_SCOPES), f"one of {list(os1.MASK_SCOPES)} (SparseGPT: where the "
+    KeySpec("act_order", _bool, "True or False (GPTQ: sweep columns by decreasing Hessian diagonal)"),
+    KeySpec("mask_scope", _choice(os1.MASK_SCOPES), f"one of {list(os1.MASK_SCOPES)} (SparseGPT: where the "
                                                       f"per-block pruning threshold is taken)"),
     KeySpec("n_grid", _int_at_least(1), "an int >= 1 (AWQ: points of the alpha grid in [0, 1), default 20)"),
-    KeySpec("duo_scaling", _flag, "True or False (AWQ: scale by activation and weight statistics)"),
+    KeySpec("duo_scaling", _bool, "True or False (AWQ: scale by activation and weight statistics)"),
 ]}
 
 QUANT_SCHEMES = {"per_channel_symmetric": True, "per_tensor_symmetric": True, "symmetric": True,
                  "per_channel_affine": False, "per_tensor_affine": False, "affine": False}
+
+
+def _weight_scheme(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) != {"weight"}:
+            raise ValueError
+        return {"weight": _weight_scheme(v["weight"])}
+    if v not in QUANT_SCHEMES:
+        raise ValueError
+    return v
+
+
+#: ``quant_scheme`` of the weight-only one-shot quantizers (listed in their ``config_keys``)
+QUANT_SCHEME_KEY = KeySpec("quant_scheme", _weight_scheme, f"one of {sorted(QUANT_SCHEMES)} (weights; default "
+                                                           f"'symmetric') or {{'weight': one of them}}")
+
+
+def weight_only_config(config_list: Any) -> Any:
+    """Entries without ``quant_types`` quantize weights (``quant_bits: 4`` means ``{'weight': 4}``); the
+    input is not modified (anything but a list is returned as is, for the validator to refuse)."""
+    if not isinstance(config_list, (list, tuple)):
+        return config_list
+    return [{**e, "quant_types": ["weight"]} if isinstance(e, Mapping) and "quant_types" not in e else e
+            for e in config_list]
 
 
 def quant_spec_of(config: dict[str, Any], what: str) -> os1.QuantSpec:

@@ -47,13 +47,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..core.config import KeySpec
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo
 from ..core.pruning import nm_validate_config
 from ..core.sequential import (
     ONESHOT_KEYS,
-    QUANT_SCHEMES,
+    QUANT_SCHEME_KEY,
     AwqMethod,
     GptqMethod,
     LayerResult,
@@ -64,6 +63,7 @@ from ..core.sequential import (
     WandaMethod,
     quant_spec_of,
     run_sequential,
+    weight_only_config,
 )
 from ..core.sparse_pattern import parse_sparse_pattern
 from . import layout
@@ -429,20 +429,6 @@ class OneShotReport(list):
 
 
 # ------------------------------------------------------------------------------------------- compressors
-def _quant_scheme(v: Any) -> Any:
-    if isinstance(v, dict):
-        if set(v) - {"weight"} or any(s not in QUANT_SCHEMES for s in v.values()):
-            raise ValueError
-        return dict(v)
-    if v not in QUANT_SCHEMES:
-        raise ValueError
-    return v
-
-
-QUANT_SCHEME_KEY = KeySpec("quant_scheme", _quant_scheme, f"one of {sorted(QUANT_SCHEMES)} (weights; default "
-                                                          f"'symmetric') or {{'weight': one of them}}")
-
-
 def _targets(sequential_targets: Any, what: str) -> list[str] | None:
     if sequential_targets is None:
         return None
@@ -613,7 +599,7 @@ class _OneShotQuantizer(_OneShot, TfQuantizer):
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], sequential_targets: Any = None) -> None:
         self._oneshot_setup(sequential_targets)
-        super().__init__(model, _weight_only(config_list), None)
+        super().__init__(model, weight_only_config(config_list), None)
 
     def quantize_weight(self, weight: tf.Tensor, wrapper: QuantizerLayerWrapper, **kwargs: Any) -> tf.Tensor:
         return tf.identity(weight)  # the kernel holds the dequantized weight once calibrated
@@ -633,14 +619,6 @@ class _OneShotQuantizer(_OneShot, TfQuantizer):
     def report(self) -> OneShotReport:
         """One row per compressed layer (bits, group size, the method's error / alpha)."""
         return OneShotReport(self.rows)
-
-
-def _weight_only(config_list: Any) -> Any:
-    """Entries without ``quant_types`` quantize weights (``quant_bits: 4`` means ``{'weight': 4}``)."""
-    if not isinstance(config_list, (list, tuple)):
-        return config_list
-    return [{"quant_types": ["weight"], **e} if isinstance(e, Mapping) and "quant_types" not in e
-            and not isinstance(e.get("quant_bits"), Mapping) else e for e in config_list]
 
 
 class GptqQuantizer(_OneShotQuantizer):

@@ -20,15 +20,21 @@ zeros. RTN needs no calibration data: ``RtnQuantizer(model, config).calibrate()`
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...core.config import KeySpec
 from ...core.errors import ConfigError
-from ...core.sequential import QUANT_SCHEMES, AwqMethod, GptqMethod, LayerResult, RtnMethod, quant_spec_of
+from ...core.sequential import (
+    QUANT_SCHEME_KEY,
+    AwqMethod,
+    GptqMethod,
+    LayerResult,
+    RtnMethod,
+    quant_spec_of,
+    weight_only_config,
+)
 from ..layout import canonical_shape
 from ..modules import is_wrapper
 from ..oneshot import OneShotMixin, OneShotReport, oneshot_key_specs
@@ -38,27 +44,6 @@ from .wrapper import QuantizerModuleWrapper
 __all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer"]
 
 
-def _scheme(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        if set(v) != {"weight"}:
-            raise ValueError
-        return {"weight": _scheme(v["weight"])}
-    if v not in QUANT_SCHEMES:
-        raise ValueError
-    return v
-
-
-QUANT_SCHEME_KEY = KeySpec("quant_scheme", _scheme, f"one of {sorted(QUANT_SCHEMES)} (or {{'weight': ...}})")
-
-
-def _weight_only(config_list: Any) -> Any:
-    """Entries without ``quant_types`` get ``['weight']`` (the input is not modified)."""
-    if not isinstance(config_list, (list, tuple)):
-        return config_list
-    return [{**e, "quant_types": ["weight"]} if isinstance(e, Mapping) and "quant_types" not in e else e
-            for e in config_list]
-
-
 class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
     required_keys = ("quant_bits",)
     supported_quant_types = ("weight",)
@@ -66,7 +51,7 @@ class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], sequential_targets: Any = None):
         self._init_oneshot(model, sequential_targets)
-        super().__init__(model, _weight_only(config_list))
+        super().__init__(model, weight_only_config(config_list))
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         for i, c in enumerate(config_list):

@@ -1,0 +1,140 @@
+"""Cross-backend parity of the one-shot compressors (issue 25): the same weights and the same calibration
+batches give the same masks and the same integer codes on torch and Keras.
+
+The twin models are residual MLP "decoders": ``x -> x + W2 relu(W1 x)`` blocks in a list, then a head. The
+first block sees the calibration data itself, so its statistics are bit-identical on both backends and so
+are its masks / codes (core computes them once, in float64). Later blocks see each framework's float32
+forward of the compressed block before; their masks / codes may differ only where a value sits at a
+rounding tie, which the test bounds."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+import compressor.tf as ctf
+import compressor.torch as cth
+
+D, H, BLOCKS = 16, 32, 2
+RNG = np.random.default_rng(3)
+W = [(RNG.normal(size=(H, D)).astype(np.float32) / 4, RNG.normal(size=(D, H)).astype(np.float32) / 6)
+     for _ in range(BLOCKS)]
+HEAD = RNG.normal(size=(8, D)).astype(np.float32) / 4
+MIX = RNG.normal(size=(D, D)).astype(np.float32)
+BATCHES = [(RNG.normal(size=(4, 12, D)).astype(np.float32) @ MIX) for _ in range(4)]
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D, H, bias=False)
+        self.fc2 = torch.nn.Linear(H, D, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.from_numpy(w1))
+            self.fc2.weight.copy_(torch.from_numpy(w2))
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class TorchNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([TorchBlock(*w) for w in W])
+        self.head = torch.nn.Linear(D, 8, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.from_numpy(HEAD))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class KerasBlock(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fc1 = keras.layers.Dense(H, use_bias=False, name="fc1")
+        self.fc2 = keras.layers.Dense(D, use_bias=False, name="fc2")
+
+    def call(self, x):
+        return x + self.fc2(keras.ops.relu(self.fc1(x)))
+
+
+class KerasNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [KerasBlock(name=f"block_{i}") for i in range(BLOCKS)]
+        self.head = keras.layers.Dense(8, use_bias=False, name="head")
+
+    def call(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def twins():
+    tm = TorchNet().eval()
+    km = KerasNet()
+    km(BATCHES[0])
+    for b, (w1, w2) in zip(km.blocks, W):
+        b.fc1.kernel.assign(w1.T)
+        b.fc2.kernel.assign(w2.T)
+    km.head.kernel.assign(HEAD.T)
+    np.testing.assert_allclose(km(BATCHES[0]).numpy(), tm(torch.from_numpy(BATCHES[0])).detach().numpy(), atol=1e-5)
+    return tm, km
+
+
+def torch_weights(tm):
+    return [(b.fc1.weight.detach().numpy().copy(), b.fc2.weight.detach().numpy().copy()) for b in tm.blocks]
+
+
+def keras_weights(km):
+    return [(b.fc1.kernel.numpy().T.copy(), b.fc2.kernel.numpy().T.copy()) for b in km.blocks]
+
+
+def compare(tw, kw, exact_blocks=1, max_mismatch=0.005):
+    for i, (t_pair, k_pair) in enumerate(zip(tw, kw)):
+        for t, k in zip(t_pair, k_pair):
+            if i < exact_blocks:
+                np.testing.assert_array_equal(t == 0, k == 0)
+                np.testing.assert_allclose(t, k, rtol=0, atol=1e-6)
+            else:
+                assert np.mean((t == 0) != (k == 0)) <= max_mismatch
+                assert np.mean(np.abs(t - k) > 1e-4) <= max_mismatch
+
+
+@pytest.mark.parametrize("config", [{"sparsity": 0.5}, {"sparse_pattern": "2:4"}], ids=["50pct", "2of4"])
+@pytest.mark.parametrize("name", ["SparseGPTPruner", "WandaPruner"])
+def test_one_shot_pruners_agree(name, config):
+    tm, km = twins()
+    cfg = [{**config, "op_types": ["default"]}]
+    getattr(cth, name)(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
+    getattr(ctf, name)(km, cfg).calibrate(BATCHES, progress=False)
+    tw, kw = torch_weights(tm), keras_weights(km)
+    compare(tw, kw)
+    for t1, t2 in tw:
+        assert np.mean(t1 == 0) == 0.5 and np.mean(t2 == 0) == 0.5
+
+
+@pytest.mark.parametrize("name,extra", [("GptqQuantizer", {"act_order": True}), ("RtnQuantizer", {}),
+                                        ("AwqQuantizer", {})])
+def test_one_shot_quantizers_agree_code_for_code(name, extra):
+    tm, km = twins()
+    cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"], **extra}]
+    tq = getattr(cth, name)(tm, cfg)
+    kq = getattr(ctf, name)(km, cfg)
+    data_t = [torch.from_numpy(b) for b in BATCHES]
+    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate(data_t, progress=False))
+    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False))
+    tw, kw = torch_weights(tm), keras_weights(km)
+    compare(tw, kw, exact_blocks=BLOCKS if name == "RtnQuantizer" else 1)
+    # the integer codes the wrappers keep, block 0 exactly
+    t_codes = {w.name: w.weight_codes.numpy() for w in tq.get_modules_wrapper()}
+    k_codes = {w.name: np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()}
+    assert sorted(t_codes) == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "head"]
+    assert sorted(k_codes) == ["block_0/fc1", "block_0/fc2", "block_1/fc1", "block_1/fc2", "head"]
+    np.testing.assert_array_equal(t_codes["blocks.0.fc1"], k_codes["block_0/fc1"])
+    np.testing.assert_array_equal(t_codes["blocks.0.fc2"], k_codes["block_0/fc2"])
