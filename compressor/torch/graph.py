@@ -435,6 +435,8 @@ class _Builder:
         return name
 
     def _make_op(self, fn: Any, nr: int) -> str:
+        """The node of autograd function ``fn`` (output ``nr``): how channels pass through it, decided by the
+        op's family (:data:`_OP_RULES`); ``'other'`` when its channels cannot be followed."""
         op = type(fn).__name__
         try:
             out_shape = tuple(int(s) for s in fn._input_metadata[nr].shape)
@@ -445,103 +447,14 @@ class _Builder:
             k = self.edge_key(f, n)
             operands.append((pos, self.done.get(k) if k is not None else None, k))
         graph_ins = [name for _, name, _ in operands if name is not None]
-        name = self.unique(op)
-
-        def other() -> str:
-            return self.add(name, "other", graph_ins, out_shape, self.default_axis(out_shape), op=op)
-
-        if not graph_ins:
-            return other()
-        src = graph_ins[0]
-        in_shape, axis = self.info[src]
-
-        def same(kind: str, new_axis: int | None = axis, **attrs: Any) -> str:
-            if new_axis is None or not out_shape or out_shape[new_axis] != (in_shape[axis] if axis is not None else -1):
-                return other()
-            return self.add(name, kind, [src], out_shape, new_axis, op=op, attrs=attrs)
-
-        if axis is None:
-            return other()
-        if op in _ACTIVATIONS and len(graph_ins) == 1:
-            return same("activation", zero_preserving=_ACTIVATIONS[op]) if out_shape == in_shape else other()
-        if op in ("HardtanhBackward0", "ClampBackward1"):
-            lo = getattr(fn, "_saved_min_val", getattr(fn, "_saved_min", None))
-            hi = getattr(fn, "_saved_max_val", getattr(fn, "_saved_max", None))
-            zp = (lo is None or float(lo) <= 0) and (hi is None or float(hi) >= 0)
-            return same("activation", zero_preserving=zp) if out_shape == in_shape else other()
-        if op == "PowBackward0":
-            e = getattr(fn, "_saved_exponent", None)
-            return same("activation", zero_preserving=e is not None and float(e) > 0) if out_shape == in_shape else other()
-        if op in _IDENTITY and len(graph_ins) == 1:
-            return same("identity") if out_shape == in_shape else other()
-        if op == "ConstantPadNdBackward0":
-            pad = list(getattr(fn, "_saved_pad", []))
-            touched = {len(in_shape) - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
-            # autograd does not keep the pad value: the trace records it (_PadValues); unknown = not trusted
-            seen = self.pad_values.get(id(fn))
-            zero = seen is not None and seen[0] is fn and seen[1] == 0
-            return other() if axis in touched else same("activation", zero_preserving=zero)
-        if op in _BINARY:
-            return self.binary(fn, op, name, operands, out_shape)
-        if op == "CatBackward0":
-            return self.cat(fn, op, name, operands, out_shape)
-        if op in ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0",
-                  "UnsafeSplitWithSizesBackward0"):
-            dim = int(fn._saved_dim) % len(in_shape)
-            if dim != axis:
-                return same("identity")
-            # a split of the channel axis: its sizes are in the model's code, which speedup cannot edit
-            return other()
-        if op == "SliceBackward0":
-            dim = int(fn._saved_dim) % len(in_shape)
-            if dim != axis:
-                return same("identity")
-            if out_shape[axis] == in_shape[dim]:
-                return same("identity")
-            return other()  # a channel slice: its bounds are in the model's code
-        if op in _VIEWS:
-            how, arg = classify_reshape(in_shape, axis, out_shape)
-            if how == "identity":
-                return same("identity", int(arg))
-            if how == "flatten":
-                positions, order = arg
-                if order == "channels_first":
-                    before = _prod(in_shape[:axis])
-                    prod, new_axis = 1, None
-                    for k, d in enumerate(out_shape):
-                        if prod == before and d == in_shape[axis] * positions:
-                            new_axis = k
-                            break
-                        prod *= d
-                else:
-                    new_axis = 1
-                if new_axis is None:
-                    return other()
-                return self.add(name, "flatten", [src], out_shape, new_axis, op=op,
-                                attrs={"positions": positions, "order": order})
-            return other()
-        if op == "PermuteBackward0":
-            dims = [int(d) % len(in_shape) for d in fn._saved_dims]
-            return same("identity", dims.index(axis))
-        if op in ("TransposeBackward0", "TBackward0"):
-            d0, d1 = (int(fn._saved_dim0), int(fn._saved_dim1)) if op == "TransposeBackward0" else (0, 1)
-            d0, d1 = d0 % len(in_shape), d1 % len(in_shape)
-            return same("identity", d1 if axis == d0 else d0 if axis == d1 else axis)
-        if op == "ExpandBackward0":
-            return same("identity", axis + len(out_shape) - len(in_shape))
-        if op in _REDUCE:
-            dims = getattr(fn, "_saved_dim", None)
-            dims = [int(d) % len(in_shape) for d in (dims if dims is not None else [])]
-            if not dims or axis in dims:
-                return other()
-            keep = bool(getattr(fn, "_saved_keepdim", False))
-            return same("pool", axis if keep else axis - sum(d < axis for d in dims))
-        if "Pool" in op or "Upsample" in op:
-            nd = 3 if "3D" in op or "3d" in op else 1 if "1D" in op or "1d" in op else 2
-            if len(in_shape) - axis > nd and len(out_shape) == len(in_shape):
-                return same("pool")
-            return other()
-        return other()
+        st = _OpStep(self, fn, op, self.unique(op), out_shape, operands, graph_ins)
+        if not graph_ins or st.axis is None:
+            return st.other()
+        for rule in _OP_RULES:
+            made = rule(st)
+            if made is not None:
+                return made
+        return st.other()
 
     def const(self, shape: tuple[int, ...] | None, out_shape: tuple[int, ...], out_axis: int, label: str) -> str:
         """A constant operand (a parameter or a tensor that needs no grad) of an elementwise op."""
@@ -627,6 +540,153 @@ class _Builder:
         if any(self.info[nm][0][axis] != out_shape[axis] for nm in graph):
             return self.add(name, "other", graph, out_shape, self.default_axis(out_shape), op=op)
         return self.add(name, "elementwise", graph, out_shape, axis, op=op, attrs={"zero": "all"})
+
+
+# ---------------------------------------------------------------------------------- op rules (one per family)
+class _OpStep:
+    """One autograd op being turned into a node: its name, output shape, operands and first graph input."""
+
+    def __init__(self, b: _Builder, fn: Any, op: str, name: str, out_shape: tuple[int, ...], operands: list,
+                 graph_ins: list[str]):
+        self.b, self.fn, self.op, self.name, self.out_shape = b, fn, op, name, out_shape
+        self.operands, self.graph_ins = operands, graph_ins
+        self.src = graph_ins[0] if graph_ins else None
+        self.in_shape, self.axis = b.info[self.src] if self.src is not None else ((), None)
+
+    def other(self) -> str:
+        return self.b.add(self.name, "other", self.graph_ins, self.out_shape, self.b.default_axis(self.out_shape),
+                          op=self.op)
+
+    def same(self, kind: str, new_axis: int | None = None, **attrs: Any) -> str:
+        """A node with the input's channels on ``new_axis`` (default: the input's channel axis)."""
+        if new_axis is None:
+            new_axis = self.axis
+        in_channels = self.in_shape[self.axis] if self.axis is not None else -1
+        if new_axis is None or not self.out_shape or self.out_shape[new_axis] != in_channels:
+            return self.other()
+        return self.b.add(self.name, kind, [self.src], self.out_shape, new_axis, op=self.op, attrs=attrs)
+
+    def dim(self) -> int:
+        return int(self.fn._saved_dim) % len(self.in_shape)
+
+
+def _rule_activation(st: _OpStep) -> str | None:
+    """Element-wise activations, clamps and powers: channels pass; ``zero_preserving`` says whether f(0) = 0."""
+    fn, op = st.fn, st.op
+    if op in _ACTIVATIONS and len(st.graph_ins) == 1:
+        zp = _ACTIVATIONS[op]
+    elif op in ("HardtanhBackward0", "ClampBackward1"):
+        lo = getattr(fn, "_saved_min_val", getattr(fn, "_saved_min", None))
+        hi = getattr(fn, "_saved_max_val", getattr(fn, "_saved_max", None))
+        zp = (lo is None or float(lo) <= 0) and (hi is None or float(hi) >= 0)
+    elif op == "PowBackward0":
+        e = getattr(fn, "_saved_exponent", None)
+        zp = e is not None and float(e) > 0
+    elif op in _IDENTITY and len(st.graph_ins) == 1:
+        return st.same("identity") if st.out_shape == st.in_shape else st.other()
+    else:
+        return None
+    return st.same("activation", zero_preserving=zp) if st.out_shape == st.in_shape else st.other()
+
+
+def _rule_pad(st: _OpStep) -> str | None:
+    """Constant padding of other axes passes channels (zero-preserving only for a traced pad value of 0)."""
+    if st.op != "ConstantPadNdBackward0":
+        return None
+    pad = list(getattr(st.fn, "_saved_pad", []))
+    touched = {len(st.in_shape) - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    # autograd does not keep the pad value: the trace records it (_PadValues); unknown = not trusted
+    seen = st.b.pad_values.get(id(st.fn))
+    zero = seen is not None and seen[0] is st.fn and seen[1] == 0
+    return st.other() if st.axis in touched else st.same("activation", zero_preserving=zero)
+
+
+def _rule_join(st: _OpStep) -> str | None:
+    """Binary element-wise ops and concatenations (their own builders)."""
+    if st.op in _BINARY:
+        return st.b.binary(st.fn, st.op, st.name, st.operands, st.out_shape)
+    if st.op == "CatBackward0":
+        return st.b.cat(st.fn, st.op, st.name, st.operands, st.out_shape)
+    return None
+
+
+_SPLITS = ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0")
+
+
+def _rule_split_slice(st: _OpStep) -> str | None:
+    """Splits / slices of another axis pass channels; of the channel axis they are in the model's code,
+    which speedup cannot edit (a full-width slice is an identity)."""
+    if st.op in _SPLITS:
+        return st.same("identity") if st.dim() != st.axis else st.other()
+    if st.op == "SliceBackward0":
+        if st.dim() != st.axis or st.out_shape[st.axis] == st.in_shape[st.dim()]:
+            return st.same("identity")
+        return st.other()
+    return None
+
+
+def _rule_view(st: _OpStep) -> str | None:
+    """Reshapes that keep the channel axis whole, or flatten it with the positions after / before it."""
+    if st.op not in _VIEWS:
+        return None
+    in_shape, axis, out_shape = st.in_shape, st.axis, st.out_shape
+    how, arg = classify_reshape(in_shape, axis, out_shape)
+    if how == "identity":
+        return st.same("identity", int(arg))
+    if how != "flatten":
+        return st.other()
+    positions, order = arg
+    if order == "channels_first":
+        before = _prod(in_shape[:axis])
+        prod, new_axis = 1, None
+        for k, d in enumerate(out_shape):
+            if prod == before and d == in_shape[axis] * positions:
+                new_axis = k
+                break
+            prod *= d
+    else:
+        new_axis = 1
+    if new_axis is None:
+        return st.other()
+    return st.b.add(st.name, "flatten", [st.src], out_shape, new_axis, op=st.op,
+                    attrs={"positions": positions, "order": order})
+
+
+def _rule_axes(st: _OpStep) -> str | None:
+    """Permutes, transposes and expands move the channel axis."""
+    fn, op, n = st.fn, st.op, len(st.in_shape)
+    if op == "PermuteBackward0":
+        dims = [int(d) % n for d in fn._saved_dims]
+        return st.same("identity", dims.index(st.axis))
+    if op in ("TransposeBackward0", "TBackward0"):
+        d0, d1 = (int(fn._saved_dim0), int(fn._saved_dim1)) if op == "TransposeBackward0" else (0, 1)
+        d0, d1 = d0 % n, d1 % n
+        return st.same("identity", d1 if st.axis == d0 else d0 if st.axis == d1 else st.axis)
+    if op == "ExpandBackward0":
+        return st.same("identity", st.axis + len(st.out_shape) - n)
+    return None
+
+
+def _rule_reduce_pool(st: _OpStep) -> str | None:
+    """Reductions over other axes and pooling / upsampling of the spatial axes keep channels."""
+    op, in_shape, axis = st.op, st.in_shape, st.axis
+    if op in _REDUCE:
+        dims = getattr(st.fn, "_saved_dim", None)
+        dims = [int(d) % len(in_shape) for d in (dims if dims is not None else [])]
+        if not dims or axis in dims:
+            return st.other()
+        keep = bool(getattr(st.fn, "_saved_keepdim", False))
+        return st.same("pool", axis if keep else axis - sum(d < axis for d in dims))
+    if "Pool" in op or "Upsample" in op:
+        nd = 3 if "3D" in op or "3d" in op else 1 if "1D" in op or "1d" in op else 2
+        if len(in_shape) - axis > nd and len(st.out_shape) == len(in_shape):
+            return st.same("pool")
+        return st.other()
+    return None
+
+
+#: how each family of autograd ops carries channels, tried in order (None: not this family)
+_OP_RULES = (_rule_activation, _rule_pad, _rule_join, _rule_split_slice, _rule_view, _rule_axes, _rule_reduce_pool)
 
 
 def _layers_to_hook(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -731,6 +791,73 @@ class _PadValues(torch.overrides.TorchFunctionMode):
         return result
 
 
+def _add_inputs(b: _Builder, args: tuple, kwargs: dict, inputs: list[tuple[str, torch.Tensor]]) -> None:
+    """Step 1: one ``input`` node per input tensor (channels on axis 1, or 0 for a vector)."""
+    for name, t in inputs:
+        shape = tuple(t.shape)
+        nm = b.unique(name)
+        b.add(nm, "input", [], shape, (1 if len(shape) > 1 else 0) if shape else None, op="input")
+        b.leaves[id(t)] = (nm, t)
+        b.done[("leaf", id(t))] = nm
+    for first in (_tensors(args) + _tensors(kwargs))[:1]:
+        b.batch = int(first.shape[0]) if first.dim() > 1 else 1  # MACs are per sample
+
+
+def _record_layers(b: _Builder, model: nn.Module, stack: list) -> list[Any]:
+    """Step 2: hooks that record each layer call's input / output tensors (the layer nodes of the walk)."""
+
+    def pre_hook(path: str):
+        def hook(mod: nn.Module, a: tuple, kw: dict) -> None:
+            leaf = innermost_module(mod)
+            ins = _tensors(a) + _tensors(kw)
+            stack.append({"path": path, "module": mod, "leaf": leaf, "op": type(leaf).__name__,
+                          "in_keys": [b.tensor_key(t) for t in ins], "in_shapes": [tuple(t.shape) for t in ins]})
+        return hook
+
+    def post_hook(mod: nn.Module, a: tuple, kw: dict, output: Any) -> None:
+        rec = stack.pop()
+        outs = _tensors(output)
+        rec["out_shapes"] = [tuple(t.shape) for t in outs]
+        rec["outs"] = outs  # keep the grad_fns alive until the walk
+        for i, t in enumerate(outs):
+            k = b.tensor_key(t)
+            if k is None or k in rec["in_keys"] or k in b.mod_out:
+                continue  # a pass-through of an input
+            b.mod_out[k] = (rec, i)
+
+    handles = []
+    for path, m in _layers_to_hook(model):
+        handles.append(m.register_forward_pre_hook(pre_hook(path), with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+    return handles
+
+
+def _run_forward(b: _Builder, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Step 3: one forward with autograd on (eval mode), the pad values / operand shapes / MACs traced."""
+    with torch.enable_grad(), _PadValues(b.pad_values, b.operand_shapes, b.op_macs):
+        try:
+            return model(*args, **kwargs)
+        except Exception as e:
+            shapes = [str(tuple(t.shape)) for t in _tensors(args) + _tensors(kwargs)]
+            raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
+                             f"[{', '.join(shapes)}]: {e}. Pass an input the model accepts (shape and dtype as in "
+                             f"training; a tuple for several arguments, a dict for keyword arguments)") from e
+
+
+def _add_outputs(b: _Builder, output: Any) -> None:
+    """Step 4: walk back from each output tensor (building every node on the way) and add ``output`` nodes."""
+    ends = []
+    for t in _tensors(output):
+        k = b.tensor_key(t)
+        if k is not None:
+            ends.append((b.resolve(k), t))
+    for i, (src, _t) in enumerate(ends):
+        if src is None:
+            continue
+        shape, axis = b.info[src]
+        b.add(b.unique(f"output_{i}" if len(ends) > 1 else "output"), "output", [src], shape, axis, op="output")
+
+
 def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn.Module]]:
     """The channel graph of ``model`` on ``dummy_input`` (a tensor, a tuple of positional tensors or a
     dict of keyword tensors), and ``{layer path: innermost leaf module}`` for every layer node.
@@ -742,67 +869,17 @@ def build_graph(model: nn.Module, dummy_input: Any) -> tuple[Graph, dict[str, nn
     b = _Builder(model)
     b.params = {id(p): n for n, p in model.named_parameters()}
     args, kwargs, inputs = _prepare_inputs(dummy_input)
-    for name, t in inputs:
-        shape = tuple(t.shape)
-        nm = b.unique(name)
-        b.add(nm, "input", [], shape, (1 if len(shape) > 1 else 0) if shape else None, op="input")
-        b.leaves[id(t)] = (nm, t)
-        b.done[("leaf", id(t))] = nm
-
-    for first in (_tensors(args) + _tensors(kwargs))[:1]:
-        b.batch = int(first.shape[0]) if first.dim() > 1 else 1  # MACs are per sample
-    handles = []
-
-    def pre_hook(rec_list: list, path: str, module: nn.Module):
-        def hook(mod: nn.Module, a: tuple, kw: dict) -> None:
-            rec_list.append({"path": path, "module": mod, "leaf": innermost_module(mod), "op": type(innermost_module(mod)).__name__,
-                             "in_keys": [b.tensor_key(t) for t in _tensors(a) + _tensors(kw)],
-                             "in_shapes": [tuple(t.shape) for t in _tensors(a) + _tensors(kw)]})
-        return hook
-
-    def post_hook(rec_list: list):
-        def hook(mod: nn.Module, a: tuple, kw: dict, output: Any) -> None:
-            rec = rec_list.pop()
-            outs = _tensors(output)
-            rec["out_shapes"] = [tuple(t.shape) for t in outs]
-            rec["outs"] = outs  # keep the grad_fns alive until the walk
-            for i, t in enumerate(outs):
-                k = b.tensor_key(t)
-                if k is None or k in rec["in_keys"] or k in b.mod_out:
-                    continue  # a pass-through of an input
-                b.mod_out[k] = (rec, i)
-        return hook
-
+    _add_inputs(b, args, kwargs, inputs)
     training = {m: m.training for m in model.modules()}
     grads = {p: p.requires_grad for p in model.parameters()}
-    stack: list = []
+    handles: list[Any] = []
     try:
-        for path, m in _layers_to_hook(model):
-            handles.append(m.register_forward_pre_hook(pre_hook(stack, path, m), with_kwargs=True))
-            handles.append(m.register_forward_hook(post_hook(stack), with_kwargs=True))
+        handles = _record_layers(b, model, [])
         model.eval()
         for p in grads:
             if p.is_floating_point():
                 p.requires_grad_(True)
-        with torch.enable_grad(), _PadValues(b.pad_values, b.operand_shapes, b.op_macs):
-            try:
-                output = model(*args, **kwargs)
-            except Exception as e:
-                shapes = [str(tuple(t.shape)) for t in _tensors(args) + _tensors(kwargs)]
-                raise ModelError(f"tracing the model failed: its forward raised {type(e).__name__} on dummy_input "
-                                 f"[{', '.join(shapes)}]: {e}. Pass an input the model accepts (shape and dtype as in "
-                                 f"training; a tuple for several arguments, a dict for keyword arguments)") from e
-        outs = _tensors(output)
-        ends = []
-        for t in outs:
-            k = b.tensor_key(t)
-            if k is not None:
-                ends.append((b.resolve(k), t))
-        for i, (src, _t) in enumerate(ends):
-            if src is None:
-                continue
-            shape, axis = b.info[src]
-            b.add(b.unique(f"output_{i}" if len(ends) > 1 else "output"), "output", [src], shape, axis, op="output")
+        _add_outputs(b, _run_forward(b, model, args, kwargs))
     finally:
         for h in handles:
             h.remove()
