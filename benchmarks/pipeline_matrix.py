@@ -610,13 +610,18 @@ def _tflite_run(path: str, x: np.ndarray, batch: int) -> np.ndarray:
 
 
 def _tflite_kernels(path: str) -> tuple[int, list[str]]:
+    """(int8 weighted kernels, float ones): CONV_2D / FULLY_CONNECTED / BATCH_MATMUL ... with a constant
+    operand (a layer's weight); a BATCH_MATMUL of two activations (attention scores) is no weighted kernel."""
     interp = _interpreter(path, 1)
     tensors = {t["index"]: t for t in interp.get_tensor_details()}
+    ops = interp._get_ops_details()
+    variable = {i for op in ops for i in op["outputs"]} | {d["index"] for d in interp.get_input_details()}
     ints, floats = 0, []
-    for op in interp._get_ops_details():
-        if op["op_name"] not in TFLITE_WEIGHTED:
+    for op in ops:
+        operands = [i for i in op["inputs"][:2] if i >= 0]
+        if op["op_name"] not in TFLITE_WEIGHTED or all(i in variable for i in operands):
             continue
-        dtypes = [tensors[i]["dtype"] for i in op["inputs"][:2] if i >= 0]
+        dtypes = [tensors[i]["dtype"] for i in operands]
         if all(dt in (np.int8, np.uint8, np.int16) for dt in dtypes):
             ints += 1
         else:
