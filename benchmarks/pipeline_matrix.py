@@ -477,7 +477,7 @@ def _keras_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], 
     }
 
 
-def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
+def run_tf(name: str, latency: bool = False, workdir: str | None = None, tflite_int8: str = "auto") -> Row:
     import keras
     import tensorflow as tf
 
@@ -525,7 +525,7 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
                 kw = {} if vocab else {"inference_input_type": tf.int8}
                 with contextlib.redirect_stdout(io.StringIO()):
                     q.export_model(os.path.join(d, "m.keras"), os.path.join(d, "cal.json"), tflite_path=int8_path,
-                                   inference_output_type=tf.int8, **kw)
+                                   inference_output_type=tf.int8, tflite_int8=tflite_int8, **kw)
                 row.size_int8 = os.path.getsize(int8_path)
             with step("artifact"):
                 x_eval = xs[N_CALIB * BATCH:]
@@ -658,8 +658,10 @@ def model_names(backend: str = "all", extra: bool = False) -> list[str]:
     return names
 
 
-def run_one(name: str, latency: bool = False, workdir: str | None = None) -> Row:
-    return (run_tf if name.startswith("keras-") else run_torch)(name, latency=latency, workdir=workdir)
+def run_one(name: str, latency: bool = False, workdir: str | None = None, tflite_int8: str = "auto") -> Row:
+    if name.startswith("keras-"):
+        return run_tf(name, latency=latency, workdir=workdir, tflite_int8=tflite_int8)
+    return run_torch(name, latency=latency, workdir=workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency", action="store_true", help="also time the int8 vs dense float artifacts")
     p.add_argument("--extra", action="store_true", help="the architectures not developed on (generalisation)")
     p.add_argument("--warnings", action="store_true", help="print the warnings each run raised")
+    p.add_argument("--tflite-int8", choices=["auto", "kernels", "all"], default="auto",
+                   help="Keras: which ops the .tflite runs in int8 (PtqQuantizer.export_model(tflite_int8=...))")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     names = args.models.split(",") if args.models else model_names(args.backend, args.extra)
@@ -676,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         t0 = time.perf_counter()
-        row = run_one(name, latency=args.latency)
+        row = run_one(name, latency=args.latency, tflite_int8=args.tflite_int8)
         rows.append(row)
         print(row.markdown() + f" <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
         if args.warnings:

@@ -43,7 +43,8 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import keras
@@ -514,52 +515,22 @@ class PtqQuantizer(QAT_Quantizer):
             f.write(blob)
 
 
-def _saved_model_signature(model: Any) -> Any:
-    """The export signature: the model's own (dynamic batch), or batch 1 when a recurrent layer needs a
-    static batch for TFLite (its state tensors' shape)."""
-    import keras
+@contextmanager
+def _unrolled(model: Any) -> Iterator[None]:
+    """Within the block, the recurrent layers of ``model`` (also those inside ``Bidirectional``) run unrolled:
+    TFLite's int8 calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain
+    FULLY_CONNECTED ops (int8) and gates. The batch stays dynamic (the zero initial state is built from the
+    input's batch size). Needs a fixed sequence length (a ConfigError names the layers otherwise)."""
+    from ..tflite import _variable_length, recurrent_layers, unrolled
 
-    if not any(isinstance(layer, keras.layers.RNN) for layer in _all_layers(model)):
-        return None
-    inputs = list(getattr(model, "inputs", None) or [])
-    if not inputs:
-        return None
-    specs = [tf.TensorSpec((1, *t.shape[1:]), t.dtype, name=getattr(t, "name", None)) for t in inputs]
-    return [specs[0]] if len(specs) == 1 else [specs]
-
-
-def _unrolled(model: Any) -> Any:
-    """``model`` with its recurrent layers unrolled (a clone sharing every other layer): TFLite's int8
-    calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain int8
-    FULLY_CONNECTED ops. Needs a fixed sequence length (a ConfigError names the layer otherwise)."""
-    import keras
-
-    from ..compressor import WRAPPER_PREFIX
-
-    rnns = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.RNN) and not layer.unroll
-            and not any(k.startswith(WRAPPER_PREFIX) for k in vars(layer))]
-    if not rnns:
-        return model
-    for layer in rnns:
-        steps = [node.input_tensors[0].shape[1] for node in getattr(layer, "_inbound_nodes", [])]
-        if not steps or any(t is None for t in steps):
-            raise ConfigError(f"PtqQuantizer.export_model: recurrent layer {layer.name!r} ({type(layer).__name__}) "
-                              f"runs over a sequence of unknown length; the full-integer TFLite export unrolls it "
-                              f"and needs a fixed length: give the model keras.Input((length, ...))")
-    new: dict[int, Any] = {}
-
-    def clone(layer: Any) -> Any:
-        if not any(layer is r for r in rnns):
-            return layer
-        copy = type(layer).from_config({**layer.get_config(), "unroll": True})
-        new[id(copy)] = layer
-        return copy
-
-    out = keras.models.clone_model(model, clone_function=clone)
-    for layer in _all_layers(out):
-        if id(layer) in new:
-            layer.set_weights(new[id(layer)].get_weights())
-    return out
+    rnns = [layer for _, layer in recurrent_layers(model) if not layer.unroll]
+    dynamic = _variable_length(model) if rnns else []
+    if dynamic:
+        raise ConfigError(f"PtqQuantizer.export_model: recurrent layers {dynamic} run over a sequence of unknown "
+                          f"length; the full-integer TFLite export unrolls them and needs a fixed length: give the "
+                          f"model keras.Input((length, ...))")
+    with unrolled(rnns):
+        yield
 
 
 def _all_layers(model: Any) -> list[Any]:
@@ -589,8 +560,8 @@ def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any
 
     t0 = time.perf_counter()
     _say(verbose, "PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
-    signature = _saved_model_signature(model)
-    _unrolled(model).export(workdir, format="tf_saved_model", verbose=False, input_signature=signature)
+    with _unrolled(model):
+        model.export(workdir, format="tf_saved_model", verbose=False)
     converter = _converter(workdir, representative_dataset, in_type, out_type)
     why = _float_reason(model) if int8 == "auto" else "tflite_int8='kernels'" if int8 == "kernels" else None
     kept: dict[str, list[str]] = {}
