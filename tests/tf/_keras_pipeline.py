@@ -110,27 +110,31 @@ def int8_weighted_ops(ops: list[tuple[str, list[str], bool]]) -> tuple[int, list
     return good, bad
 
 
-def run_tflite(path: str, x: np.ndarray) -> tuple[np.ndarray, dict]:
+def run_tflite(path: str, x: np.ndarray, batch: int = 1) -> tuple[np.ndarray, dict]:
+    """Outputs of the .tflite on ``x`` in batches of ``batch`` (the input resized when its batch differs)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         interp = tf.lite.Interpreter(model_path=path, num_threads=1)
+    ind = interp.get_input_details()[0]
+    if ind["shape"][0] != batch:
+        interp.resize_tensor_input(ind["index"], [batch, *ind["shape"][1:]], strict=True)
     interp.allocate_tensors()
-    ind, outd = interp.get_input_details()[0], interp.get_output_details()[0]
+    outd = interp.get_output_details()[0]
     got = []
-    for i in range(x.shape[0]):
-        xi = x[i:i + 1]
+    for i in range(0, x.shape[0], batch):
+        xi = x[i:i + batch]
         if ind["dtype"] in (np.int8, np.uint8) and x.dtype.kind == "f":
             s, z = ind["quantization"]
             info = np.iinfo(ind["dtype"])
             xi = np.clip(np.round(xi / s + z), info.min, info.max)
         interp.set_tensor(ind["index"], xi.astype(ind["dtype"]))
         interp.invoke()
-        o = interp.get_tensor(outd["index"])[0]
+        o = interp.get_tensor(outd["index"])
         if outd["dtype"] in (np.int8, np.uint8):
             s, z = outd["quantization"]
             o = (o.astype(np.float32) - z) * s
         got.append(o)
-    return np.stack(got), {"input": ind["dtype"], "output": outd["dtype"]}
+    return np.concatenate(got), {"input": ind["dtype"], "output": outd["dtype"]}
 
 
 def float_tflite(model: keras.Model) -> bytes:
@@ -171,6 +175,7 @@ def pipeline(name: str, workdir: str, n_eval: int = 64) -> dict:
     x_eval = make_data(name, n_eval, seed=3)
     want = np.asarray(small(x_eval, training=False))
     got, res["io_dtypes"] = run_tflite(path, x_eval)
+    res["batch16_max_diff"] = float(np.abs(run_tflite(path, x_eval, 16)[0] - got).max())  # dynamic batch
     res["agreement"] = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
     res["rel_err"] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
     res["ops"] = tflite_ops(path)
