@@ -134,9 +134,17 @@ def quantize_kernels(converter: Any, input_type: Any, output_type: Any,
     representative dataset) calibrates only; the calibrated model is quantized with every non-kernel op type
     and the kernel ops without a constant operand denylisted. Returns the flatbuffer and
     ``{TFLite op: [layer names]}`` of what stays float (``layer_names``: the model's layer names, to name
-    the layer an op belongs to; the op's name scope otherwise)."""
-    from tensorflow.lite.python.convert import mlir_quantize
-
+    the layer an op belongs to; the op's name scope otherwise). Where this TensorFlow lacks the pieces
+    (``mlir_quantize``, ``_experimental_calibrate_only``), a RuntimeWarning says so and every op is int8."""
+    try:
+        from tensorflow.lite.python.convert import mlir_quantize
+    except ImportError:
+        mlir_quantize = None
+    if mlir_quantize is None or not hasattr(converter, "_experimental_calibrate_only"):
+        warnings.warn(f"TFLite export: TensorFlow {tf.__version__} has no selective quantization (mlir_quantize "
+                      f"with denylisted ops), so every op of the .tflite is int8, also those the fake-quant model "
+                      f"keeps float (softmax, normalization, recurrent gates)", RuntimeWarning, stacklevel=3)
+        return converter.convert(), {}
     converter._experimental_calibrate_only = True
     calibrated = converter.convert()
     with warnings.catch_warnings():

@@ -155,3 +155,14 @@ def test_recurrent_tflite_has_a_dynamic_batch(kind, tmp_path):
     np.testing.assert_array_equal(one, sixteen)
     assert rel_error(one, want) < 0.05
     assert model.get_layer("rnn").get_config().get("unroll", False) is False  # the model is left as it was
+
+
+def test_without_selective_quantization_it_warns_and_converts_all_int8(tmp_path, monkeypatch):
+    from tensorflow.lite.python import convert
+
+    monkeypatch.delattr(convert, "mlir_quantize")
+    q = ctf.PtqQuantizer(attention_model(), [{**CFG, "op_types": ["Dense"]}])
+    q.calibrate(tokens(8))
+    with pytest.warns(RuntimeWarning, match=r"no selective quantization .* every op of the \.tflite is int8"):
+        q.export_model(tflite_path=tmp_path / "m.tflite", verbose=False)
+    assert q.tflite_float_ops == {} and op_dtypes(tmp_path / "m.tflite")["SOFTMAX"] == {"int8"}
