@@ -13,7 +13,8 @@ onnxruntime on torch, full-integer TFLite in the interpreter on Keras), checked 
   artifact vs the dense float artifact in the same runtime (interleaved, batch 1 and 16).
 
 ``python -m benchmarks.pipeline_matrix [--backend torch|tf|all] [--models a,b] [--latency]`` prints one
-markdown table; ``run_one(name)`` returns one row as a dict (the fast CI subset in
+markdown table (Keras: ``--tflite-int8 all`` converts every op to int8, not only the kernels of attention /
+normalization / recurrent models, see ``PtqQuantizer.export_model``); ``run_one(name)`` returns one row as a dict (the fast CI subset in
 tests/*/test_pipeline_matrix.py calls it). Models are built from small configs with random weights (no
 downloads); inputs are class prototypes plus noise, so a random network's logits have margins.
 """
