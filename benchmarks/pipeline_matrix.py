@@ -13,7 +13,8 @@ onnxruntime on torch, full-integer TFLite in the interpreter on Keras), checked 
   artifact vs the dense float artifact in the same runtime (interleaved, batch 1 and 16).
 
 ``python -m benchmarks.pipeline_matrix [--backend torch|tf|all] [--models a,b] [--latency]`` prints one
-markdown table; ``run_one(name)`` returns one row as a dict (the fast CI subset in
+markdown table (Keras: ``--tflite-int8 all`` converts every op to int8, not only the kernels of attention /
+normalization / recurrent models, see ``PtqQuantizer.export_model``); ``run_one(name)`` returns one row as a dict (the fast CI subset in
 tests/*/test_pipeline_matrix.py calls it). Models are built from small configs with random weights (no
 downloads); inputs are class prototypes plus noise, so a random network's logits have margins.
 """
@@ -479,7 +480,7 @@ def _keras_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], 
     }
 
 
-def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
+def run_tf(name: str, latency: bool = False, workdir: str | None = None, tflite_int8: str = "auto") -> Row:
     import keras
     import tensorflow as tf
 
@@ -488,7 +489,11 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
     row = Row(name, "tf")
     step = _Step(row)
     keras.utils.set_random_seed(0)
-    model, shape, vocab = {**_keras_models(), **_keras_extra_models()}[name]()
+    try:  # a builder Keras lacks (keras.applications.RegNetX002 is gone in Keras 3) is a failed row, not a crash
+        model, shape, vocab = {**_keras_models(), **_keras_extra_models()}[name]()
+    except (AttributeError, ImportError, ValueError) as e:
+        row.failed, row.error = "build", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return row
     xs, ys = prototypes(shape, N_CALIB * BATCH + N_EVAL, 0, vocab)
     if vocab:
         xs = xs.astype(np.int32)
@@ -501,6 +506,7 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
                 _tflite_float(model, dense_path)
                 row.size_dense_float = os.path.getsize(dense_path)
                 macs0, params0, _ = ct.count_flops_params(model)
+                init_zeros = _keras_zero_weights(model)  # exact zeros of the random init (2 in ResNet50)
             with step("prune"):
                 pruner = ct.L1FilterPruner(model, [{"sparsity": SPARSITY, "op_types": ["default"]}],
                                            dependency_aware=True)
@@ -509,7 +515,7 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
                 small = ct.speedup_model(pruner)
                 macs1, params1, _ = ct.count_flops_params(small)
                 row.params_ratio, row.macs_ratio = params1 / params0, macs1 / macs0
-                row.zeros_left = _keras_zero_weights(small)
+                row.zeros_left = max(0, _keras_zero_weights(small) - init_zeros)
             with step("fine-tune"):
                 small.compile(optimizer=keras.optimizers.Adam(1e-3),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -527,7 +533,7 @@ def run_tf(name: str, latency: bool = False, workdir: str | None = None) -> Row:
                 kw = {} if vocab else {"inference_input_type": tf.int8}
                 with contextlib.redirect_stdout(io.StringIO()):
                     q.export_model(os.path.join(d, "m.keras"), os.path.join(d, "cal.json"), tflite_path=int8_path,
-                                   inference_output_type=tf.int8, **kw)
+                                   inference_output_type=tf.int8, tflite_int8=tflite_int8, **kw)
                 row.size_int8 = os.path.getsize(int8_path)
             with step("artifact"):
                 x_eval = xs[N_CALIB * BATCH:]
@@ -565,6 +571,8 @@ def _tflite_float(model: Any, path: str) -> None:
 
 
 def _keras_zero_weights(model: Any) -> int:
+    """Exact zeros in the kernels (run_tf subtracts those of the unpruned model: keras.applications' random
+    init draws a few exact zeros, e.g. 2 of ResNet50's 23.5 M kernel weights, which no pruner made)."""
     import keras
 
     n, seen = 0, set()
@@ -612,13 +620,18 @@ def _tflite_run(path: str, x: np.ndarray, batch: int) -> np.ndarray:
 
 
 def _tflite_kernels(path: str) -> tuple[int, list[str]]:
+    """(int8 weighted kernels, float ones): CONV_2D / FULLY_CONNECTED / BATCH_MATMUL ... with a constant
+    operand (a layer's weight); a BATCH_MATMUL of two activations (attention scores) is no weighted kernel."""
     interp = _interpreter(path, 1)
     tensors = {t["index"]: t for t in interp.get_tensor_details()}
+    ops = interp._get_ops_details()
+    variable = {i for op in ops for i in op["outputs"]} | {d["index"] for d in interp.get_input_details()}
     ints, floats = 0, []
-    for op in interp._get_ops_details():
-        if op["op_name"] not in TFLITE_WEIGHTED:
+    for op in ops:
+        operands = [i for i in op["inputs"][:2] if i >= 0]
+        if op["op_name"] not in TFLITE_WEIGHTED or all(i in variable for i in operands):
             continue
-        dtypes = [tensors[i]["dtype"] for i in op["inputs"][:2] if i >= 0]
+        dtypes = [tensors[i]["dtype"] for i in operands]
         if all(dt in (np.int8, np.uint8, np.int16) for dt in dtypes):
             ints += 1
         else:
@@ -655,8 +668,10 @@ def model_names(backend: str = "all", extra: bool = False) -> list[str]:
     return names
 
 
-def run_one(name: str, latency: bool = False, workdir: str | None = None) -> Row:
-    return (run_tf if name.startswith("keras-") else run_torch)(name, latency=latency, workdir=workdir)
+def run_one(name: str, latency: bool = False, workdir: str | None = None, tflite_int8: str = "auto") -> Row:
+    if name.startswith("keras-"):
+        return run_tf(name, latency=latency, workdir=workdir, tflite_int8=tflite_int8)
+    return run_torch(name, latency=latency, workdir=workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -666,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency", action="store_true", help="also time the int8 vs dense float artifacts")
     p.add_argument("--extra", action="store_true", help="the architectures not developed on (generalisation)")
     p.add_argument("--warnings", action="store_true", help="print the warnings each run raised")
+    p.add_argument("--tflite-int8", choices=["auto", "kernels", "all"], default="auto",
+                   help="Keras: which ops the .tflite runs in int8 (PtqQuantizer.export_model(tflite_int8=...))")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     names = args.models.split(",") if args.models else model_names(args.backend, args.extra)
@@ -673,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         t0 = time.perf_counter()
-        row = run_one(name, latency=args.latency)
+        row = run_one(name, latency=args.latency, tflite_int8=args.tflite_int8)
         rows.append(row)
         print(row.markdown() + f" <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
         if args.warnings:

@@ -84,22 +84,25 @@ def zero_filters(model: keras.Model) -> dict[str, int]:
     return out
 
 
-def tflite_ops(path: str) -> list[tuple[str, list[str]]]:
-    """``(op name, dtypes of its inputs)`` of every op of the .tflite."""
+def tflite_ops(path: str) -> list[tuple[str, list[str], bool]]:
+    """``(op name, dtypes of its inputs, whether an operand is a constant = a layer's weight)`` of every op."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         interp = tf.lite.Interpreter(model_path=path)
     dtypes = {d["index"]: np.dtype(d["dtype"]).name for d in interp.get_tensor_details()}
-    return [(op["op_name"], [dtypes.get(i, "none") for i in op["inputs"] if i >= 0])
-            for op in interp._get_ops_details()]
+    ops = interp._get_ops_details()
+    variable = {i for op in ops for i in op["outputs"]} | {d["index"] for d in interp.get_input_details()}
+    return [(op["op_name"], [dtypes.get(i, "none") for i in op["inputs"] if i >= 0],
+             any(i not in variable for i in op["inputs"][:2] if i >= 0)) for op in ops]
 
 
-def int8_weighted_ops(ops: list[tuple[str, list[str]]]) -> tuple[int, list[str]]:
-    """(number of int8 CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL ops, those that are not
-    int8: their names and input dtypes)."""
+def int8_weighted_ops(ops: list[tuple[str, list[str], bool]]) -> tuple[int, list[str]]:
+    """(number of int8 CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL ops with a weight, those
+    that are not int8: their names and input dtypes). A BATCH_MATMUL of two activations (attention scores)
+    holds no weight: not counted."""
     good, bad = 0, []
-    for name, dts in ops:
-        if name in INT8_OPS:
+    for name, dts, weighted in ops:
+        if name in INT8_OPS and weighted:
             if dts[0] == "int8" and all(d in ("int8", "int32") for d in dts[1:]):
                 good += 1
             else:
@@ -107,27 +110,31 @@ def int8_weighted_ops(ops: list[tuple[str, list[str]]]) -> tuple[int, list[str]]
     return good, bad
 
 
-def run_tflite(path: str, x: np.ndarray) -> tuple[np.ndarray, dict]:
+def run_tflite(path: str, x: np.ndarray, batch: int = 1) -> tuple[np.ndarray, dict]:
+    """Outputs of the .tflite on ``x`` in batches of ``batch`` (the input resized when its batch differs)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         interp = tf.lite.Interpreter(model_path=path, num_threads=1)
+    ind = interp.get_input_details()[0]
+    if ind["shape"][0] != batch:
+        interp.resize_tensor_input(ind["index"], [batch, *ind["shape"][1:]], strict=True)
     interp.allocate_tensors()
-    ind, outd = interp.get_input_details()[0], interp.get_output_details()[0]
+    outd = interp.get_output_details()[0]
     got = []
-    for i in range(x.shape[0]):
-        xi = x[i:i + 1]
+    for i in range(0, x.shape[0], batch):
+        xi = x[i:i + batch]
         if ind["dtype"] in (np.int8, np.uint8) and x.dtype.kind == "f":
             s, z = ind["quantization"]
             info = np.iinfo(ind["dtype"])
             xi = np.clip(np.round(xi / s + z), info.min, info.max)
         interp.set_tensor(ind["index"], xi.astype(ind["dtype"]))
         interp.invoke()
-        o = interp.get_tensor(outd["index"])[0]
+        o = interp.get_tensor(outd["index"])
         if outd["dtype"] in (np.int8, np.uint8):
             s, z = outd["quantization"]
             o = (o.astype(np.float32) - z) * s
         got.append(o)
-    return np.stack(got), {"input": ind["dtype"], "output": outd["dtype"]}
+    return np.concatenate(got), {"input": ind["dtype"], "output": outd["dtype"]}
 
 
 def float_tflite(model: keras.Model) -> bytes:
@@ -168,11 +175,12 @@ def pipeline(name: str, workdir: str, n_eval: int = 64) -> dict:
     x_eval = make_data(name, n_eval, seed=3)
     want = np.asarray(small(x_eval, training=False))
     got, res["io_dtypes"] = run_tflite(path, x_eval)
+    res["batch16_max_diff"] = float(np.abs(run_tflite(path, x_eval, 16)[0] - got).max())  # dynamic batch
     res["agreement"] = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
     res["rel_err"] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
     res["ops"] = tflite_ops(path)
     res["int8_weighted_ops"], res["not_int8"] = int8_weighted_ops(res["ops"])
-    res["float_tensors"] = sorted({dt for _, dts in res["ops"] for dt in dts if dt == "float32"})
+    res["float_tensors"] = sorted({dt for _, dts, _ in res["ops"] for dt in dts if dt == "float32"})
     res["weighted_layers"] = sum(1 for _, layer in iter_layers(small) if type(layer).__name__ in WEIGHTED)
     return res
 
@@ -182,7 +190,7 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         r = pipeline(sys.argv[1], d)
-    names = [o for o, _ in r["ops"]]
+    names = [o for o, _, _ in r["ops"]]
     ops_count = {o: names.count(o) for o in sorted(set(names))}
     for k, v in r.items():
         if k not in ("ops", "float_tensors"):

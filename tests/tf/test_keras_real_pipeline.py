@@ -224,14 +224,19 @@ def check_pipeline(name, tmp_path):
     assert res["io_dtypes"]["output"] == np.int8
     assert res["int8_bytes"] < res["float_bytes"], (res["int8_bytes"], res["float_bytes"])
     assert res["agreement"] >= 0.9 or res["rel_err"] < 0.1, (res["agreement"], res["rel_err"])
+    assert res["batch16_max_diff"] == 0.0  # a dynamic batch: 16 at once gives the outputs of 16 single runs
     return res
 
 
 @pytest.mark.parametrize("name", ["text", "lstm", "MobileNetV3Small"])
 def test_pipeline_fast_cases(name, tmp_path):
     """The text transformer and LSTM classifier (5 s each) and the one keras.applications case of the fast
-    suite (~35 s: MobileNetV3Small, the hard-swish / squeeze-excite model of item 5)."""
-    check_pipeline(name, tmp_path)
+    suite (~35 s: MobileNetV3Small, the hard-swish / squeeze-excite model of item 5). The text and LSTM
+    artifacts agree with the fake-quant model as closely as the CNNs do (their softmax, norms and gates stay
+    float: tflite_int8='auto'; all in int8 they were 0.19 / 0.23 relative error away)."""
+    res = check_pipeline(name, tmp_path)
+    if name in ("text", "lstm"):
+        assert res["agreement"] >= 0.98 and res["rel_err"] <= 0.05, (res["agreement"], res["rel_err"])
 
 
 @pytest.mark.slow

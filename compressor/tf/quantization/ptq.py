@@ -27,6 +27,14 @@ wrappers, state variables (``<type>_scale``, ``<type>_zero_point``, ``tracked_mi
   converter re-derives activation ranges on a representative dataset, by default the calibration batches
   (kept, at most ``keep_batches``), with min/max, which equals the ``'minmax'`` observer's ranges; weights
   hold their (already int8-grid) quantized values, which TFLite re-quantizes per channel losslessly.
+  ``tflite_int8`` chooses which ops the .tflite runs in int8: ``'all'`` = every op the converter can
+  (the converter's full-integer model); ``'kernels'`` = only the weighted kernels (Conv / Dense /
+  EinsumDense, recurrent matmuls, embedding tables; :func:`compressor.tf.tflite.quantize_kernels`), every
+  other op float, which is what the fake-quant model simulates; ``'auto'`` (default) = ``'kernels'`` for
+  models with attention, layer / group normalization or recurrent layers (whose int8 softmax, norms and
+  gates put the artifact 0.2 relative error away from the fake-quant model), ``'all'`` otherwise (CNNs:
+  their int8 adds and pools cost < 0.05 and are faster). The ops kept float are reported (logger /
+  stderr, see ``verbose``) and listed in :attr:`PtqQuantizer.tflite_float_ops`.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import keras
@@ -58,6 +67,15 @@ _log = logging.getLogger("compressor.tf.ptq")
 _NO_DATA = "calibrate with at least one batch"
 _FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
 
+
+#: values of ``export_model(tflite_int8=...)``
+TFLITE_INT8 = ("auto", "kernels", "all")
+#: Keras layers whose TFLite lowering the converter would run in int8 without the fake-quant model simulating
+#: it (softmax / score matmuls, normalization statistics, recurrent gates): 'auto' keeps those models' non-kernel
+#: ops float
+_FLOAT_LAYERS = ("MultiHeadAttention", "GroupedQueryAttention", "Attention", "AdditiveAttention",
+                 "LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization", "RNN",
+                 "Bidirectional")
 
 #: observers that clip outliers: their ranges reach a .tflite only through explicit clipping (see _to_tflite_clipped)
 CLIPPING_OBSERVERS = ("percentile", "mse")
@@ -97,6 +115,8 @@ class PtqQuantizer(QAT_Quantizer):
         self._observing: dict[tuple[str, str], Observer] | None = None
         self._samples: list[Any] = []
         self._folded: list[tuple[Any, Any]] = []
+        #: ``{TFLite op: [layer names]}`` the last TFLite export kept float (``tflite_int8``); {} = none
+        self.tflite_float_ops: dict[str, list[str]] = {}
         if not isinstance(share_ranges, bool):
             raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
         self.share_ranges = share_ranges
@@ -392,9 +412,11 @@ class PtqQuantizer(QAT_Quantizer):
     def export_model(self, model_path: str | os.PathLike | None = None, calibration_path: str | os.PathLike | None = None,
                      tflite_path: str | os.PathLike | None = None, representative_dataset: Any = None,
                      input_shape: tuple[int, ...] | None = None, inference_input_type: Any = tf.float32,
-                     inference_output_type: Any = tf.float32, verbose: bool = True) -> dict[str, dict[str, Any]]:
+                     inference_output_type: Any = tf.float32, verbose: bool = True,
+                     tflite_int8: str = "auto") -> dict[str, dict[str, Any]]:
         """QAT's export (plain Keras model with quantized weights, calibration JSON) and, with
-        ``tflite_path``, a full-integer int8 TFLite model (input/output ``tf.int8`` or ``tf.float32``).
+        ``tflite_path``, a full-integer int8 TFLite model (input/output ``tf.int8`` or ``tf.float32``;
+        ``tflite_int8``: ``'auto'`` | ``'kernels'`` | ``'all'``, which ops run in int8, see the module doc).
         The TFLite conversion takes tens of seconds on real models: a line before and after it (with the
         time) goes to the ``compressor.tf.ptq`` logger at INFO, and, with ``verbose`` and nobody listening
         to that logger, to stderr.
@@ -403,6 +425,9 @@ class PtqQuantizer(QAT_Quantizer):
         for name, t in (("inference_input_type", inference_input_type), ("inference_output_type", inference_output_type)):
             if t not in (tf.int8, tf.float32, tf.uint8):
                 raise ConfigError(f"PtqQuantizer.export_model: {name} must be tf.int8, tf.uint8 or tf.float32, got {t!r}")
+        if tflite_int8 not in TFLITE_INT8:
+            raise ConfigError(f"PtqQuantizer.export_model: tflite_int8 must be one of {list(TFLITE_INT8)}, got "
+                              f"{tflite_int8!r}")
         rep = None
         if tflite_path is not None:
             rep = representative_dataset if representative_dataset is not None else self._representative()
@@ -415,6 +440,7 @@ class PtqQuantizer(QAT_Quantizer):
             calibration = super().export_model(tmp_model, tmp_calib, None, None, input_shape)
             if tmp_tflite is not None:
                 self._verbose = verbose
+                self._tflite_int8 = tflite_int8
                 self._to_tflite(tmp_tflite, rep, inference_input_type, inference_output_type)
         return calibration
 
@@ -446,8 +472,9 @@ class PtqQuantizer(QAT_Quantizer):
             for w, value in exported:
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
-                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
-                                getattr(self, "_verbose", True))
+                blob, self.tflite_float_ops = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
+                                                       getattr(self, "_verbose", True),
+                                                       getattr(self, "_tflite_int8", "auto"))
         finally:
             for var, value in originals:
                 var.assign(value)
@@ -465,8 +492,9 @@ class PtqQuantizer(QAT_Quantizer):
         self._retrace()
         try:
             with tempfile.TemporaryDirectory() as d:
-                blob = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
-                                getattr(self, "_verbose", True))
+                blob, self.tflite_float_ops = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
+                                                       getattr(self, "_verbose", True),
+                                                       getattr(self, "_tflite_int8", "auto"))
         finally:
             self._clip_export = False
             self._retrace()
@@ -474,52 +502,22 @@ class PtqQuantizer(QAT_Quantizer):
             f.write(blob)
 
 
-def _saved_model_signature(model: Any) -> Any:
-    """The export signature: the model's own (dynamic batch), or batch 1 when a recurrent layer needs a
-    static batch for TFLite (its state tensors' shape)."""
-    import keras
+@contextmanager
+def _unrolled(model: Any) -> Iterator[None]:
+    """Within the block, the recurrent layers of ``model`` (also those inside ``Bidirectional``) run unrolled:
+    TFLite's int8 calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain
+    FULLY_CONNECTED ops (int8) and gates. The batch stays dynamic (the zero initial state is built from the
+    input's batch size). Needs a fixed sequence length (a ConfigError names the layers otherwise)."""
+    from ..tflite import _variable_length, recurrent_layers, unrolled
 
-    if not any(isinstance(layer, keras.layers.RNN) for layer in _all_layers(model)):
-        return None
-    inputs = list(getattr(model, "inputs", None) or [])
-    if not inputs:
-        return None
-    specs = [tf.TensorSpec((1, *t.shape[1:]), t.dtype, name=getattr(t, "name", None)) for t in inputs]
-    return [specs[0]] if len(specs) == 1 else [specs]
-
-
-def _unrolled(model: Any) -> Any:
-    """``model`` with its recurrent layers unrolled (a clone sharing every other layer): TFLite's int8
-    calibrator crashes on the while loop of a Keras 3 LSTM / GRU, the unrolled steps are plain int8
-    FULLY_CONNECTED ops. Needs a fixed sequence length (a ConfigError names the layer otherwise)."""
-    import keras
-
-    from ..compressor import WRAPPER_PREFIX
-
-    rnns = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.RNN) and not layer.unroll
-            and not any(k.startswith(WRAPPER_PREFIX) for k in vars(layer))]
-    if not rnns:
-        return model
-    for layer in rnns:
-        steps = [node.input_tensors[0].shape[1] for node in getattr(layer, "_inbound_nodes", [])]
-        if not steps or any(t is None for t in steps):
-            raise ConfigError(f"PtqQuantizer.export_model: recurrent layer {layer.name!r} ({type(layer).__name__}) "
-                              f"runs over a sequence of unknown length; the full-integer TFLite export unrolls it "
-                              f"and needs a fixed length: give the model keras.Input((length, ...))")
-    new: dict[int, Any] = {}
-
-    def clone(layer: Any) -> Any:
-        if not any(layer is r for r in rnns):
-            return layer
-        copy = type(layer).from_config({**layer.get_config(), "unroll": True})
-        new[id(copy)] = layer
-        return copy
-
-    out = keras.models.clone_model(model, clone_function=clone)
-    for layer in _all_layers(out):
-        if id(layer) in new:
-            layer.set_weights(new[id(layer)].get_weights())
-    return out
+    rnns = [layer for _, layer in recurrent_layers(model) if not layer.unroll]
+    dynamic = _variable_length(model) if rnns else []
+    if dynamic:
+        raise ConfigError(f"PtqQuantizer.export_model: recurrent layers {dynamic} run over a sequence of unknown "
+                          f"length; the full-integer TFLite export unrolls them and needs a fixed length: give the "
+                          f"model keras.Input((length, ...))")
+    with unrolled(rnns):
+        yield
 
 
 def _all_layers(model: Any) -> list[Any]:
@@ -539,18 +537,45 @@ def _say(verbose: bool, msg: str, *args: Any) -> None:
 
 
 def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any, out_type: Any,
-             verbose: bool = True) -> bytes:
-    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer (says when the conversion starts and
-    how long it took: tens of seconds on real models)."""
+             verbose: bool = True, int8: str = "all") -> tuple[bytes, dict[str, list[str]]]:
+    """Saved model in ``workdir`` -> full-integer TFLite flatbuffer and ``{op: [layers]}`` kept float
+    (``int8``: see ``PtqQuantizer.export_model``). Says when the conversion starts, how long it took (tens
+    of seconds on real models) and which ops stay float, and why."""
     import time
+
+    from ..tflite import quantize_kernels
 
     t0 = time.perf_counter()
     _say(verbose, "PtqQuantizer: converting %r to full-integer TFLite ...", getattr(model, "name", "model"))
-    signature = _saved_model_signature(model)
-    _unrolled(model).export(workdir, format="tf_saved_model", verbose=False, input_signature=signature)
-    blob = _converter(workdir, representative_dataset, in_type, out_type).convert()
+    with _unrolled(model):
+        model.export(workdir, format="tf_saved_model", verbose=False)
+    converter = _converter(workdir, representative_dataset, in_type, out_type)
+    why = _float_reason(model) if int8 == "auto" else "tflite_int8='kernels'" if int8 == "kernels" else None
+    kept: dict[str, list[str]] = {}
+    if why is None:
+        blob = converter.convert()
+    else:
+        blob, kept = quantize_kernels(converter, in_type, out_type, [la.name for la in _all_layers(model)])
+        if kept:
+            ops = "; ".join(f"{op} ({', '.join(layers)})" for op, layers in sorted(kept.items()))
+            _say(verbose, "PtqQuantizer: the TFLite model runs the Conv / Dense / EinsumDense / recurrent kernels "
+                 "in int8 and keeps float: %s. Why: %s; the fake-quant model quantizes only the inputs, weights and "
+                 "outputs of its quantized layers, and int8 versions of these ops would add errors it does not "
+                 "simulate. export_model(tflite_int8='all') converts them to int8 too", ops, why)
     _say(verbose, "PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
-    return blob
+    return blob, kept
+
+
+def _float_reason(model: Any) -> str | None:
+    """Why 'auto' keeps a model's non-kernel ops float (the layers that need it), or None: all int8."""
+    import keras
+
+    kinds = tuple(getattr(keras.layers, k) for k in _FLOAT_LAYERS if hasattr(keras.layers, k))
+    found = [la.name for la in _all_layers(model) if isinstance(la, kinds)]
+    if not found:
+        return None
+    return (f"tflite_int8='auto' and the model has attention / normalization / recurrent layers "
+            f"({', '.join(sorted(found)[:6])}{' ...' if len(found) > 6 else ''})")
 
 
 def _converter(saved_model: str, representative_dataset: Any, in_type: Any, out_type: Any) -> Any:
