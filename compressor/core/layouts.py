@@ -36,7 +36,7 @@ from .ops import Array, ArrayOps
 
 __all__ = [
     "ATTENTION_TYPES", "EMBEDDING_TYPES", "KERAS_MHA_SLOTS", "KERAS_RECURRENT_SLOTS", "MHA_ROLES", "MULTI_WEIGHT_TYPES",
-    "NORM_TYPES", "RECURRENT_TYPES", "TORCH_MHA_SLOTS", "canonical_from_keras", "canonical_shape_from_keras",
+    "NORM_TYPES", "RECURRENT_TYPES", "is_norm_type", "TORCH_MHA_SLOTS", "canonical_from_keras", "canonical_shape_from_keras",
     "check_slot_config", "gate_order_from_keras", "is_multi_weight", "keras_from_canonical", "mha_layout_type",
     "mha_role", "recurrent_kind", "torch_recurrent_weights",
 ]
@@ -70,6 +70,12 @@ NORM_TYPES = frozenset({
     "LayerNormalization", "GroupNorm", "GroupNormalization", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
     "RMSNorm", "RMSNormalization", "UnitNormalization", "LocalResponseNorm", "Normalization",
 })
+
+
+def is_norm_type(layer_type: str) -> bool:
+    """A normalisation layer by its type name: the known ones, and model-family norms named like them
+    (``LlamaRMSNorm``, ``ConvNextLayerNorm``, ConvNeXt V2's ``...GRN``, global response norm)."""
+    return layer_type in NORM_TYPES or layer_type.endswith(("Norm", "Normalization", "GRN"))
 
 
 def recurrent_kind(layer_type: str) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, ConfigWarning
-from .layouts import MULTI_WEIGHT_TYPES, NORM_TYPES
+from .layouts import MULTI_WEIGHT_TYPES, is_norm_type
 
 
 class DefaultSkipWarning(ConfigWarning):
@@ -115,6 +115,7 @@ def match_layers(
     *,
     require_match: bool = True,
     what: str = "compressor",
+    skip_hint: str | None = None,
 ) -> list[tuple[LayerInfo, dict[str, Any]]]:
     """Return ``(layer, config)`` for every layer to compress, in the model's layer order.
 
@@ -145,7 +146,7 @@ def match_layers(
                 warnings.warn(f"config_list[{i}]: op_types {unused} match no layer of the model", ConfigWarning,
                               stacklevel=3)
 
-    default_skip_warning(layers, selected, config_list, default_types, what)
+    default_skip_warning(layers, selected, config_list, default_types, what, skip_hint)
     if require_match and not selected:
         present = sorted(types)
         raise ConfigError(
@@ -169,14 +170,15 @@ def _mentioned(entry: dict[str, Any], layer: LayerInfo) -> bool:
 
 def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[LayerInfo, dict[str, Any]]],
                          config_list: Sequence[dict[str, Any]], default_types: Iterable[str],
-                         what: str = "compressor") -> None:
+                         what: str = "compressor", hint: str | None = None) -> None:
     """Warn once when ``'default'`` leaves weighted layers of other types uncompressed.
 
     Backends describe each layer's own parameters in ``LayerInfo.extra``: ``params`` (count) and
     ``weighted`` (it has a weight a compressor could take). A weighted layer inside a recurrent or
     attention layer (a Keras cell or EinsumDense, torch's ``out_proj``) counts as that outer layer's type,
     the one to put in ``op_types``. Layers the user named (op_names, or their type in op_types) and
-    normalisation layers are not reported.
+    normalisation layers are not reported. ``hint``: what the compressor tells the user to do instead of
+    the default advice (add the types to op_types), e.g. for compressors that take Linear layers only.
     """
     if not any("default" in e.get("op_types", ()) and not e.get("exclude", False) for e in config_list):
         return
@@ -193,7 +195,7 @@ def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[L
             continue
         outer = [o for o in owners if _inside(layer.name, o.name)]
         owner = min(outer, key=lambda o: len(o.name)) if outer else layer  # the outermost one
-        if owner.is_one_of(defaults) or owner.type in NORM_TYPES:
+        if owner.is_one_of(defaults) or is_norm_type(owner.type):
             continue
         if any(_mentioned(e, owner) or _mentioned(e, layer) for e in config_list):
             continue
@@ -208,6 +210,6 @@ def default_skip_warning(layers: Sequence[LayerInfo], selected: Sequence[tuple[L
         parts.append(f"{t} ({k} layer{'s' if k != 1 else ''}, {e['params'] / total:.1%} of the parameters)")
     warnings.warn(
         f"{what}: op_types ['default'] ({', '.join(default_types)}) leaves out weighted layers of type "
-        f"{', '.join(parts)}; to compress them too, add {sorted(skipped)} to op_types (Embedding, recurrent "
-        f"and attention layers are supported)",
+        f"{', '.join(parts)}; " + (hint or f"to compress them too, add {sorted(skipped)} to op_types (Embedding, "
+                                            f"recurrent and attention layers are supported)"),
         DefaultSkipWarning, stacklevel=4)

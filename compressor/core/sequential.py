@@ -36,7 +36,7 @@ from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "QUANT_SCHEME_KEY", "weight_only_config", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -76,6 +76,11 @@ def _weight_scheme(v: Any) -> Any:
 #: ``quant_scheme`` of the weight-only one-shot quantizers (listed in their ``config_keys``)
 QUANT_SCHEME_KEY = KeySpec("quant_scheme", _weight_scheme, f"one of {sorted(QUANT_SCHEMES)} (weights; default "
                                                            f"'symmetric') or {{'weight': one of them}}")
+
+
+#: what the one-shot compressors say about the weighted layers 'default' leaves out (embeddings, norms, ...)
+ONESHOT_SKIP_HINT = ("the one-shot methods compress Linear-like layers only (Linear / HF Conv1D, Dense / EinsumDense); "
+                     "the others stay as they are")
 
 
 def weight_only_config(config_list: Any) -> Any:

@@ -311,6 +311,8 @@ class Compressor:
     required_keys: tuple[str, ...] = ()
     #: what ``op_types: ['default']`` means
     default_types: tuple[str, ...] = DEFAULT_TYPES
+    #: the advice of the warning on what ``'default'`` leaves out (None: add those types to op_types)
+    default_skip_hint: str | None = None
     #: wrappers of one kind are never stacked on a layer ('pruner', 'quantizer')
     _kind: str = "compressor"
     #: under tf.distribute, reduce per-batch data statistics over the replicas before they are accumulated
@@ -339,7 +341,8 @@ class Compressor:
         by_name = {path: layer for path, layer in layers}
         infos = [LayerInfo(path, type(layer).__name__, {"layer": layer, **layout.weight_facts(layer)})
                  for path, layer in layers]
-        selected = match_layers(infos, self.config_list, self.default_types, what=type(self).__name__)
+        selected = match_layers(infos, self.config_list, self.default_types, what=type(self).__name__,
+                                skip_hint=self.default_skip_hint)
         selected = self._substitute_layers(selected, infos, by_name)
         from .slots import expand_slots, slot_attr  # recurrent / attention layers: one slot per weight matrix
 

@@ -52,6 +52,7 @@ from ..core.matching import LayerInfo
 from ..core.pruning import nm_validate_config
 from ..core.sequential import (
     ONESHOT_KEYS,
+    ONESHOT_SKIP_HINT,
     QUANT_SCHEME_KEY,
     AwqMethod,
     GptqMethod,
@@ -446,6 +447,7 @@ class _OneShot:
 
     method: OneShotMethod
     default_types = ONESHOT_DEFAULT_TYPES
+    default_skip_hint = ONESHOT_SKIP_HINT
 
     def _oneshot_setup(self, sequential_targets: Any) -> None:
         self._what = type(self).__name__

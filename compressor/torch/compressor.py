@@ -60,6 +60,8 @@ class Compressor:
     config_keys: tuple[str | KeySpec, ...] = ()
     required_keys: tuple[str, ...] = ()
     default_types: tuple[str, ...] = torch_plugin.DEFAULT_TYPES
+    #: the advice of the warning on what ``'default'`` leaves out (None: add those types to op_types)
+    default_skip_hint: str | None = None
     #: wrappers of one kind are never nested in each other ('pruner', 'quantizer')
     _kind: str = "compressor"
     #: under torch.distributed, reduce per-rank data statistics over the ranks before masks / scales are
@@ -80,7 +82,7 @@ class Compressor:
         self.optimizer: torch.optim.Optimizer | None = optimizer
 
         layers, modules = self._enumerate_layers(model)
-        selected = match_layers(layers, self.config_list, self.default_types, what=what)
+        selected = match_layers(layers, self.config_list, self.default_types, what=what, skip_hint=self.default_skip_hint)
         selected = self._substitute_layers(selected, layers, modules)
         selected, ties = resolve_ties(model, selected, modules, self._kind, what)
         from .slots import expand_slots  # recurrent / attention layers: one slot per weight matrix

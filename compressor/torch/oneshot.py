@@ -39,7 +39,14 @@ from torch import nn
 from ..core.config import KeySpec
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import type_names
-from ..core.sequential import ONESHOT_KEYS, LayerResult, LayerTask, OneShotMethod, run_sequential
+from ..core.sequential import (
+    ONESHOT_KEYS,
+    ONESHOT_SKIP_HINT,
+    LayerResult,
+    LayerTask,
+    OneShotMethod,
+    run_sequential,
+)
 from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
 from .modules import innermost_module
 
@@ -508,6 +515,7 @@ class OneShotMixin:
 
     method_class: type[OneShotMethod] = OneShotMethod
     default_types = ONESHOT_DEFAULT_TYPES
+    default_skip_hint = ONESHOT_SKIP_HINT
     #: the rows of the last :meth:`calibrate` (``layer``, ``block``, ``method``, ``sparsity`` / ``bits``, ...)
     oneshot_rows: list[dict[str, Any]]
 

@@ -147,3 +147,17 @@ def test_no_note_when_nothing_is_left_out_or_the_user_named_them():
         match_layers(text_model(), config, ("Dense",))  # everything is selected or named
         match_layers(text_model(), [{"op_types": ["Dense"], "exclude": False}], ("Dense",))  # no 'default'
         match_layers([info("fc", "Dense", 50)], [{"op_types": ["default"], "exclude": False}], ("Dense",))
+
+
+def test_family_norms_are_not_reported_and_a_compressor_gives_its_own_advice():
+    from compressor.core.layouts import is_norm_type
+
+    assert [is_norm_type(t) for t in ("LlamaRMSNorm", "ConvNextLayerNorm", "ConvNextV2GRN", "BatchNorm2d",
+                                      "Dense", "Embedding", "Normalizer")] == [True, True, True, True, False,
+                                                                                False, False]
+    layers = [info("emb", "Embedding", 60), info("norm", "LlamaRMSNorm", 20), info("fc", "Dense", 20)]
+    with pytest.warns(DefaultSkipWarning) as rec:
+        match_layers(layers, [{"op_types": ["default"], "exclude": False}], ("Dense",), what="Q",
+                     skip_hint="Linear-like layers only")
+    assert str(rec[0].message) == ("Q: op_types ['default'] (Dense) leaves out weighted layers of type Embedding "
+                                   "(1 layer, 60.0% of the parameters); Linear-like layers only")

@@ -1,0 +1,176 @@
+"""One-shot compression of a small language model (issue 25): Wanda, SparseGPT, GPTQ, RTN, AWQ vs magnitude.
+
+Protocol (examples/llm_common.py): a byte-level HF Llama (4 layers, width 256, FFN 768, 3.5 M parameters)
+trained here on Vim's help files (``shared/data/text``; every file i % 10 == 7 held out), 260 AdamW steps;
+128 calibration windows of 256 bytes from the training files (seed ``s``); the decoder's Linear layers
+compressed, ``lm_head`` left out; held-out perplexity over every 256-byte window of the held-out files.
+
+Rows: the method on PyTorch (``compressor.torch``) and on Keras (``compressor.tf``, on a Keras port of the
+same model with the same weights, examples/llm_keras.py, when it is there), for each calibration seed; with
+``--anchor-python /tmp/llmc/bin/python``, llmcompressor 0.14 on the same weights and the same windows, run in
+that separate environment by examples/anchors/llmcompressor_rows.py.
+
+    python -m examples.reproduce_llm [--methods all|a,b] [--seeds 0,1,2] [--backend torch|tf|all]
+        [--anchor-python PATH] [--workdir DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from examples.llm_common import (
+    CONFIG,
+    DEFAULT_CORPUS,
+    ROOT,
+    calibration_windows,
+    corpus,
+    held_out_windows,
+    perplexity_torch,
+    trained_llama,
+)
+
+DEFAULT = [{"op_types": ["default"]}]
+#: name -> list of (compressor class name, config entries); applied in order on one copy of the model
+METHODS: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {
+    "magnitude50": [("LevelPruner", [{"sparsity": 0.5, "op_types": ["Linear"]},
+                                     {"exclude": True, "op_names": ["lm_head"]}])],
+    "wanda50": [("WandaPruner", [{"sparsity": 0.5, **DEFAULT[0]}])],
+    "sparsegpt50": [("SparseGPTPruner", [{"sparsity": 0.5, **DEFAULT[0]}])],
+    "sparsegpt24": [("SparseGPTPruner", [{"sparse_pattern": "2:4", **DEFAULT[0]}])],
+    "sparsegpt70": [("SparseGPTPruner", [{"sparsity": 0.7, **DEFAULT[0]}])],
+    "rtn_w4g128": [("RtnQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
+    "gptq_w4g128": [("GptqQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
+    "rtn_w3g128": [("RtnQuantizer", [{"quant_bits": 3, "group_size": 128, **DEFAULT[0]}])],
+    "gptq_w3g128": [("GptqQuantizer", [{"quant_bits": 3, "group_size": 128, **DEFAULT[0]}])],
+    "awq_w4g128": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
+    "sparsegpt24+gptq_w4g128": [("SparseGPTPruner", [{"sparse_pattern": "2:4", **DEFAULT[0]}]),
+                                ("GptqQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
+}
+#: the anchor's name for our method (examples/anchors/llmcompressor_rows.py), where it has one
+ANCHOR = {"wanda50": "wanda50", "sparsegpt50": "sparsegpt50", "sparsegpt24": "sparsegpt24",
+          "sparsegpt70": "sparsegpt70", "rtn_w4g128": "rtn_w4g128", "gptq_w4g128": "gptq_w4g128",
+          "rtn_w3g128": "rtn_w3g128", "gptq_w3g128": "gptq_w3g128", "awq_w4g128": "awq_w4g128"}
+
+
+def run_torch(model: Any, method: str, calib: np.ndarray, windows: np.ndarray) -> tuple[float, float]:
+    import torch
+
+    import compressor.torch as ct
+
+    m = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    for cls, cfg in METHODS[method]:
+        c = getattr(ct, cls)(m, copy.deepcopy(cfg))
+        if cls == "LevelPruner":
+            c.compress()
+        elif cls == "RtnQuantizer":
+            c.calibrate()
+        else:
+            c.calibrate(torch.from_numpy(calib), progress=False)
+    sec = time.perf_counter() - t0
+    return perplexity_torch(m, windows), sec
+
+
+def run_keras(model: Any, state: dict[str, np.ndarray], method: str, calib: np.ndarray,
+              windows: np.ndarray) -> tuple[float, float]:
+    import compressor.tf as ctf
+    from examples.llm_keras import build_keras_llama, load_hf_weights, perplexity_keras
+
+    km = build_keras_llama(CONFIG)
+    load_hf_weights(km, state)
+    t0 = time.perf_counter()
+    for cls, cfg in METHODS[method]:
+        c = getattr(ctf, cls)(km, copy.deepcopy(cfg))
+        if cls == "LevelPruner":
+            c.compress()
+        elif cls == "RtnQuantizer":
+            c.calibrate()
+        else:
+            c.calibrate(calib, progress=False)
+    sec = time.perf_counter() - t0
+    return perplexity_keras(km, windows), sec
+
+
+def run_anchor(python: str, state: Path, corpus_path: str, methods: list[str], seed: int) -> dict[str, dict]:
+    names = [ANCHOR[m] for m in methods if m in ANCHOR]
+    if not names:
+        return {}
+    cmd = [python, str(ROOT / "examples" / "anchors" / "llmcompressor_rows.py"), "--state", str(state),
+           "--corpus", corpus_path, "--methods", ",".join(names), "--seed", str(seed)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows[r["method"]] = r
+    if out.returncode != 0:
+        print(f"  anchor failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="all", help=f"comma-separated of {list(METHODS)} (default all)")
+    p.add_argument("--seeds", default="0", help="calibration seeds, e.g. 0,1,2")
+    p.add_argument("--backend", choices=("torch", "tf", "all"), default="torch")
+    p.add_argument("--corpus", default=DEFAULT_CORPUS)
+    p.add_argument("--workdir", default=str(ROOT / "out" / "llm"), help="trained weights are cached here")
+    p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--anchor-python", help="a python with llmcompressor 0.14 (its own venv)")
+    p.add_argument("--json", help="also write the rows as JSON")
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    methods = list(METHODS) if a.methods == "all" else a.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; allowed: {list(METHODS)}")
+    text = corpus(a.corpus)
+    print(text.describe())
+    model = trained_llama(text, a.workdir, seed=a.train_seed)
+    state_path = Path(a.workdir) / f"llama-bytes-seed{a.train_seed}-steps260.pt"
+    windows = held_out_windows(text)
+    dense = perplexity_torch(model, windows)
+    print(f"dense held-out perplexity: {dense:.4f} ({sum(q.numel() for q in model.parameters()):,} parameters)")
+    backends = ["torch", "tf"] if a.backend == "all" else [a.backend]
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()} if "tf" in backends else {}
+    rows = [{"method": "dense", "backend": "torch", "seed": None, "ppl": dense, "seconds": 0.0}]
+    for seed in (int(s) for s in a.seeds.split(",")):
+        calib = calibration_windows(text, 128, seed)
+        anchors = run_anchor(a.anchor_python, state_path, a.corpus, methods, seed) if a.anchor_python else {}
+        for method in methods:
+            for be in backends:
+                ppl, sec = (run_torch(model, method, calib, windows) if be == "torch"
+                            else run_keras(model, state, method, calib, windows))
+                rows.append({"method": method, "backend": be, "seed": seed, "ppl": ppl, "seconds": sec})
+                print(f"  seed {seed} {method:24s} {be:5s} ppl {ppl:.4f}  ({sec:.1f} s)", flush=True)
+            if method in ANCHOR and ANCHOR[method] in anchors:
+                r = anchors[ANCHOR[method]]
+                rows.append({"method": method, "backend": "llmcompressor", "seed": seed, "ppl": r["ppl"],
+                             "seconds": r["seconds"]})
+                print(f"  seed {seed} {method:24s} llmc  ppl {r['ppl']:.4f}  ({r['seconds']:.1f} s)", flush=True)
+    print("\n| method | " + " | ".join(f"{b} ppl (mean over seeds)" for b in [*backends, "llmcompressor"]) + " |")
+    print("|---|" + "---|" * (len(backends) + 1))
+    for method in ["dense", *methods]:
+        cells = []
+        for be in [*backends, "llmcompressor"]:
+            vals = [r["ppl"] for r in rows if r["method"] == method and r["backend"] == be]
+            cells.append(f"{np.mean(vals):.4f}" if vals else "-")
+        print(f"| {method} | " + " | ".join(cells) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
