@@ -268,3 +268,42 @@ def perplexity_keras(model: Any, windows: np.ndarray, batch: int = 32) -> float:
         total += float(-np.take_along_axis(logp, target[..., None], axis=-1).sum())
         count += target.size
     return math.exp(total / count)
+
+
+# ------------------------------------------------------------------------------------------------ check
+def main(argv: list[str] | None = None) -> None:
+    """Load the trained HF weights into the port and print the held-out perplexity on both backends, dense and
+    after SparseGPT 50 % (same calibration windows on both), with the mask entries that differ per block."""
+    import argparse
+
+    import torch
+
+    import compressor.tf as ctf
+    import compressor.torch as cth
+    from examples import llm_common as lc
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--weights", default=str(lc.ROOT.parent / "llmcache" / "llama-bytes-seed0-steps260.pt"))
+    ap.add_argument("--limit", type=int, default=None, help="held-out windows (default: all)")
+    args = ap.parse_args(argv)
+    text = lc.corpus()
+    tm = lc.build_llama(0)
+    tm.load_state_dict(torch.load(args.weights, weights_only=True))
+    km = load_hf_weights(build_keras_llama(lc.CONFIG), {k: v.numpy() for k, v in tm.state_dict().items()})
+    held = lc.held_out_windows(text, limit=args.limit)
+    print(f"dense          torch {lc.perplexity_torch(tm, held):.6f}  keras {perplexity_keras(km, held):.6f}")
+    calib = lc.calibration_windows(text)
+    cfg = [{"sparsity": 0.5, "op_types": ["default"]}]
+    cth.SparseGPTPruner(tm, cfg).calibrate([torch.from_numpy(calib[i:i + 8]) for i in range(0, len(calib), 8)],
+                                           progress=False)
+    ctf.SparseGPTPruner(km, cfg).calibrate(calib, progress=False)
+    ts = {k.replace(".module.", "."): v.numpy() for k, v in tm.state_dict().items() if "mask" not in k}
+    ks = keras_state_dict(km)
+    differ = [sum(int(np.sum((ts[k] == 0) != (ks[k] == 0))) for k in ks if k.startswith(f"model.layers.{i}.")
+                  and ks[k].ndim == 2) for i in range(lc.CONFIG["num_hidden_layers"])]
+    print(f"SparseGPT 50 % torch {lc.perplexity_torch(tm, held):.6f}  keras {perplexity_keras(km, held):.6f}  "
+          f"mask entries that differ per block {differ}")
+
+
+if __name__ == "__main__":
+    main()
