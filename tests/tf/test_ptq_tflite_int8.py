@@ -166,3 +166,94 @@ def test_without_selective_quantization_it_warns_and_converts_all_int8(tmp_path,
     with pytest.warns(RuntimeWarning, match=r"no selective quantization .* every op of the \.tflite is int8"):
         q.export_model(tflite_path=tmp_path / "m.tflite", verbose=False)
     assert q.tflite_float_ops == {} and op_dtypes(tmp_path / "m.tflite")["SOFTMAX"] == {"int8"}
+
+
+def bigru_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,), dtype="int32")
+    h = L.Bidirectional(L.GRU(6), name="rnn")(L.Embedding(20, 8, name="emb")(inp))
+    return keras.Model(inp, L.Dense(3, name="fc")(h))
+
+
+def quant_tables(blob: bytes) -> dict[int, tuple[int, tuple]]:
+    """``{tensor index: (position of its quantization table in the flatbuffer, (scales, zero points, axis))}``
+    of the tensors with a scale."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    sub = schema.Model.GetRootAs(bytearray(blob), 0).Subgraphs(0)
+    out = {}
+    for i in range(sub.TensorsLength()):
+        q = sub.Tensors(i).Quantization()
+        if q is not None and q.ScaleLength():
+            out[i] = (q._tab.Pos, (q.ScaleAsNumpy().tobytes(), q.ZeroPointAsNumpy().tobytes(), q.QuantizedDimension()))
+    return out
+
+
+def test_strip_names_makes_the_recurrent_tflite_smaller_and_bit_identical(tmp_path):
+    """The converter names each tensor of an unrolled GRU after every op fused into it; the export rewrites
+    them as ``t<index>`` (issue 23: the int8 file must be smaller than the float one). Inputs, outputs,
+    signatures and the weight names ``compressor report`` lists stay; the interpreter computes the same bits."""
+    from compressor.report import read_weights
+    from compressor.tf.tflite import compact_tflite
+
+    q = ctf.PtqQuantizer(bigru_model(), [{**CFG, "op_types": ["Dense"]}])
+    x = tokens(17)
+    q.calibrate(x[:16])
+    q.export_model(tflite_path=tmp_path / "raw.tflite", strip_names=False, verbose=False)
+    q.export_model(tflite_path=tmp_path / "m.tflite", verbose=False)  # strip_names=True: the default
+    raw, exported = (tmp_path / "raw.tflite").read_bytes(), (tmp_path / "m.tflite").read_bytes()
+    # two conversions number the tensors differently, so the rewrite is checked on one: raw -> small
+    small = compact_tflite(raw)
+    (tmp_path / "small.tflite").write_bytes(small)
+    assert compact_tflite(exported) == exported  # the export's file is already rewritten
+    assert len(small) < 0.8 * len(raw) and len(exported) < 0.8 * len(raw)
+    for batch in (1, 16):
+        np.testing.assert_array_equal(run_batched(tmp_path / "small.tflite", x[:16], batch),
+                                      run_batched(tmp_path / "raw.tflite", x[:16], batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = tf.lite.Interpreter(model_content=raw), tf.lite.Interpreter(model_content=small)
+    for details in ("get_input_details", "get_output_details"):
+        assert [d["name"] for d in getattr(b, details)()] == [d["name"] for d in getattr(a, details)()]
+    assert b.get_signature_list() == a.get_signature_list()
+    key = a.get_signature_list()["serving_default"]["inputs"][0]
+    want = a.get_signature_runner()(**{key: x[16:]})
+    got = b.get_signature_runner()(**{key: x[16:]})
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    # every other tensor is t<index>, but the weights of FULLY_CONNECTED, which keep their first name part
+    raw_names = {t["index"]: t["name"] for t in a.get_tensor_details()}
+    io = {d["index"] for d in a.get_input_details() + a.get_output_details()}
+    weights = {op["inputs"][1] for op in b._get_ops_details() if op["op_name"] == "FULLY_CONNECTED"}
+    assert {t["index"]: t["name"] for t in b.get_tensor_details()} == {
+        i: n if i in io else n.split(";")[0] if i in weights else f"t{i}" for i, n in raw_names.items()}
+    assert len(raw_names) > 250  # two directions x 6 steps unrolled
+    # tensors with equal quantization parameters share one table (unrolled steps of one kernel, ...)
+    before, after = quant_tables(raw), quant_tables(small)
+    assert {i: c for i, (_, c) in after.items()} == {i: c for i, (_, c) in before.items()}  # same values
+    assert len({p for p, _ in before.values()}) == len(before) > 40  # the converter: one table per tensor
+    tables = {c: {p for i, (p, c2) in after.items() if c2 == c} for _, c in after.values()}
+    assert all(len(ps) == 1 for ps in tables.values())  # ... compacted: one per distinct content
+    assert len({p for p, _ in after.values()}) == len({c for _, c in before.values()}) < len(before)
+    # compressor report reads the same weights under the same (shortened) names
+    (wa, _), (wb, _) = read_weights(tmp_path / "raw.tflite"), read_weights(tmp_path / "small.tflite")
+    assert [n for n, _ in wb] == [n.split(";")[0] for n, _ in wa]
+    assert all(np.array_equal(u, v) for (_, u), (_, v) in zip(wa, wb, strict=True))
+
+
+def test_strip_names_without_the_schema_module_warns_and_keeps_the_file(monkeypatch):
+    from tensorflow.lite.python import schema_py_generated  # noqa: F401 (loaded, as after any conversion)
+
+    from compressor.tf.tflite import compact_tflite
+
+    monkeypatch.setitem(sys.modules, "tensorflow.lite.python.schema_py_generated", None)
+    monkeypatch.delattr(sys.modules["tensorflow.lite.python"], "schema_py_generated")
+    with pytest.warns(RuntimeWarning, match=r"not compacted \(short tensor names, shared quantization tables\): .*schema_py_generated"):
+        assert compact_tflite(b"not read") == b"not read"
+
+
+def test_strip_names_must_be_a_bool(tmp_path):
+    q = ctf.PtqQuantizer(attention_model(), [{**CFG, "op_types": ["Dense"]}])
+    q.calibrate(tokens(4))
+    with pytest.raises(ConfigError, match="strip_names must be True or False, got 'yes'"):
+        q.export_model(tflite_path=tmp_path / "m.tflite", strip_names="yes", verbose=False)
+    assert not (tmp_path / "m.tflite").exists()
