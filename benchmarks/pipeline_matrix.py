@@ -473,7 +473,7 @@ def _keras_extra_models() -> dict[str, Callable[[], tuple[Any, tuple[int, ...], 
         "keras-vgg16": app("VGG16"),
         "keras-xception": app("Xception", size=71),
         "keras-efficientnetv2b0": app("EfficientNetV2B0"),
-        "keras-regnetx002": app("RegNetX002"),
+        "keras-resnet50v2": app("ResNet50V2"),  # pre-activation residual joins (RegNetX002 is not in Keras 3)
         "keras-nasnetmobile": app("NASNetMobile", size=32),
         "keras-mobilenet": app("MobileNet", alpha=0.25),
         "keras-bigru": gru,
