@@ -61,22 +61,27 @@ ANCHOR = {"wanda50": "wanda50", "sparsegpt50": "sparsegpt50", "sparsegpt24": "sp
           "rtn_w3g128": "rtn_w3g128", "gptq_w3g128": "gptq_w3g128", "awq_w4g128": "awq_w4g128"}
 
 
+def apply_method(backend: Any, model: Any, method: str, calib: Any) -> float:
+    """Apply ``method``'s compressors (``backend`` = compressor.torch or compressor.tf) in order; seconds."""
+    t0 = time.perf_counter()
+    for cls, cfg in METHODS[method]:
+        c = getattr(backend, cls)(model, copy.deepcopy(cfg))
+        if cls == "LevelPruner":
+            c.compress()
+        elif cls == "RtnQuantizer":
+            c.calibrate()
+        else:
+            c.calibrate(calib, progress=False)
+    return time.perf_counter() - t0
+
+
 def run_torch(model: Any, method: str, calib: np.ndarray, windows: np.ndarray) -> tuple[float, float]:
     import torch
 
     import compressor.torch as ct
 
     m = copy.deepcopy(model)
-    t0 = time.perf_counter()
-    for cls, cfg in METHODS[method]:
-        c = getattr(ct, cls)(m, copy.deepcopy(cfg))
-        if cls == "LevelPruner":
-            c.compress()
-        elif cls == "RtnQuantizer":
-            c.calibrate()
-        else:
-            c.calibrate(torch.from_numpy(calib), progress=False)
-    sec = time.perf_counter() - t0
+    sec = apply_method(ct, m, method, torch.from_numpy(calib))
     return perplexity_torch(m, windows), sec
 
 
@@ -87,16 +92,7 @@ def run_keras(model: Any, state: dict[str, np.ndarray], method: str, calib: np.n
 
     km = build_keras_llama(CONFIG)
     load_hf_weights(km, state)
-    t0 = time.perf_counter()
-    for cls, cfg in METHODS[method]:
-        c = getattr(ctf, cls)(km, copy.deepcopy(cfg))
-        if cls == "LevelPruner":
-            c.compress()
-        elif cls == "RtnQuantizer":
-            c.calibrate()
-        else:
-            c.calibrate(calib, progress=False)
-    sec = time.perf_counter() - t0
+    sec = apply_method(ctf, km, method, calib)
     return perplexity_keras(km, windows), sec
 
 
