@@ -14,4 +14,6 @@ if [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ]; then
     export UV_FIND_LINKS="$PIP_FIND_LINKS"
 fi
 export UV_COMPILE_BYTECODE=1
+# uv (installed with tox-uv) on PATH, for scripts/install_keras_hub.py when an env has no pip
+export PATH="$PWD/.venv-tox/bin:$PATH"
 exec .venv-tox/bin/tox "$@"
