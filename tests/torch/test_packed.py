@@ -262,3 +262,27 @@ def test_weight_only_ptq_and_qat_pack_to_the_int8_kernel():
             assert not net[0].signed and int(c.min()) >= 0 and int(c.max()) <= 255
         with torch.no_grad():
             assert rel_err(net(x), ref) < F32_TOL, cls.__name__
+
+
+def test_dynamic_int8_activations_run_the_int8_x_int8_kernel():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (48, 64), dtype=torch.int32, generator=g)
+    scale, zp = torch.rand(48, 1, generator=g) * 0.01, torch.zeros(48, 1, dtype=torch.int32)
+    bias = torch.randn(48, generator=g)
+    m = PackedLinear.from_codes(codes, scale, zp, 8, None, bias=bias, activation="dynamic", name="fc")
+    assert m.kernel == "int8-dynamic" and torch.equal(m.codes(), codes)
+    x = torch.randn(4, 64, generator=g)
+    ref = x.double() @ reference(codes, scale, zp, 64).T + bias.double()
+    err = rel_err(m(x).double(), ref)
+    assert 0 < err < 3e-2  # the activations are rounded to 7 bits per tensor
+    fresh = PackedLinear(64, 48, 8, None, activation="dynamic")
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(fresh(x), m(x))
+    with pytest.raises(ValueError, match="'g': activation='dynamic' needs signed .* with 2 group"):
+        PackedLinear(64, 48, 4, 32, activation="dynamic", name="g")
+    model = llama()
+    quantize(model, RtnQuantizer, {"quant_bits": 4, "group_size": 32})
+    before = [type(m).__name__ for m in model.modules()]
+    with pytest.raises(ValueError, match="activation='dynamic' needs signed"):
+        pack_weights(model, activation="dynamic")
+    assert [type(m).__name__ for m in model.modules()] == before  # refused before any layer was replaced

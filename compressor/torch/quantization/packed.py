@@ -17,7 +17,14 @@ integer codes instead of a float weight:
 * anything else (grouped 5..8-bit codes, an ``in`` no kernel group divides, a non-CPU device): the reference
   path, dequantize + matmul, with a warning naming the layer and why.
 
-Both kernels are fast only in 16-bit: with ``float32`` activations they run a scalar loop (about 20x slower
+``activation='dynamic'`` (per-channel signed codes of up to 8 bits): int8 activations quantized on the fly
+(per tensor, 7-bit unsigned: ``reduce_range``, as the x86 kernel needs without VNNI) times int8 weights with
+``torch.ops.quantized.linear_dynamic`` (fbgemm / x86 engine; ``torch._int_mm`` has no fast CPU kernel in torch
+2.13, it is slower than float32). Outputs are within about 2 % (of max|y|) of the weight-only result: the
+activations are rounded too. Its packed weight is a TorchScript object: ``torch.compile`` runs it in a graph
+break (``fullgraph=True`` refuses it).
+
+Both weight-only kernels are fast only in 16-bit: with ``float32`` activations they run a scalar loop (about 20x slower
 than the float ``Linear`` here). ``compute_dtype`` is therefore ``torch.bfloat16`` by default (torchao's
 choice; outputs within bf16 rounding of the fake-quant model); ``torch.float32`` gives outputs equal to the
 fake-quant model's to float32 rounding.
@@ -97,13 +104,13 @@ class PackedLinear(nn.Module):
     (``torch.bfloat16`` (fast) or ``torch.float32`` / ``torch.float16``), ``name`` (for warnings), ``source``
     (the replaced layer's type, e.g. ``'Linear'`` / ``'Conv1D'``; the computation is the same). A fresh module
     holds zero codes: fill it with :meth:`from_codes` or ``load_state_dict``. ``kernel`` says what runs:
-    ``'int4'``, ``'int8'`` or ``'reference'`` (and ``kernel_note`` why).
+    ``'int4'``, ``'int8'``, ``'int8-dynamic'`` or ``'reference'`` (and ``kernel_note`` why).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int | None = None,
                  signed: bool = True, bias: bool = True, awq: bool = False, *,
                  compute_dtype: torch.dtype = torch.bfloat16, name: str = "", source: str = "Linear",
-                 device: Any = None) -> None:
+                 activation: str | None = None, device: Any = None) -> None:
         super().__init__()
         if not 2 <= int(bits) <= 8:
             raise ValueError(f"PackedLinear {name!r}: bits must be in 2..8, got {bits!r}")
@@ -116,6 +123,14 @@ class PackedLinear(nn.Module):
         self.group_size = gw
         self.n_groups = math.ceil(self.in_features / gw)
         self.compute_dtype = compute_dtype
+        if activation not in (None, "dynamic"):
+            raise ValueError(f"PackedLinear {name!r}: activation must be None (weight-only) or 'dynamic' (int8 "
+                             f"activations), got {activation!r}")
+        if activation == "dynamic" and (self.n_groups != 1 or not signed):
+            raise ValueError(f"PackedLinear {name!r}: activation='dynamic' needs signed (symmetric) codes with one "
+                             f"scale per output channel (the int8 x int8 kernel), got "
+                             f"{'signed' if signed else 'unsigned'} codes with {self.n_groups} group(s)")
+        self.activation = activation
         dev = torch.device("cpu") if device is None else torch.device(device)
         self.register_buffer("scale", torch.zeros(self.out_features, self.n_groups, device=dev))
         self.register_buffer("zero_point", torch.zeros(self.out_features, self.n_groups, dtype=torch.int32, device=dev))
@@ -139,7 +154,11 @@ class PackedLinear(nn.Module):
 
     def _plan(self, dev: torch.device) -> tuple[str, str, int]:
         if dev.type != "cpu":
+            if self.activation == "dynamic":
+                raise ValueError(f"PackedLinear {self.name!r}: activation='dynamic' is a CPU kernel (device {dev})")
             return "reference", f"the int4 / int8 packed kernels are CPU kernels (device {dev})", 0
+        if self.activation == "dynamic":
+            return "int8-dynamic", f"int8 x int8 ({torch.backends.quantized.engine} engine, 7-bit activations)", 0
         if self.bits <= 4:
             kg = _int4_kernel_group(self.group_size, self.in_features)
             if kg is not None:
@@ -203,7 +222,15 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear {self.name!r}: codes outside the {self.bits}-bit "
                              f"{'signed' if self.signed else 'unsigned'} range [{qmin}, {qmax}]")
         n, k = self.out_features, self.in_features
-        if self.kernel == "int4":
+        self._packed = None
+        if self.kernel == "int8-dynamic":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # quantized tensor creation is deprecated; its kernel is not replaced
+                qw = torch._make_per_channel_quantized_tensor(c.to(torch.int8), self.scale[:, 0].double(),
+                                                              torch.zeros(n, dtype=torch.long), 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+            self._wq = self._sz = self._corr = None
+        elif self.kernel == "int4":
             off = 8 if self.signed else 0
             u = c + off
             kg = self._kg
@@ -236,6 +263,8 @@ class PackedLinear(nn.Module):
     def codes(self) -> torch.Tensor:
         """The integer codes ``[out, in]`` (int32), read back from the resident form."""
         n, k = self.out_features, self.in_features
+        if self.kernel == "int8-dynamic":
+            return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr().to(torch.int32)
         if self.kernel == "int4":
             wq = self._wq.cpu()
             n_pad = wq.shape[0]
@@ -309,7 +338,9 @@ class PackedLinear(nn.Module):
                 raise RuntimeError(f"PackedLinear {self.name!r}: its {self.kernel} kernel layout is for CPU, the "
                                    f"input is on {x2.device}; pack the model on the device it runs on")
             xin = x2.to(self.compute_dtype).contiguous()
-            if self.kernel == "int4":
+            if self.kernel == "int8-dynamic":
+                y = torch.ops.quantized.linear_dynamic(x2.to(torch.float32).contiguous(), self._packed, True)
+            elif self.kernel == "int4":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self._wq, self._kg, self._sz)
                 if y.shape[1] != self.out_features:
                     y = y[:, : self.out_features]
@@ -330,7 +361,8 @@ class PackedLinear(nn.Module):
     def resident_bytes(self) -> int:
         """Bytes of the tensors this module keeps (codes in the kernel's form, scales, zero points, bias)."""
         ts = [self._wq, self._sz, self._corr, self.scale, self.zero_point, self.bias, self.awq_scales]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        packed = self.in_features * self.out_features if self._packed is not None else 0  # fbgemm: 1 byte / weight
+        return packed + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 # ---------------------------------------------------------------------------------------------- pack_weights
@@ -378,7 +410,8 @@ def _qat_codes(wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Ten
     return codes, scale[:, None].contiguous(), zp.round().to(torch.int32)[:, None].contiguous(), bits, qmin < 0
 
 
-def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat16,
+                 activation: str | None = None) -> nn.Module:
     """Replace, in place, every weight-only quantized Linear / HF Conv1D of ``model`` by a :class:`PackedLinear`
     holding its integer codes (as torchao's ``quantize_(model, ...)`` replaces modules in place); returns
     ``model``.
@@ -388,8 +421,9 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
     :class:`QAT_Quantizer` (per channel or per tensor, up to 8 bits; the codes are read from the fake-quant
     weight with the current scales). Every wrapper is checked first: one that is uncalibrated, quantizes
     activations too, or belongs to another quantizer raises :class:`compressor.ModelError` naming it, and the
-    model is left unchanged. The quantizer no longer drives the replaced layers afterwards. ``compute_dtype``:
-    see :class:`PackedLinear`.
+    model is left unchanged. The quantizer no longer drives the replaced layers afterwards. ``compute_dtype``
+    and ``activation`` (``'dynamic'``: int8 activations too, per-channel signed codes only): see
+    :class:`PackedLinear`.
     """
     wrappers = [(n, w) for n, w in named_wrappers(model, [QuantizerModuleWrapper])]
     # outermost quantizer wrappers only (a pruner wrapper inside is part of the layer)
@@ -418,11 +452,11 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
             m = PackedLinear.from_codes(codes.to(torch.int32), buf["weight_group_scale"], buf["weight_group_zero_point"],
                                         int(w.quant_bits["weight"]), gs, bias=bias, awq_scales=awq,
                                         signed=codes.dtype == torch.int8, compute_dtype=compute_dtype, name=n,
-                                        source=source)
+                                        source=source, activation=activation)
         else:
             codes, scale, zp, bits, signed = _qat_codes(w)
             m = PackedLinear.from_codes(codes, scale, zp, bits, None, bias=bias, signed=signed,
-                                        compute_dtype=compute_dtype, name=n, source=source)
+                                        compute_dtype=compute_dtype, name=n, source=source, activation=activation)
         new.append((n, m))
     for n, m in new:
         parent_name, _, attr = n.rpartition(".")
