@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers: past_key_values renamed
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, 1 thread, "
           f"quantized engine {torch.backends.quantized.engine}, {args.rounds} interleaved rounds\n")
     print("### One 2048 x 2048 Linear\n")
