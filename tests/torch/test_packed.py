@@ -22,6 +22,7 @@ from compressor.torch import (
     PtqQuantizer,
     QAT_Quantizer,
     RtnQuantizer,
+    SparseGPTPruner,
     pack_weights,
 )
 from compressor.torch.quantization.packed import _int4_kernel_source
@@ -286,3 +287,21 @@ def test_dynamic_int8_activations_run_the_int8_x_int8_kernel():
     with pytest.raises(ValueError, match="activation='dynamic' needs signed"):
         pack_weights(model, activation="dynamic")
     assert [type(m).__name__ for m in model.modules()] == before  # refused before any layer was replaced
+
+
+def test_a_pruned_then_quantized_model_packs_with_its_zeros():
+    model = llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        SparseGPTPruner(model, [{"sparse_pattern": "2:4", "op_types": ["default"]}]).calibrate(calib(), progress=False)
+    q = quantize(model, GptqQuantizer, {"quant_bits": 4, "group_size": 32})
+    masks = {w.name: w.module.weight_mask.clone() for w in q.get_modules_wrapper()}
+    with torch.no_grad():
+        ref = model(HELD).logits
+    pack_weights(model, compute_dtype=torch.float32)
+    assert not any(type(m).__name__.endswith("ModuleWrapper") for m in model.modules())
+    for n, mask in masks.items():
+        m = model.get_submodule(n)
+        assert (m.codes()[~mask] == 0).all() and int((~mask).sum()) == mask.numel() // 2, n
+    with torch.no_grad():
+        assert rel_err(model(HELD).logits, ref) < F32_TOL
