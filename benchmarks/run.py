@@ -50,6 +50,7 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "tf_int8_latency": "tensorflow",
     "torch_semi_structured": "torch",
     "torch_compile": "torch",
+    "lowbit_torch": "torch",
     "packing": "numpy",
 }
 #: scripts that measure something only a CUDA GPU has: skipped unless --device cuda

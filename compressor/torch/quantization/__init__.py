@@ -10,6 +10,7 @@ from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
 from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
+from .packed import PackedLinear, pack_weights
 from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TorchQuantizer
@@ -18,5 +19,5 @@ from .wrapper import QuantizerModuleWrapper
 __all__ = [
     "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
     "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer", "GptqQuantizer",
-    "RtnQuantizer", "AwqQuantizer",
+    "RtnQuantizer", "AwqQuantizer", "PackedLinear", "pack_weights",
 ]

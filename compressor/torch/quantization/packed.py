@@ -1,0 +1,465 @@
+"""Packed low-bit weights computing with PyTorch's own CPU kernels (issue 26).
+
+:class:`PackedLinear` replaces a weight-only quantized ``nn.Linear`` (or HF GPT-2 ``Conv1D``, whose weight is
+stored ``[in, out]``: the codes are canonical ``[out, in]``, so both become the same module) and holds its
+integer codes instead of a float weight:
+
+* ``bits <= 4``: two codes per byte, run by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout of
+  ``_convert_weight_to_int4pack_for_cpu`` (0.5 byte per weight resident). The kernel computes
+  ``x @ ((q - 8) * scale + zero)^T`` per group of ``kg`` input columns, ``q`` in ``0..15``, ``kg`` in {32, 64,
+  128, 256} dividing ``in``, ``out`` a multiple of 16, ``x`` / scales / zeros of one float dtype. Our codes
+  ``c`` dequantize as ``(c - zp) * s``; they are stored as ``u = c + 8`` (signed) or ``u = c`` (unsigned), so
+  the kernel's ``zero = (8 - off - zp) * s`` (``off`` = 8 signed, 0 unsigned): 0 for symmetric codes, narrow
+  (``[-7, 7]``) or full (``[-8, 7]``). A group of ours wider than ``kg`` repeats its scale (per channel: one
+  scale repeated over ``in / kg`` kernel groups); ``out`` is padded to a multiple of 16 with zero rows.
+* ``bits 5..8`` per output channel: ``torch.ops.aten._weight_int8pack_mm`` (``x @ (v * s)^T``, ``v`` int8).
+  Unsigned codes are stored ``v = c - 128`` and the zero point enters as ``s * (128 - zp) * sum(x)``.
+* anything else (grouped 5..8-bit codes, an ``in`` no kernel group divides, a non-CPU device): the reference
+  path, dequantize + matmul, with a warning naming the layer and why.
+
+``activation='dynamic'`` (per-channel signed codes of up to 8 bits): int8 activations quantized on the fly
+(per tensor, 7-bit unsigned: ``reduce_range``, as the x86 kernel needs without VNNI) times int8 weights with
+``torch.ops.quantized.linear_dynamic`` (fbgemm / x86 engine; ``torch._int_mm`` has no fast CPU kernel in torch
+2.13, it is slower than float32). Outputs are within about 2 % (of max|y|) of the weight-only result: the
+activations are rounded too. Its packed weight is a TorchScript object: ``torch.compile`` runs it in a graph
+break (``fullgraph=True`` refuses it).
+
+Both weight-only kernels are fast only in 16-bit: with ``float32`` activations they run a scalar loop (about 20x slower
+than the float ``Linear`` here). ``compute_dtype`` is therefore ``torch.bfloat16`` by default (torchao's
+choice; outputs within bf16 rounding of the fake-quant model); ``torch.float32`` gives outputs equal to the
+fake-quant model's to float32 rounding.
+
+AWQ: the codes quantize ``W * s`` (``s`` per input column), so the layer computes ``(x / s) @ Q(W s)^T``,
+an elementwise divide of the input (``awq_scales`` kept per layer; folding ``1/s`` into the previous
+LayerNorm, as AWQ's deployment does, needs the graph and is wrong when that norm feeds layers with other
+scales).
+
+State dict (portable, independent of the kernel's CPU-specific layout): ``qweight`` (uint8 ``[out,
+ceil(in/2)]``, two codes per byte, the even column in the low nibble, stored ``u``; int8 / uint8 ``[out, in]``
+codes for 5..8 bits), ``scale`` (float32 ``[out, groups]``), ``zero_point`` (int32 ``[out, groups]``, in the
+codes' domain, 0 when symmetric), ``bias``, ``awq_scales`` and the format in ``_extra_state``. The kernel
+layout is rebuilt on load and converted back on save (the canonical codes are not kept resident).
+
+:func:`pack_weights` replaces every calibrated weight-only wrapper of a model in place.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import ModelError
+from ..layout import in_out_features, to_canonical
+from ..modules import innermost_module, named_wrappers
+from .grad import QuantType
+from .wrapper import QuantizerModuleWrapper
+
+__all__ = ["PackedLinear", "pack_weights", "INT4_KERNEL_GROUPS"]
+
+#: group sizes ``_weight_int4pack_mm_for_cpu`` accepts (torch 2.13)
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)
+_INT4_N_MULTIPLE = 16
+
+
+def _int4_kernel_group(group_width: int, n_in: int) -> int | None:
+    g = math.gcd(group_width, n_in)
+    return next((k for k in INT4_KERNEL_GROUPS if g % k == 0), None)
+
+
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """``[n, k]`` values 0..15 -> uint8 ``[n, ceil(k/2)]``, the even column in the low nibble."""
+    u = u.to(torch.uint8)
+    if u.shape[1] % 2:
+        u = torch.cat([u, u.new_zeros(u.shape[0], 1)], 1)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def _unpack_nibbles(p: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_nibbles` (uint8 ``[n, k]``)."""
+    return torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1)[:, :k]
+
+
+def _int4_kernel_source(n: int, k: int) -> torch.Tensor:
+    """For the kernel layout of an ``[n, k]`` weight: which canonical element (flat index) each of its nibbles
+    holds (low nibble first). Found by packing the index's base-16 digits, so it follows whatever layout this
+    build of torch uses (the CPU packing depends on the instruction set)."""
+    idx = torch.arange(n * k, dtype=torch.int64)
+    src = torch.zeros(n * k, dtype=torch.int64)
+    for d in range(max(1, math.ceil(math.log(n * k, 16)))):
+        probe = ((idx >> (4 * d)) & 15).to(torch.int32).reshape(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+        src |= torch.stack([packed & 15, packed >> 4], -1).reshape(-1).to(torch.int64) << (4 * d)
+    return src
+
+
+class PackedLinear(nn.Module):
+    """A weight-only quantized Linear holding packed integer codes (see the module docstring).
+
+    ``bits`` 2..8, ``group_size`` (None / -1: per output channel), ``signed`` (signed codes: symmetric, zero point 0, or
+    QAT's signed affine; else unsigned codes with integer zero points), ``awq`` (an ``awq_scales`` input divisor), ``compute_dtype``
+    (``torch.bfloat16`` (fast) or ``torch.float32`` / ``torch.float16``), ``name`` (for warnings), ``source``
+    (the replaced layer's type, e.g. ``'Linear'`` / ``'Conv1D'``; the computation is the same). A fresh module
+    holds zero codes: fill it with :meth:`from_codes` or ``load_state_dict``. ``kernel`` says what runs:
+    ``'int4'``, ``'int8'``, ``'int8-dynamic'`` or ``'reference'`` (and ``kernel_note`` why).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int | None = None,
+                 signed: bool = True, bias: bool = True, awq: bool = False, *,
+                 compute_dtype: torch.dtype = torch.bfloat16, name: str = "", source: str = "Linear",
+                 activation: str | None = None, device: Any = None) -> None:
+        super().__init__()
+        if not 2 <= int(bits) <= 8:
+            raise ValueError(f"PackedLinear {name!r}: bits must be in 2..8, got {bits!r}")
+        if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"PackedLinear {name!r}: compute_dtype must be torch.bfloat16, torch.float16 or "
+                             f"torch.float32, got {compute_dtype}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.bits, self.signed, self.name, self.source = int(bits), bool(signed), name, source
+        gw = self.in_features if group_size is None or group_size == -1 or group_size >= in_features else int(group_size)
+        self.group_size = gw
+        self.n_groups = math.ceil(self.in_features / gw)
+        self.compute_dtype = compute_dtype
+        if activation not in (None, "dynamic"):
+            raise ValueError(f"PackedLinear {name!r}: activation must be None (weight-only) or 'dynamic' (int8 "
+                             f"activations), got {activation!r}")
+        if activation == "dynamic" and (self.n_groups != 1 or not signed):
+            raise ValueError(f"PackedLinear {name!r}: activation='dynamic' needs signed (symmetric) codes with one "
+                             f"scale per output channel (the int8 x int8 kernel), got "
+                             f"{'signed' if signed else 'unsigned'} codes with {self.n_groups} group(s)")
+        self.activation = activation
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        self.register_buffer("scale", torch.zeros(self.out_features, self.n_groups, device=dev))
+        self.register_buffer("zero_point", torch.zeros(self.out_features, self.n_groups, dtype=torch.int32, device=dev))
+        self.bias = nn.Parameter(torch.zeros(self.out_features, device=dev), requires_grad=False) if bias else None
+        if awq:
+            self.register_buffer("awq_scales", torch.ones(self.in_features, device=dev))
+        else:
+            self.awq_scales = None
+        self.kernel, self.kernel_note, self._kg = self._plan(dev)
+        if self.kernel == "reference":
+            warnings.warn(f"PackedLinear {name!r} ({source}, {self.in_features} -> {self.out_features}, {bits}-bit, "
+                          f"group {gw}): {self.kernel_note}; it runs the reference path (dequantize + matmul, "
+                          f"slower than the float layer)", UserWarning, stacklevel=2)
+        self._set_codes(torch.zeros(self.out_features, self.in_features, dtype=torch.int32, device=dev))
+
+    # ------------------------------------------------------------------ format
+    @property
+    def qrange(self) -> tuple[int, int]:
+        b = self.bits
+        return (-(2 ** (b - 1)), 2 ** (b - 1) - 1) if self.signed else (0, 2**b - 1)
+
+    def _plan(self, dev: torch.device) -> tuple[str, str, int]:
+        if dev.type != "cpu":
+            if self.activation == "dynamic":
+                raise ValueError(f"PackedLinear {self.name!r}: activation='dynamic' is a CPU kernel (device {dev})")
+            return "reference", f"the int4 / int8 packed kernels are CPU kernels (device {dev})", 0
+        if self.activation == "dynamic":
+            return "int8-dynamic", f"int8 x int8 ({torch.backends.quantized.engine} engine, 7-bit activations)", 0
+        if self.bits <= 4:
+            kg = _int4_kernel_group(self.group_size, self.in_features)
+            if kg is not None:
+                pad = -self.out_features % _INT4_N_MULTIPLE
+                return "int4", f"kernel groups of {kg}" + (f", out padded by {pad} rows" if pad else ""), kg
+            if self.n_groups == 1:
+                return "int8", ("int4 codes on the int8 kernel (1 byte per weight): no int4 kernel group "
+                                f"{INT4_KERNEL_GROUPS} divides in_features={self.in_features}"), 0
+            return "reference", (f"no int4 kernel: the kernel's group sizes are {INT4_KERNEL_GROUPS} and must divide "
+                                 f"both the group size {self.group_size} and in_features {self.in_features}"), 0
+        if self.n_groups == 1:
+            return "int8", "per-channel int8 kernel", 0
+        return "reference", (f"{self.bits}-bit codes with groups of {self.group_size}: the int8 kernel takes one "
+                             f"scale per output channel"), 0
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"format": "compressor.packed/1", "in_features": self.in_features, "out_features": self.out_features,
+                "bits": self.bits, "group_size": self.group_size, "signed": self.signed}
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if not isinstance(state, dict) or state != mine:
+            raise ValueError(f"PackedLinear {self.name!r}: the state_dict was saved from a PackedLinear with format "
+                             f"{state!r}; this module is {mine}; build it with the same arguments")
+
+    # ------------------------------------------------------------------ codes <-> kernel state
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int,
+                   group_size: int | None = None, bias: torch.Tensor | None = None,
+                   awq_scales: torch.Tensor | None = None, **kwargs: Any) -> PackedLinear:
+        """A PackedLinear from integer ``codes`` ``[out, in]`` (int8: signed, symmetric; uint8: unsigned,
+        affine; other integer dtypes: signed when any code is negative), ``scale`` / ``zero_point`` ``[out,
+        groups]`` (group ``g`` = input columns ``[g * group_size, (g + 1) * group_size)``)."""
+        n_out, n_in = codes.shape
+        if codes.dtype == torch.uint8:
+            signed = False
+        elif codes.dtype == torch.int8:
+            signed = True
+        else:
+            signed = bool((codes < 0).any())
+        kwargs.setdefault("signed", signed)
+        m = cls(n_in, n_out, bits, group_size, bias=bias is not None, awq=awq_scales is not None,
+                device=codes.device, **kwargs)
+        if tuple(scale.shape) != (n_out, m.n_groups) or tuple(zero_point.shape) != (n_out, m.n_groups):
+            raise ValueError(f"PackedLinear {m.name!r}: scale / zero_point must be [{n_out}, {m.n_groups}], got "
+                             f"{tuple(scale.shape)} / {tuple(zero_point.shape)}")
+        with torch.no_grad():
+            m.scale.copy_(scale)
+            m.zero_point.copy_(zero_point.round().to(torch.int32) if zero_point.is_floating_point() else zero_point)
+            if bias is not None:
+                m.bias.copy_(bias.detach().reshape(-1))
+            if awq_scales is not None:
+                m.awq_scales.copy_(awq_scales.detach().reshape(-1))
+        m._set_codes(codes.to(torch.int32))
+        return m
+
+    def _set_codes(self, c: torch.Tensor) -> None:
+        """Build the resident (kernel) form from int32 codes ``[out, in]`` and the current scale / zero point."""
+        qmin, qmax = self.qrange
+        if c.numel() and (int(c.min()) < qmin or int(c.max()) > qmax):
+            raise ValueError(f"PackedLinear {self.name!r}: codes outside the {self.bits}-bit "
+                             f"{'signed' if self.signed else 'unsigned'} range [{qmin}, {qmax}]")
+        n, k = self.out_features, self.in_features
+        self._packed = None
+        if self.kernel == "int8-dynamic":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # quantized tensor creation is deprecated; its kernel is not replaced
+                qw = torch._make_per_channel_quantized_tensor(c.to(torch.int8), self.scale[:, 0].double(),
+                                                              torch.zeros(n, dtype=torch.long), 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+            self._wq = self._sz = self._corr = None
+        elif self.kernel == "int4":
+            off = 8 if self.signed else 0
+            u = c + off
+            kg = self._kg
+            n_pad = n + (-n % _INT4_N_MULTIPLE)
+            sc = self.scale[:, (torch.arange(k // kg, device=c.device) * kg) // self.group_size]  # [n, k/kg]
+            zp = self.zero_point[:, (torch.arange(k // kg, device=c.device) * kg) // self.group_size]
+            zero = (8 - off - zp).to(torch.float64) * sc.to(torch.float64)
+            if n_pad != n:
+                u = torch.cat([u, u.new_full((n_pad - n, k), 8)])
+                sc = torch.cat([sc, sc.new_zeros(n_pad - n, sc.shape[1])])
+                zero = torch.cat([zero, zero.new_zeros(n_pad - n, zero.shape[1])])
+            self._wq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 1)
+            self._sz = torch.stack([sc.t(), zero.t()], -1).to(self.compute_dtype).contiguous()
+            self._corr = None
+        elif self.kernel == "int8":
+            off = 0 if self.signed else 128
+            self._wq = (c - off).to(torch.int8).contiguous()
+            s = self.scale[:, 0]
+            self._sz = s.to(self.compute_dtype).contiguous()
+            corr = s.to(torch.float64) * (off - self.zero_point[:, 0]).to(torch.float64)
+            self._corr = corr.to(self.compute_dtype) if bool((corr != 0).any()) else None
+        else:
+            if self.bits <= 4:  # reference: the canonical codes, nibble-packed when they fit
+                self._wq = _pack_nibbles(c + (8 if self.signed else 0))
+            else:
+                self._wq = c.to(torch.int8 if self.signed else torch.uint8)
+            self._sz = None
+            self._corr = None
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes ``[out, in]`` (int32), read back from the resident form."""
+        n, k = self.out_features, self.in_features
+        if self.kernel == "int8-dynamic":
+            return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr().to(torch.int32)
+        if self.kernel == "int4":
+            wq = self._wq.cpu()
+            n_pad = wq.shape[0]
+            nib = torch.stack([wq & 15, wq >> 4], -1).reshape(-1)
+            flat = torch.empty(n_pad * k, dtype=torch.uint8)
+            flat[_int4_kernel_source(n_pad, k)] = nib
+            u = flat.reshape(n_pad, k)[:n].to(torch.int32).to(self._wq.device)
+            return u - (8 if self.signed else 0)
+        if self.kernel == "int8":
+            return self._wq.to(torch.int32) + (0 if self.signed else 128)
+        if self.bits <= 4:
+            return _unpack_nibbles(self._wq, k).to(torch.int32) - (8 if self.signed else 0)
+        return self._wq.to(torch.int32)
+
+    def packed_codes(self) -> torch.Tensor:
+        """``qweight`` as saved in the state_dict (see the module docstring)."""
+        c = self.codes()
+        if self.bits <= 4:
+            return _pack_nibbles(c + (8 if self.signed else 0))
+        return c.to(torch.int8 if self.signed else torch.uint8)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(codes - zero_point) * scale`` per group, ``[out, in]`` (AWQ: of ``W * s``, not divided by ``s``)."""
+        gi = torch.arange(self.in_features, device=self.scale.device) // self.group_size
+        c = self.codes()
+        return ((c - self.zero_point[:, gi]).to(dtype) * self.scale[:, gi].to(dtype))
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "qweight"] = self.packed_codes()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        key = prefix + "qweight"
+        q = state_dict.get(key)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if q is None:
+            missing_keys.append(key)
+            return
+        want = self.packed_codes_shape()
+        want_dtype = torch.uint8 if self.bits <= 4 or not self.signed else torch.int8
+        if tuple(q.shape) != want or q.dtype != want_dtype:
+            error_msgs.append(f"size or dtype mismatch for {key}: checkpoint {tuple(q.shape)} {q.dtype}, this "
+                              f"PackedLinear expects {want} {want_dtype}")
+            return
+        q = q.to(self.scale.device)
+        c = (_unpack_nibbles(q, self.in_features).to(torch.int32) - (8 if self.signed else 0) if self.bits <= 4
+             else q.to(torch.int32))
+        try:
+            with torch.no_grad():
+                self._set_codes(c)
+        except ValueError as e:
+            error_msgs.append(str(e))
+
+    def packed_codes_shape(self) -> tuple[int, int]:
+        k = self.in_features
+        return (self.out_features, (k + 1) // 2) if self.bits <= 4 else (self.out_features, k)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.awq_scales is not None:
+            x2 = x2 / self.awq_scales.to(x2.dtype)
+        if self.kernel == "reference":
+            w = self.dequantized_weight(torch.float32)
+            y = torch.nn.functional.linear(x2.to(torch.float32), w).to(x.dtype)
+        else:
+            if x2.device.type != "cpu":
+                raise RuntimeError(f"PackedLinear {self.name!r}: its {self.kernel} kernel layout is for CPU, the "
+                                   f"input is on {x2.device}; pack the model on the device it runs on")
+            xin = x2.to(self.compute_dtype).contiguous()
+            if self.kernel == "int8-dynamic":
+                y = torch.ops.quantized.linear_dynamic(x2.to(torch.float32).contiguous(), self._packed, True)
+            elif self.kernel == "int4":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self._wq, self._kg, self._sz)
+                if y.shape[1] != self.out_features:
+                    y = y[:, : self.out_features]
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(xin, self._wq, self._sz)
+                if self._corr is not None:
+                    y = y + xin.sum(-1, keepdim=True) * self._corr
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, signed={self.signed}, kernel={self.kernel!r}, "
+                f"compute_dtype={self.compute_dtype}, source={self.source!r}")
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors this module keeps (codes in the kernel's form, scales, zero points, bias)."""
+        ts = [self._wq, self._sz, self._corr, self.scale, self.zero_point, self.bias, self.awq_scales]
+        packed = self.in_features * self.out_features if self._packed is not None else 0  # fbgemm: 1 byte / weight
+        return packed + sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+# ---------------------------------------------------------------------------------------------- pack_weights
+def _packable(name: str, wrapper: QuantizerModuleWrapper) -> tuple[str, Any]:
+    """``(kind, problem)``: kind 'oneshot' / 'qat'; problem a string when it cannot be packed."""
+    layer = innermost_module(wrapper)
+    if in_out_features(layer) is None:
+        return "", f"{name!r} is a {type(layer).__name__}: packed weights cover Linear and HF Conv1D layers"
+    buf = wrapper._buffers
+    if "oneshot_calibrated" in buf:
+        if not bool(buf["oneshot_calibrated"]):
+            return "", f"{name!r} has not been calibrated: call quantizer.calibrate(...) first"
+        return "oneshot", None
+    specs = getattr(wrapper, "qat_specs", None)
+    if specs is not None and "weight" in specs:
+        if set(wrapper.quant_types) != {QuantType.QUANT_WEIGHT}:
+            return "", (f"{name!r} also quantizes {sorted(set(map(str, wrapper.quant_types)) - {'weight'})}: packed "
+                        f"weights are weight-only (export int8 activations with export_model(onnx_path=...))")
+        if "weight_observed" in buf and not bool(buf["weight_observed"]):
+            return "", f"{name!r} has no weight scale yet: call quantizer.calibrate(data) first"
+        if not wrapper.quant_active:
+            return "", f"{name!r} is not quantizing yet (quant_start_step not reached)"
+        qmin, qmax = wrapper.qranges["weight"]
+        if qmin < -128 or qmax > 255 or qmax - qmin > 255:
+            return "", f"{name!r} has a weight range [{qmin}, {qmax}] wider than 8 bits"
+        return "qat", None
+    return "", (f"{name!r} is quantized by {type(wrapper.quantizer).__name__}, which keeps no integer grid to pack "
+                f"(supported: GptqQuantizer, RtnQuantizer, AwqQuantizer, PtqQuantizer / QAT_Quantizer weight-only)")
+
+
+def _qat_codes(wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    q = wrapper.quantizer
+    layer = innermost_module(wrapper)
+    with torch.no_grad():
+        fq = q._quantize(QuantType.QUANT_WEIGHT, wrapper.weight, wrapper)  # also refreshes QAT's scale buffers
+        fq = to_canonical(layer, fq.detach()).float()
+    n_out = fq.shape[0]
+    scale = wrapper.weight_scale.detach().float().reshape(-1).expand(n_out) if wrapper.weight_scale.numel() == 1 \
+        else wrapper.weight_scale.detach().float().reshape(-1)
+    zp = wrapper.weight_zero_point.detach().float().reshape(-1)
+    zp = zp.expand(n_out) if zp.numel() == 1 else zp
+    qmin, qmax = wrapper.qranges["weight"]
+    codes = torch.clamp(torch.round(fq / scale[:, None] + zp[:, None]), qmin, qmax).to(torch.int32)
+    bits = max(2, math.ceil(math.log2(qmax - qmin + 1)))
+    return codes, scale[:, None].contiguous(), zp.round().to(torch.int32)[:, None].contiguous(), bits, qmin < 0
+
+
+def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat16,
+                 activation: str | None = None) -> nn.Module:
+    """Replace, in place, every weight-only quantized Linear / HF Conv1D of ``model`` by a :class:`PackedLinear`
+    holding its integer codes (as torchao's ``quantize_(model, ...)`` replaces modules in place); returns
+    ``model``.
+
+    Covers the wrappers of :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer` after
+    ``calibrate`` (their ``weight_codes`` etc., grouped int2..int8) and weight-only :class:`PtqQuantizer` /
+    :class:`QAT_Quantizer` (per channel or per tensor, up to 8 bits; the codes are read from the fake-quant
+    weight with the current scales). Every wrapper is checked first: one that is uncalibrated, quantizes
+    activations too, or belongs to another quantizer raises :class:`compressor.ModelError` naming it, and the
+    model is left unchanged. The quantizer no longer drives the replaced layers afterwards. ``compute_dtype``
+    and ``activation`` (``'dynamic'``: int8 activations too, per-channel signed codes only): see
+    :class:`PackedLinear`.
+    """
+    wrappers = [(n, w) for n, w in named_wrappers(model, [QuantizerModuleWrapper])]
+    # outermost quantizer wrappers only (a pruner wrapper inside is part of the layer)
+    outer = [(n, w) for n, w in wrappers if not any(n.startswith(p + ".") for p, _ in wrappers if p != n)]
+    if not outer:
+        raise ModelError("pack_weights: the model has no quantized layers (wrap it with a quantizer, e.g. "
+                         "GptqQuantizer(model, config).calibrate(data), first)")
+    problems, plan = [], []
+    for n, w in outer:
+        kind, problem = _packable(n, w)
+        (problems.append(problem) if problem else plan.append((n, w, kind)))
+    if problems:
+        raise ModelError("pack_weights: cannot pack " + "; ".join(problems) + ". Nothing was changed.")
+    new: list[tuple[str, nn.Module]] = []
+    for n, w, kind in plan:
+        layer = innermost_module(w)
+        bias = w.bias.detach().float() if w.bias is not None else None
+        source = type(layer).__name__
+        if kind == "oneshot":
+            buf = w._buffers
+            codes = buf["weight_codes"]
+            n_in = codes.shape[1]
+            groups = buf["weight_group_scale"].shape[1]
+            gs = math.ceil(n_in / groups) if groups > 1 else None
+            awq = buf.get("awq_scales")
+            m = PackedLinear.from_codes(codes.to(torch.int32), buf["weight_group_scale"], buf["weight_group_zero_point"],
+                                        int(w.quant_bits["weight"]), gs, bias=bias, awq_scales=awq,
+                                        signed=codes.dtype == torch.int8, compute_dtype=compute_dtype, name=n,
+                                        source=source, activation=activation)
+        else:
+            codes, scale, zp, bits, signed = _qat_codes(w)
+            m = PackedLinear.from_codes(codes, scale, zp, bits, None, bias=bias, signed=signed,
+                                        compute_dtype=compute_dtype, name=n, source=source, activation=activation)
+        new.append((n, m))
+    for n, m in new:
+        parent_name, _, attr = n.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, m)
+    return model
