@@ -50,7 +50,7 @@ from ..core.errors import ConfigError
 from .compressor import iter_layers, strip_model, wrappers_of
 from .oneshot import KernelLayout, _OneShotQuantizer, kernel_layout
 
-__all__ = ["to_keras_quantized", "KerasLowbitPlan", "KERAS_GPTQ_BITS"]
+__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan", "KERAS_GPTQ_BITS"]
 
 #: bit widths Keras 3.15's GPTQ layer stores (``GPTQConfig.weight_bits``)
 KERAS_GPTQ_BITS = (2, 3, 4, 8)
@@ -108,19 +108,36 @@ def _choose(bits: int, symmetric: bool, per_channel: bool, awq: bool, fast: bool
 
 
 def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
+    awq = wrapper.awq_scales.numpy() if "awq_scales" in wrapper.state_variables() else None
+    bits = wrapper.config["quant_bits"]
+    bits = int(bits["weight"] if isinstance(bits, dict) else bits)
+    return keras_quantized_variables(name, wrapper.layer, wrapper.weight_codes.numpy(),
+                                     wrapper.weight_group_scale.numpy(), wrapper.weight_group_zero_point.numpy(),
+                                     int(wrapper.weight_group_size), bits,
+                                     symmetric=wrapper.weight_codes.dtype == tf.int8, awq_scales=awq, fast=fast)
+
+
+def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zero_point: Any, group_size: int,
+                              bits: int, symmetric: bool, awq_scales: Any = None, fast: bool = False) -> KerasLowbitPlan:
+    """The Keras mode, config and variable values for one layer from its one-shot codes in core's canonical
+    layout (``codes`` ``[out, in]``, ``scale`` / ``zero_point`` ``[out, groups]``, groups of ``group_size`` input
+    columns, AWQ's ``awq_scales`` ``[in]``): the same arrays from the torch or the Keras quantizer give the same
+    values (scales are rounded to float32 first, as the torch wrapper stores them). Changes nothing."""
     from keras.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig, Int8QuantizationConfig
 
-    layer = wrapper.layer
     plan = kernel_layout(name, layer)
-    codes = np.asarray(wrapper.weight_codes.numpy()).astype(np.int32)
-    scale = np.asarray(wrapper.weight_group_scale.numpy(), dtype=np.float64)
-    zp = np.asarray(wrapper.weight_group_zero_point.numpy()).astype(np.int32)
-    gs = int(wrapper.weight_group_size)
-    awq = "awq_scales" in wrapper.state_variables()
-    bits = int(wrapper.config["quant_bits"]["weight"] if isinstance(wrapper.config["quant_bits"], dict)
-               else wrapper.config["quant_bits"])
-    symmetric = wrapper.weight_codes.dtype == tf.int8  # affine codes are uint8 (see compressor.tf.oneshot)
+    codes = np.asarray(codes).astype(np.int32)
+    scale = np.asarray(scale, dtype=np.float32).astype(np.float64)
+    zp = np.rint(np.asarray(zero_point, dtype=np.float64)).astype(np.int32)
+    gs = int(group_size) if group_size is not None else -1
+    awq = awq_scales is not None
+    symmetric = bool(symmetric)
     n_out, n_in = plan.n_out, plan.n_in
+    gs = n_in if gs <= 0 or gs > n_in else gs  # -1 / None: per output channel
+    if codes.shape != (n_out, n_in) or scale.shape != zp.shape or scale.shape[0] != n_out \
+            or scale.shape[1] != -(-n_in // gs):
+        raise ConfigError(f"layer {name!r}: codes {codes.shape} / scales {scale.shape} / zero points {zp.shape} with "
+                          f"group_size {gs} do not fit its [out, in] = [{n_out}, {n_in}] weight")
     per_channel = scale.shape[1] == 1
     mode = _choose(bits, symmetric, per_channel, awq, fast)
     if mode is None:
@@ -139,7 +156,7 @@ def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
         if lo < -128 or hi > 127:
             raise ConfigError(f"layer {name!r}: codes [{lo}, {hi}] do not fit int8")
         values["kernel"] = plan.from_canonical(codes).astype(np.int8)
-        inv = (1.0 / scale[:, 0]).astype(np.float32)
+        inv = (1.0 / scale[:, 0]).astype(np.float32)  # Keras divides by kernel_scale
         values["kernel_scale"] = inv  # canonical per output; shaped for the layer at write time
         config = Int8QuantizationConfig(activation_quantizer=None)
     elif mode == "int4":
@@ -169,7 +186,7 @@ def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
         values["kernel_zero"] = z[cols, :].astype(np.uint8)
         values["g_idx"] = group_of_row.astype(np.float32)
         if mode == "awq":
-            values["awq_scales"] = np.asarray(wrapper.awq_scales.numpy(), dtype=np.float64)[rows].astype(np.float32)
+            values["awq_scales"] = np.asarray(awq_scales, dtype=np.float32)[rows]
             config = AWQConfig(None, None, weight_bits=4, group_size=keras_gs)
         else:
             config = GPTQConfig(None, None, weight_bits=bits, group_size=keras_gs, symmetric=symmetric)
@@ -265,3 +282,44 @@ def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[d
         if hasattr(model, attr):
             setattr(model, attr, None)
     return [p.row() for p in plans]
+
+
+# ------------------------------------------------------------------------------------------- reading back
+def _policy_attr(layer: Any, name: str) -> Any:
+    return getattr(layer.dtype_policy, name, None)
+
+
+def describe_keras_quantized(layer: Any) -> dict[str, Any] | None:
+    """What a Keras-quantized ``Dense`` / ``EinsumDense`` (``int8``, ``int4``, ``gptq``, ``awq`` mode) stores, for
+    ``compressor report``: ``mode``, ``bits``, ``group_size`` (-1: per channel), ``bytes`` (its weight variables:
+    codes, scales, zero points, ``g_idx``, AWQ scales; not the bias) and ``offsets``: ``code - zero point`` per
+    weight in Keras's ``[rows, cols]`` view (0 exactly where the weight is 0). None for other layers."""
+    mode = getattr(layer.dtype_policy, "quantization_mode", None)
+    if mode not in ("int8", "int4", "gptq", "awq") or not layer.built:
+        return None
+    from keras.quantizers import unpack_int4
+
+    bias = getattr(layer, "bias", None)
+    nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.weights if v is not bias)
+    if mode == "int8":
+        q = np.asarray(layer._kernel.numpy()).astype(np.int32)
+        return {"mode": mode, "bits": 8, "group_size": -1, "bytes": nbytes, "offsets": q}
+    if mode == "int4":
+        packed = layer._kernel
+        cols = getattr(layer, "_int4_unpacked_column_size", None) or getattr(layer, "_orig_output_dim", None)
+        q = np.asarray(unpack_int4(packed, int(cols), axis=-1)).astype(np.int32)
+        block = getattr(layer, "_int4_block_size", None)
+        if block is not None and block > 0:
+            g = np.asarray(layer.g_idx.numpy()).astype(np.int64)
+            q = q - np.asarray(layer.kernel_zero.numpy()).astype(np.int32)[g, :]
+        return {"mode": mode, "bits": 4, "group_size": int(block) if block and block > 0 else -1, "bytes": nbytes,
+                "offsets": q}
+    bits = 4 if mode == "awq" else int(_policy_attr(layer, "weight_bits"))
+    kq = layer.quantized_kernel
+    g = np.asarray(layer.g_idx.numpy()).astype(np.int64)
+    if bits == 4:
+        cols = int(np.asarray(layer.kernel_scale.shape)[0])
+        kq = unpack_int4(kq, cols, axis=0, dtype="uint8")
+    q = np.asarray(kq).astype(np.int32) - np.asarray(layer.kernel_zero.numpy()).astype(np.int32)[:, g]
+    return {"mode": mode, "bits": bits, "group_size": int(_policy_attr(layer, "group_size")), "bytes": nbytes,
+            "offsets": q.T}
