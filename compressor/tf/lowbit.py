@@ -255,6 +255,25 @@ def _write(p: KerasLowbitPlan) -> None:
         layer.is_gptq_calibrated = True
     else:
         layer.is_awq_calibrated = True
+    object.__setattr__(layer, "save_own_variables", _complete_saver(layer))
+
+
+def _complete_saver(layer: Any) -> Any:
+    """Keras 3.15's ``Dense`` / ``EinsumDense`` ``save_own_variables`` skips ``kernel_zero`` in GPTQ / AWQ mode
+    (its ``_get_kernel_with_merged_lora`` returns no zero point there), so the file it writes has one variable
+    fewer than its own ``load_own_variables`` expects and does not load (also for Keras's own
+    ``quantize('gptq')``). This saver, installed on the instance, writes every variable of the layer's
+    ``variable_serialization_spec`` in order: the file is what stock Keras's loader reads."""
+
+    def save_own_variables(store: Any) -> None:
+        idx = 0
+        for name in layer.variable_serialization_spec[layer.quantization_mode]:
+            if name == "bias" and layer.bias is None:
+                continue
+            store[str(idx)] = getattr(layer, name)
+            idx += 1
+
+    return save_own_variables
 
 
 def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[dict[str, Any]]:
