@@ -68,23 +68,32 @@ CASES = {
 }
 
 
+#: the cases of the fast run: Keras int4 (grouped), GPTQ mode (3 bit, act_order), AWQ mode; the rest are slow
+FAST = ("rtn-w4-g8", "gptq-w3-g8-actorder", "awq-w4-g8")
+CASE_PARAMS = [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in CASES]
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """case -> (fake-quant outputs, Keras-quantized outputs, rows, .keras path, model)"""
-    out = {}
+    """case -> (fake-quant outputs, Keras-quantized outputs, rows, .keras path, model), made on first use"""
     d = tmp_path_factory.mktemp("lowbit")
-    for case, (cls, cfg, fast, _, _) in CASES.items():
-        m, q = quantized(cls, cfg)
-        ref = m(HELD).numpy()
-        rows = to_keras_quantized(q, fast=fast)
-        got = m(HELD).numpy()
-        path = str(d / f"{case}.keras")
-        m.save(path)
-        out[case] = (ref, got, rows, path, m)
-    return out
+
+    class Cache(dict):
+        def __missing__(self, case):
+            cls, cfg, fast, _, _ = CASES[case]
+            m, q = quantized(cls, cfg)
+            ref = m(HELD).numpy()
+            rows = to_keras_quantized(q, fast=fast)
+            got = m(HELD).numpy()
+            path = str(d / f"{case}.keras")
+            m.save(path)
+            self[case] = (ref, got, rows, path, m)
+            return self[case]
+
+    return Cache()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_keras_runs_our_codes_with_its_own_quantized_layers(converted, case):
     ref, got, rows, _, m = converted[case]
     mode, policy = CASES[case][3], CASES[case][4]
@@ -176,8 +185,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_keras_files_reload_without_compressor_and_compute_the_same(converted, tmp_path):
-    paths = {case: v[3] for case, v in converted.items()}
+def _reload_elsewhere(converted, cases, tmp_path):
+    paths = {case: converted[case][3] for case in cases}
     np.save(tmp_path / "x.npy", HELD)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
@@ -185,9 +194,19 @@ def test_keras_files_reload_without_compressor_and_compute_the_same(converted, t
                         str(tmp_path / "out.npz")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
-    for case, (_, live, _, _, _) in converted.items():
+    for case in cases:
+        live = converted[case][1]
         assert str(got[case + ":mode"]) == CASES[case][3]
         np.testing.assert_allclose(got[case], live, rtol=0, atol=1e-6 * np.abs(live).max())
+
+
+def test_keras_files_reload_without_compressor_and_compute_the_same(converted, tmp_path):
+    _reload_elsewhere(converted, FAST, tmp_path)
+
+
+@pytest.mark.slow
+def test_every_mode_reloads_without_compressor(converted, tmp_path):
+    _reload_elsewhere(converted, [c for c in CASES if c not in FAST], tmp_path)
 
 
 def test_report_reads_bits_group_size_and_bytes(converted, capsys):
