@@ -265,3 +265,24 @@ def test_refusals_leave_the_model_untouched():
     layer.build((None, 8))
     with pytest.raises(ConfigError, match=r"do not fit its \[out, in\] = \[4, 8\]"):
         keras_quantized_variables("d", layer, np.zeros((8, 4)), np.ones((4, 1)), np.zeros((4, 1)), -1, 4, True)
+
+
+@pytest.mark.slow
+def test_keras_hub_llama_backbone_round_trip(tmp_path):
+    """keras-hub's layers (EinsumDense attention projections, Dense FFN inside TransformerDecoder blocks)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    bb = keras_hub.models.LlamaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=2, hidden_dim=16,
+                                        intermediate_dim=32, num_key_value_heads=2)
+    ids = np.random.default_rng(0).integers(0, 64, (4, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    q = GptqQuantizer(bb, [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}])
+    q.calibrate([x], progress=False)
+    ref = bb(x).numpy()
+    rows = q.to_keras_quantized()
+    assert len(rows) == 14 and {r["mode"] for r in rows} == {"int4"}
+    assert rows[0]["layer"] == "transformer_layer_0/self_attention/query" and rows[0]["type"] == "EinsumDense"
+    got = bb(x).numpy()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    bb.save(tmp_path / "hub.keras")
+    again = keras.saving.load_model(tmp_path / "hub.keras")
+    np.testing.assert_array_equal(again(x).numpy(), got)
