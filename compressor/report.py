@@ -447,8 +447,15 @@ def format_sizes(sizes: list[dict[str, Any]]) -> str:
 
 
 def as_dicts(rows: list[LayerStats]) -> list[dict[str, Any]]:
-    """Rows as JSON-ready dicts."""
-    return [{**asdict(r), "shape": list(r.shape)} for r in rows]
+    """Rows as JSON-ready dicts (``group_size`` / ``bytes`` only where known: Keras-quantized files)."""
+    out = []
+    for r in rows:
+        d = {**asdict(r), "shape": list(r.shape)}
+        for key in ("group_size", "bytes"):  # Keras-quantized files only
+            if d[key] is None:
+                del d[key]
+        out.append(d)
+    return out
 
 
 def plot(rows: list[LayerStats], path: str | os.PathLike) -> None:
