@@ -4,29 +4,39 @@
 (``Dense`` / ``EinsumDense``, at any depth) into the layer Keras builds with ``layer.quantize(mode)``, with OUR
 integer codes, group scales and zero points written into its variables. Keras's own quantized call computes
 with them, and ``model.save('x.keras')`` reloads with ``keras.saving.load_model`` in a process without
-compressor. Which Keras layout holds which codes (all exact re-encodings of the same integers; every mode
-below is stock Keras 3.15):
+compressor. Which Keras layout holds which codes (exact re-encodings of the same integers, the smallest that
+fits; every mode below is stock Keras 3.15):
 
-====================================  =============  ================================================
-our codes                             Keras mode     Keras variables (``w`` as Keras computes it)
-====================================  =============  ================================================
-8 bit, symmetric, per channel         ``int8``       ``kernel`` int8 = q, ``kernel_scale`` = 1 / s:
-                                                     ``x @ q / kernel_scale`` (weight-only: no
-                                                     activation quantizer)
-4 bit, symmetric, per channel         ``int4/-1``    packed q, ``kernel_scale`` = 1 / s (as int8)
-4 bit, grouped or affine              ``int4/<g>``   packed q (affine: q - 8), ``kernel_scale`` = s,
-                                                     ``kernel_zero`` = zp (affine: zp - 8), ``g_idx``;
-                                                     ``w = (q - zp) s`` per group
-AWQ (4 bit)                           ``awq/4/<g>``  codes of ``W s`` (unsigned), scales, zero points,
-                                                     ``awq_scales`` = ``s``: ``w = (q - zp) s_g / s``
-2, 3 or 8 bit, grouped or affine      ``gptq/b/<g>`` unsigned codes (symmetric: q + 2^(b-1)), scales,
-                                                     zero points, ``g_idx``
-====================================  =============  ================================================
+=====================================  =============  ===============================================
+our codes                              Keras mode     Keras variables (``w`` as Keras computes it)
+=====================================  =============  ===============================================
+5..8 bit, symmetric, per channel       ``int8``       ``kernel`` int8 = q, ``kernel_scale`` = 1 / s:
+                                                      ``x @ q / kernel_scale`` (weight-only: no
+                                                      activation quantizer)
+2..4 bit, symmetric, per channel       ``int4/-1``    packed q, ``kernel_scale`` = 1 / s (as int8)
+2..4 bit, grouped or affine            ``int4/<g>``   packed q (affine: q - 8), ``kernel_scale`` = s,
+                                                      ``kernel_zero`` = zp (affine: zp - 8), ``g_idx``;
+                                                      ``w = (q - zp) s`` per group
+AWQ, 2..4 bit                          ``awq/4/<g>``  codes of ``W s`` (unsigned), scales, zero points,
+                                                      ``awq_scales`` = ``s``: ``w = (q - zp) s_g / s``
+5..8 bit, grouped or affine            ``gptq/8/<g>`` unsigned byte codes (symmetric: q + 2^(b-1)),
+                                                      scales, zero points, ``g_idx``
+=====================================  =============  ===============================================
+
+Keras names the container, not the grid: 2- and 3-bit codes sit in ``int4`` layers (half a byte per weight;
+Keras's GPTQ layer would store them a byte each and runs slower), 5..7-bit ones in ``int8`` / ``gptq/8``
+layers. AWQ codes wider than 4 bits have no Keras layout (a ``ConfigError``).
 
 ``fast=True`` stores per-channel symmetric codes of any width (e.g. int4 RTN / GPTQ with ``group_size``
 -1) in Keras's ``int8`` layer instead: one byte per weight instead of half, and Keras's int8 call (one cast and
-a float matmul) instead of its int4 call, which unpacks the nibbles on every call (~6x faster at M=1 on TF,
-see ``benchmarks/lowbit_tf.py``). 5..7-bit grouped codes have no Keras layout (a ``ConfigError``).
+a float matmul) instead of its int4 call, which unpacks the nibbles on every call (4x faster at M=1 on TF,
+see ``benchmarks/lowbit_tf.py``). Grouped codes have no faster stock layout: Keras's ``int4/<g>`` call
+unpacks and dequantizes the whole kernel on every call.
+
+Keras 3.15 bug worked around: its ``save_own_variables`` drops ``kernel_zero`` of GPTQ / AWQ-mode layers, so
+the files it writes for them (also for its own ``quantize('gptq')``) do not load; the converted layers get a
+saver on the instance that writes every variable (the file is what stock Keras's loader expects; a reloaded
+model saved again by plain Keras 3.15 hits the bug again).
 
 Exactness: the integers are the same; Keras's dequantization rounds once more in float32 than our fake-quant
 kernel (``float32((q - zp) * s)`` in float64): grouped modes multiply by ``float32(s)``, per-channel modes
@@ -50,11 +60,7 @@ from ..core.errors import ConfigError
 from .compressor import iter_layers, strip_model, wrappers_of
 from .oneshot import KernelLayout, _OneShotQuantizer, kernel_layout
 
-__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan", "KERAS_GPTQ_BITS"]
-
-#: bit widths Keras 3.15's GPTQ layer stores (``GPTQConfig.weight_bits``)
-KERAS_GPTQ_BITS = (2, 3, 4, 8)
-
+__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan"]
 
 @dataclass
 class KerasLowbitPlan:
@@ -96,15 +102,14 @@ def _flat(canonical: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarr
 
 # ------------------------------------------------------------------------------------------- planning
 def _choose(bits: int, symmetric: bool, per_channel: bool, awq: bool, fast: bool) -> str | None:
+    """The Keras mode that holds these codes exactly in the fewest bytes (see the module docstring)."""
     if awq:
-        return "awq" if bits == 4 else None
-    if symmetric and per_channel and (bits == 8 or fast):
+        return "awq" if bits <= 4 else None
+    if symmetric and per_channel and (bits > 4 or fast):
         return "int8"
-    if bits == 4:
+    if bits <= 4:
         return "int4"
-    if bits in KERAS_GPTQ_BITS:
-        return "gptq"
-    return None
+    return "gptq"  # 5..8-bit grouped or affine codes: Keras's GPTQ layer with 8-bit (one byte) codes
 
 
 def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
@@ -141,12 +146,9 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
     per_channel = scale.shape[1] == 1
     mode = _choose(bits, symmetric, per_channel, awq, fast)
     if mode is None:
-        why = ("Keras's AWQ layer holds 4-bit codes only" if awq else
-               f"Keras 3 stores int8 per channel, int4, and GPTQ layers of {list(KERAS_GPTQ_BITS)} bits")
-        raise ConfigError(f"layer {name!r} ({type(layer).__name__}): {bits}-bit "
-                          f"{'per-channel' if per_channel else f'group {gs}'} "
-                          f"{'symmetric' if symmetric else 'affine'} codes have no stock Keras layout ({why}); "
-                          f"quantize with quant_bits 2, 3, 4 or 8")
+        raise ConfigError(f"layer {name!r} ({type(layer).__name__}): {bits}-bit AWQ codes have no stock Keras "
+                          f"layout (Keras's AWQ layer holds codes of at most 4 bits); use quant_bits <= 4 with "
+                          f"AwqQuantizer, or GptqQuantizer / RtnQuantizer for wider codes")
     rows, cols = _flat_index(plan, name)
     group_of_row = rows // gs  # our groups follow the canonical input column
     keras_gs = -1 if per_channel else gs
@@ -179,7 +181,7 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
         if symmetric:
             q, z = codes + 2 ** (bits - 1), zp + 2 ** (bits - 1)
         kq = _flat(q, rows, cols).T.astype(np.uint8)  # [cols, rows]
-        if bits == 4:
+        if mode == "awq":  # 4-bit container, packed; GPTQ mode here always has 8-bit codes (one byte each)
             kq = np.asarray(keras.quantizers.pack_int4(kq, axis=0, dtype="uint8")[0])
         values["quantized_kernel"] = kq
         values["kernel_scale"] = scale[cols, :].astype(np.float32)
@@ -189,7 +191,7 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
             values["awq_scales"] = np.asarray(awq_scales, dtype=np.float32)[rows]
             config = AWQConfig(None, None, weight_bits=4, group_size=keras_gs)
         else:
-            config = GPTQConfig(None, None, weight_bits=bits, group_size=keras_gs, symmetric=symmetric)
+            config = GPTQConfig(None, None, weight_bits=8, group_size=keras_gs, symmetric=symmetric)
         if isinstance(layer, keras.layers.EinsumDense) and len(plan.kernel_shape) == 3:
             shape = list(plan.kernel_shape)  # Keras splits a 3-D kernel by where its largest axis is
             lead = shape.index(max(shape)) == 0
@@ -286,11 +288,12 @@ def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[d
     stock Keras loads (``keras.saving.load_model``, no compressor needed) and runs in int4 / int8. A layout Keras
     cannot hold is a ``ConfigError`` before anything changes."""
     targets = _targets(model_or_quantizer)
+    for name, w in targets:
+        if w.layer.dtype_policy.quantization_mode is not None or not w.installed:
+            raise ConfigError(f"to_keras_quantized: layer {name!r} was converted already "
+                              f"({w.layer.dtype_policy.name}); the conversion is done once")
     plans = [_plan_layer(name, w, bool(fast)) for name, w in targets]
     model = model_or_quantizer.bound_model if isinstance(model_or_quantizer, _OneShotQuantizer) else model_or_quantizer
-    for p in plans:
-        if p.layer.dtype_policy.quantization_mode is not None:
-            raise ConfigError(f"layer {p.name!r} is already Keras-quantized ({p.layer.dtype_policy.name})")
     quantizers = {id(w.compressor): w.compressor for _, w in targets}
     strip_model(model)
     for q in quantizers.values():

@@ -62,14 +62,17 @@ CASES = {
     "rtn-w8-channel": (RtnQuantizer, {"quant_bits": 8}, False, "int8", "int8_from_float32"),
     "gptq-w4-g8-affine": (GptqQuantizer, {"quant_bits": 4, "group_size": 8, "quant_scheme": "affine"}, False, "int4",
                           "int4/8_from_float32"),
-    "gptq-w3-g8-actorder": (GptqQuantizer, {"quant_bits": 3, "group_size": 8, "act_order": True}, False, "gptq",
-                            "gptq/3/8_from_float32"),
+    "gptq-w8-g8-actorder": (GptqQuantizer, {"quant_bits": 8, "group_size": 8, "act_order": True}, False, "gptq",
+                            "gptq/8/8_from_float32"),
+    "gptq-w3-g8": (GptqQuantizer, {"quant_bits": 3, "group_size": 8}, False, "int4", "int4/8_from_float32"),
+    "rtn-w6-channel": (RtnQuantizer, {"quant_bits": 6}, False, "int8", "int8_from_float32"),
+    "rtn-w5-g8": (RtnQuantizer, {"quant_bits": 5, "group_size": 8}, False, "gptq", "gptq/8/8_from_float32"),
     "awq-w4-g8": (AwqQuantizer, {"quant_bits": 4, "group_size": 8}, False, "awq", "awq/4/8_from_float32"),
 }
 
 
-#: the cases of the fast run: Keras int4 (grouped), GPTQ mode (3 bit, act_order), AWQ mode; the rest are slow
-FAST = ("rtn-w4-g8", "gptq-w3-g8-actorder", "awq-w4-g8")
+#: the cases of the fast run: Keras int4 (grouped), GPTQ mode (8 bit, act_order), AWQ mode; the rest are slow
+FAST = ("rtn-w4-g8", "gptq-w8-g8-actorder", "awq-w4-g8")
 CASE_PARAMS = [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in CASES]
 
 
@@ -222,10 +225,12 @@ def test_report_reads_bits_group_size_and_bytes(converted, capsys):
     assert cli_main(["report", path]) == 0
     text = capsys.readouterr().out
     assert "4 (keras int4)" in text and "bytes as float32" in text
-    gptq = converted["gptq-w3-g8-actorder"][3]
+    gptq = converted["gptq-w8-g8-actorder"][3]
     assert cli_main(["report", gptq, "--json"]) == 0
     rows = {r["layer"]: r for r in json.loads(capsys.readouterr().out)}
-    assert (rows["block/up"]["bits"], rows["block/up"]["group_size"]) == (3, 8)
+    assert (rows["block/up"]["bits"], rows["block/up"]["group_size"], rows["block/up"]["dtype"]) == (8, 8, "int8")
+    # uint8 codes [32, 16] + scales [32, 2] f32 + zero points [32, 2] uint8 + g_idx [16] f32
+    assert rows["block/up"]["bytes"] == 512 + 256 + 64 + 64
 
 
 def test_report_counts_pruned_weights_as_zeros(tmp_path, capsys):
@@ -246,9 +251,9 @@ def test_report_counts_pruned_weights_as_zeros(tmp_path, capsys):
 
 
 def test_refusals_leave_the_model_untouched():
-    m, q = quantized(RtnQuantizer, {"quant_bits": 5, "group_size": 8})
+    m, q = quantized(AwqQuantizer, {"quant_bits": 8, "group_size": 8})
     ref = m(HELD).numpy()
-    with pytest.raises(ConfigError, match=r"5-bit group 8 symmetric codes have no stock Keras layout"):
+    with pytest.raises(ConfigError, match=r"'block/up' \(Dense\): 8-bit AWQ codes have no stock Keras layout"):
         to_keras_quantized(q)
     assert all(wrappers_of(layer) for layer in [m.get_layer("q"), m.get_layer("head")])
     assert m.get_layer("q").quantization_mode is None
@@ -261,6 +266,10 @@ def test_refusals_leave_the_model_untouched():
         to_keras_quantized(model())
     with pytest.raises(ConfigError, match="one-shot quantizer"):
         to_keras_quantized("model.keras")
+    m3, q3 = quantized(RtnQuantizer, {"quant_bits": 4})
+    to_keras_quantized(q3)
+    with pytest.raises(ConfigError, match="'block/up' was converted already"):
+        to_keras_quantized(q3)
     layer = keras.layers.Dense(4)
     layer.build((None, 8))
     with pytest.raises(ConfigError, match=r"do not fit its \[out, in\] = \[4, 8\]"):
