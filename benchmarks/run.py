@@ -48,6 +48,7 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "tf_quant": "tensorflow",
     "tf_speedup": "tensorflow",
     "tf_int8_latency": "tensorflow",
+    "lowbit_tf": "tensorflow",
     "torch_semi_structured": "torch",
     "torch_compile": "torch",
     "lowbit_torch": "torch",

@@ -162,11 +162,11 @@ def _is_algorithm(section: str | None) -> bool:
 def _cmd_report(args: argparse.Namespace) -> int:
     from . import report
 
-    weights, masks = report.read_weights(args.model)
+    weights, masks, quantized = report.read_weights_info(args.model)
     if args.masks is not None:
         masks = report.read_masks(args.masks)
     calibration = report.read_calibration(args.calibration) if args.calibration is not None else None
-    rows = report.layer_stats(weights, masks, calibration)
+    rows = report.layer_stats(weights, masks, calibration, quantized)
     flops = None
     if args.flops or args.input_shape is not None or args.model_fn is not None:
         shape = report.parse_input_shape(args.input_shape) if args.input_shape is not None else None

@@ -41,7 +41,7 @@ import numpy as np
 
 from .core.errors import BackendNotAvailable, ConfigError, ModelError
 
-__all__ = ["LayerStats", "read_weights", "read_masks", "read_calibration", "layer_stats", "format_table", "plot",
+__all__ = ["LayerStats", "read_weights", "read_weights_info", "read_masks", "read_calibration", "layer_stats", "format_table", "plot",
            "file_flops", "pruner_report", "parse_input_shape", "file_sizes", "format_sizes"]
 
 TORCH_SUFFIXES = (".pt", ".pth")
@@ -61,6 +61,8 @@ class LayerStats:
     bits: int
     bits_source: str  # 'calibration', 'distinct values' or 'dtype'
     dtype: str = ""  # the stored element type (float32, int8, ...)
+    group_size: int | None = None  # Keras-quantized layers: input columns per scale (-1: per channel)
+    bytes: int | None = None  # Keras-quantized layers: bytes of codes + scales + zero points (no bias)
 
 
 def _suffix(path: str) -> str:
@@ -127,19 +129,27 @@ def load_keras(path: str) -> Any:
         raise ModelError(f"cannot load {path!r} as a Keras model ({first[:200]})") from None
 
 
-def _read_keras(path: str) -> list[tuple[str, np.ndarray]]:
+def _read_keras(path: str) -> tuple[list[tuple[str, np.ndarray]], dict[str, dict[str, Any]]]:
+    """Rows of a ``.keras`` file, and what its Keras-quantized layers (``int8`` / ``int4`` / ``gptq`` / ``awq``)
+    store: their row holds ``code - zero point`` (0 where the weight is 0)."""
     model = load_keras(path)
     import keras
 
     from .tf.compressor import iter_layers
     from .tf.layout import weight_of
+    from .tf.lowbit import describe_keras_quantized
 
-    rows = []
+    rows, quantized = [], {}
     for name, layer in iter_layers(model):
+        info = describe_keras_quantized(layer)
+        if info is not None:
+            rows.append((name, info.pop("offsets")))
+            quantized[name] = info
+            continue
         w = weight_of(layer)
         if w is not None:
             rows.append((name, np.asarray(keras.ops.convert_to_numpy(w))))
-    return rows
+    return rows, quantized
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
@@ -245,7 +255,16 @@ def _read_tflite(path: str) -> list[tuple[str, np.ndarray]]:
 
 def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]], dict[str, np.ndarray]]:
     """``([(layer, weight array)], masks stored in the file)`` of an exported model file."""
+    weights, masks, _ = read_weights_info(path)
+    return weights, masks
+
+
+def read_weights_info(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]], dict[str, np.ndarray],
+                                                        dict[str, dict[str, Any]]]:
+    """:func:`read_weights` plus ``{layer: {'mode', 'bits', 'group_size', 'bytes'}}`` of the Keras-quantized
+    layers of a ``.keras`` file (``{}`` for other files), for :func:`layer_stats`'s ``quantized``."""
     p = _check_file(path, "model file")
+    quantized: dict[str, dict[str, Any]] = {}
     suffix = _suffix(p)
     if suffix in TORCH_SUFFIXES:
         sd = _torch_load(p)
@@ -255,7 +274,7 @@ def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]],
             raise ModelError(f"{p!r} holds a {type(sd).__name__}, not a state_dict")
         weights, masks = _from_state_dict(sd, p)
     elif suffix == ".keras":
-        weights, masks = _read_keras(p), {}
+        (weights, quantized), masks = _read_keras(p), {}
     elif suffix == ".npz":
         weights = [(k, v) for k, v in _read_npz(p).items() if np.issubdtype(v.dtype, np.floating)]
         masks = {}
@@ -269,7 +288,7 @@ def read_weights(path: str | os.PathLike) -> tuple[list[tuple[str, np.ndarray]],
                          f"or a TFLite model (.tflite)")
     if not weights:
         raise ModelError(f"{p!r} holds no layer weights")
-    return weights, masks
+    return weights, masks, quantized
 
 
 def read_masks(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -315,8 +334,12 @@ def _bits(weight: np.ndarray, nonzero: np.ndarray) -> tuple[int, int, str]:
 
 
 def layer_stats(weights: list[tuple[str, np.ndarray]], masks: dict[str, np.ndarray] | None = None,
-                calibration: dict[str, int] | None = None) -> list[LayerStats]:
-    """Rows of the report. Masks and calibration entries must name layers of the model (ConfigError)."""
+                calibration: dict[str, int] | None = None,
+                quantized: dict[str, dict[str, Any]] | None = None) -> list[LayerStats]:
+    """Rows of the report. Masks and calibration entries must name layers of the model (ConfigError).
+    ``quantized`` (:func:`read_weights_info`): the bits, group size and stored bytes of Keras-quantized layers
+    (their weight rows are ``code - zero point``); with it, every row gets its stored bytes."""
+    quantized = quantized or {}
     masks = masks or {}
     calibration = calibration or {}
     names = {n for n, _ in weights}
@@ -339,27 +362,42 @@ def layer_stats(weights: list[tuple[str, np.ndarray]], masks: dict[str, np.ndarr
         distinct, bits, source = _bits(w, nonzero)
         if name in calibration:
             bits, source = calibration[name], "calibration"
+        dtype, group, nbytes = str(w.dtype), None, (int(w.nbytes) if quantized else None)
+        if name in quantized:
+            q = quantized[name]
+            bits, source, dtype = int(q["bits"]), f"keras {q['mode']}", f"int{int(q['bits'])}"
+            group, nbytes = int(q["group_size"]), int(q["bytes"])
         rows.append(LayerStats(name, tuple(int(s) for s in w.shape), int(flat.size), zeros,
                                zeros / flat.size if flat.size else 0.0, masked, distinct, bits, source,
-                               str(w.dtype)))
+                               dtype, group, nbytes))
     return rows
 
 
 def format_table(rows: list[LayerStats]) -> str:
     """A plain-text table with a total row; ``~`` marks bit widths estimated from distinct values."""
     head = ["layer", "shape", "params", "zeros", "sparsity", "masked", "bits"]
+    sized = any(r.bytes is not None for r in rows)
+    if sized:
+        head += ["group", "bytes"]
     body = []
     for r in rows:
         stored = r.dtype or "float"
-        bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}", "dtype": f"{r.bits} ({stored})"}[r.bits_source]
+        bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}",
+                "dtype": f"{r.bits} ({stored})"}.get(r.bits_source, f"{r.bits} ({r.bits_source})")
         body.append([r.layer, "x".join(map(str, r.shape)) or "scalar", str(r.params), str(r.zeros),
                      f"{r.sparsity:.2%}", "-" if r.masked is None else f"{r.masked:.2%}", bits])
+        if sized:
+            body[-1] += ["-" if r.group_size is None else ("channel" if r.group_size == -1 else str(r.group_size)),
+                         "-" if r.bytes is None else f"{r.bytes:,}"]
     params = sum(r.params for r in rows)
     zeros = sum(r.zeros for r in rows)
     with_mask = [r for r in rows if r.masked is not None]
     masked = (sum(r.masked * r.params for r in with_mask) / sum(r.params for r in with_mask)) if with_mask else None
     body.append(["total", "", str(params), str(zeros), f"{zeros / params:.2%}" if params else "-",
                  "-" if masked is None else f"{masked:.2%}", ""])
+    stored = sum(r.bytes or 0 for r in rows)
+    if sized:
+        body[-1] += ["", f"{stored:,}"]
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
 
     def line(cells: list[str]) -> str:
@@ -367,6 +405,9 @@ def format_table(rows: list[LayerStats]) -> str:
 
     out = [line(head), line(["-" * w for w in widths])]
     out += [line(r) for r in body[:-1]] + [line(["-" * w for w in widths]), line(body[-1])]
+    if sized and params:
+        out.append(f"weights: {stored:,} bytes stored vs {4 * params:,} bytes as float32 "
+                   f"({stored / (4 * params):.3f}x; biases not counted)")
     if any(r.bits_source == "distinct values" for r in rows):
         out.append("~ bits estimated from the number of distinct values (pass --calibration for exact widths)")
     return "\n".join(out)
@@ -406,8 +447,15 @@ def format_sizes(sizes: list[dict[str, Any]]) -> str:
 
 
 def as_dicts(rows: list[LayerStats]) -> list[dict[str, Any]]:
-    """Rows as JSON-ready dicts."""
-    return [{**asdict(r), "shape": list(r.shape)} for r in rows]
+    """Rows as JSON-ready dicts (``group_size`` / ``bytes`` only where known: Keras-quantized files)."""
+    out = []
+    for r in rows:
+        d = {**asdict(r), "shape": list(r.shape)}
+        for key in ("group_size", "bytes"):  # Keras-quantized files only
+            if d[key] is None:
+                del d[key]
+        out.append(d)
+    return out
 
 
 def plot(rows: list[LayerStats], path: str | os.PathLike) -> None:

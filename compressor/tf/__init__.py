@@ -1,6 +1,7 @@
 """TensorFlow / Keras 3 backend of compressor. Importing it imports tensorflow, never torch."""
 
 from .graph import build_graph
+from .lowbit import to_keras_quantized
 from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner
 from .ops import TfOps, ops
 from .packing import load_compressed, save_compressed
@@ -13,4 +14,5 @@ from .weight_sharing import WeightSharingQuantizer
 
 __all__ = ["TfOps", "ops", *_pruning_all, *_quant_all, "build_graph", "count_flops_params", "speedup_model",
            "load_compressed", "save_compressed", "WeightSharingQuantizer",
-           "WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer"]
+           "WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer",
+           "to_keras_quantized"]

@@ -622,6 +622,14 @@ class _OneShotQuantizer(_OneShot, TfQuantizer):
         """One row per compressed layer (bits, group size, the method's error / alpha)."""
         return OneShotReport(self.rows)
 
+    def to_keras_quantized(self, fast: bool = False) -> list[dict[str, Any]]:
+        """The calibrated layers as Keras 3's own int8 / int4 / GPTQ / AWQ layers holding these codes (final:
+        the wrappers go); ``model.save('m.keras')`` then loads in stock Keras. See
+        :func:`compressor.tf.lowbit.to_keras_quantized`."""
+        from .lowbit import to_keras_quantized
+
+        return to_keras_quantized(self, fast=fast)
+
 
 class GptqQuantizer(_OneShotQuantizer):
     """GPTQ (Frantar et al. 2022): weight-only quantization (2..8 bits) with OBS error feedback from each layer's

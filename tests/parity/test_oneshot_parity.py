@@ -138,3 +138,36 @@ def test_one_shot_quantizers_agree_code_for_code(name, extra):
     assert sorted(k_codes) == ["block_0/fc1", "block_0/fc2", "block_1/fc1", "block_1/fc2", "head"]
     np.testing.assert_array_equal(t_codes["blocks.0.fc1"], k_codes["block_0/fc1"])
     np.testing.assert_array_equal(t_codes["blocks.0.fc2"], k_codes["block_0/fc2"])
+
+
+@pytest.mark.parametrize("name,extra", [("RtnQuantizer", {"quant_bits": 4, "group_size": 8}),
+                                        ("RtnQuantizer", {"quant_bits": 8}),
+                                        ("GptqQuantizer", {"quant_bits": 4, "group_size": 8, "quant_scheme": "affine"}),
+                                        ("AwqQuantizer", {"quant_bits": 4, "group_size": 8})],
+                         ids=["rtn-w4-g8", "rtn-w8", "gptq-w4-g8-affine", "awq-w4-g8"])
+def test_torch_codes_give_the_keras_quantized_layer_of_the_keras_export(name, extra):
+    """Issue 26: the torch quantizer's codes, written into Keras's own int4 / int8 / AWQ layer variables
+    (:func:`compressor.tf.lowbit.keras_quantized_variables`), are the variables the Keras export writes."""
+    from compressor.tf.lowbit import _plan_layer, keras_quantized_variables
+
+    tm, km = twins()
+    cfg = [{**extra, "op_types": ["default"]}]
+    tq = getattr(cth, name)(tm, cfg)
+    kq = getattr(ctf, name)(km, cfg)
+    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate([torch.from_numpy(b) for b in BATCHES], progress=False))
+    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False))
+    t_wrappers = {w.name: w for w in tq.get_modules_wrapper()}
+    for kw in kq.get_modules_wrapper():
+        if not kw.name.startswith("block_0/"):
+            continue  # block 0 sees the same statistics on both backends: its codes are equal bit for bit
+        tw = t_wrappers[kw.name.replace("block_", "blocks.").replace("/", ".")]
+        awq = tw.awq_scales.numpy() if name == "AwqQuantizer" else None
+        from_torch = keras_quantized_variables(kw.name, kw.layer, tw.weight_codes.numpy(),
+                                               tw.weight_group_scale.numpy(), tw.weight_group_zero_point.numpy(),
+                                               extra.get("group_size", -1), extra["quant_bits"],
+                                               symmetric=tw.weight_codes.dtype == torch.int8, awq_scales=awq)
+        from_keras = _plan_layer(kw.name, kw, fast=False)
+        assert from_torch.mode == from_keras.mode == {8: "int8", 4: "awq" if awq is not None else "int4"}[extra["quant_bits"]]
+        assert sorted(from_torch.values) == sorted(from_keras.values)
+        for key in from_keras.values:
+            np.testing.assert_array_equal(from_torch.values[key], from_keras.values[key], err_msg=key)

@@ -1,0 +1,347 @@
+"""One-shot-quantized Keras layers as the layers Keras 3 itself runs in low bit (issue 26, item 2).
+
+:func:`to_keras_quantized` turns every calibrated ``GptqQuantizer`` / ``RtnQuantizer`` / ``AwqQuantizer`` layer
+(``Dense`` / ``EinsumDense``, at any depth) into the layer Keras builds with ``layer.quantize(mode)``, with OUR
+integer codes, group scales and zero points written into its variables. Keras's own quantized call computes
+with them, and ``model.save('x.keras')`` reloads with ``keras.saving.load_model`` in a process without
+compressor. Which Keras layout holds which codes (exact re-encodings of the same integers, the smallest that
+fits; every mode below is stock Keras 3.15):
+
+=====================================  =============  ===============================================
+our codes                              Keras mode     Keras variables (``w`` as Keras computes it)
+=====================================  =============  ===============================================
+5..8 bit, symmetric, per channel       ``int8``       ``kernel`` int8 = q, ``kernel_scale`` = 1 / s:
+                                                      ``x @ q / kernel_scale`` (weight-only: no
+                                                      activation quantizer)
+2..4 bit, symmetric, per channel       ``int4/-1``    packed q, ``kernel_scale`` = 1 / s (as int8)
+2..4 bit, grouped or affine            ``int4/<g>``   packed q (affine: q - 8), ``kernel_scale`` = s,
+                                                      ``kernel_zero`` = zp (affine: zp - 8), ``g_idx``;
+                                                      ``w = (q - zp) s`` per group
+AWQ, 2..4 bit                          ``awq/4/<g>``  codes of ``W s`` (unsigned), scales, zero points,
+                                                      ``awq_scales`` = ``s``: ``w = (q - zp) s_g / s``
+5..8 bit, grouped or affine            ``gptq/8/<g>`` unsigned byte codes (symmetric: q + 2^(b-1)),
+                                                      scales, zero points, ``g_idx``
+=====================================  =============  ===============================================
+
+Keras names the container, not the grid: 2- and 3-bit codes sit in ``int4`` layers (half a byte per weight;
+Keras's GPTQ layer would store them a byte each and runs slower), 5..7-bit ones in ``int8`` / ``gptq/8``
+layers. AWQ codes wider than 4 bits have no Keras layout (a ``ConfigError``).
+
+``fast=True`` stores per-channel symmetric codes of any width (e.g. int4 RTN / GPTQ with ``group_size``
+-1) in Keras's ``int8`` layer instead: one byte per weight instead of half, and Keras's int8 call (one cast and
+a float matmul) instead of its int4 call, which unpacks the nibbles on every call (4x faster at M=1 on TF,
+see ``benchmarks/lowbit_tf.py``). Grouped codes have no faster stock layout: Keras's ``int4/<g>`` call
+unpacks and dequantizes the whole kernel on every call.
+
+Keras 3.15 bug worked around: its ``save_own_variables`` drops ``kernel_zero`` of GPTQ / AWQ-mode layers, so
+the files it writes for them (also for its own ``quantize('gptq')``) do not load; the converted layers get a
+saver on the instance that writes every variable (the file is what stock Keras's loader expects; a reloaded
+model saved again by plain Keras 3.15 hits the bug again).
+
+Exactness: the integers are the same; Keras's dequantization rounds once more in float32 than our fake-quant
+kernel (``float32((q - zp) * s)`` in float64): grouped modes multiply by ``float32(s)``, per-channel modes
+divide by ``float32(1 / s)``; the outputs differ from the fake-quant model's by float32 rounding (measured
+in ``tests/tf/test_keras_lowbit.py``: relative 1e-6 of the output scale).
+
+The conversion is final, like ``quantizer.strip()``: every compressor wrapper of the model is removed (the
+quantizer object is done). Everything is checked and every array computed before the model changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ..core.errors import ConfigError
+from .compressor import iter_layers, strip_model, wrappers_of
+from .oneshot import KernelLayout, _OneShotQuantizer, kernel_layout
+
+__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan"]
+
+@dataclass
+class KerasLowbitPlan:
+    """What :func:`to_keras_quantized` does to one layer: ``mode`` (``'int8'``, ``'int4'``, ``'gptq'``,
+    ``'awq'``), the Keras config, and the values of the variables it writes (name -> array)."""
+
+    name: str
+    layer: Any
+    mode: str
+    bits: int
+    group_size: int  # -1: per output channel
+    symmetric: bool
+    config: Any
+    values: dict[str, np.ndarray]
+
+    def row(self) -> dict[str, Any]:
+        return {"layer": self.name, "type": type(self.layer).__name__, "mode": self.mode, "bits": self.bits,
+                "group_size": self.group_size, "symmetric": self.symmetric}
+
+
+# ------------------------------------------------------------------------------------------- layouts
+def _flat_index(plan: KernelLayout, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keras's 2-D view of the kernel: ``[rows, cols]`` = the kernel reshaped with its contracted (input) axes
+    first, as Keras's int4 / GPTQ / AWQ layers flatten it. Returns the canonical input index of every row and
+    the canonical output index of every column (ConfigError when the contracted axes do not lead)."""
+    n_out, n_in = plan.n_out, plan.n_in
+    in_of = plan.from_canonical(np.broadcast_to(np.arange(n_in), (n_out, n_in))).reshape(n_in, n_out)
+    out_of = plan.from_canonical(np.broadcast_to(np.arange(n_out)[:, None], (n_out, n_in))).reshape(n_in, n_out)
+    if not (np.all(in_of == in_of[:, :1]) and np.all(out_of == out_of[:1, :])):
+        raise ConfigError(f"layer {name!r} ({plan.layer_type}): its kernel {plan.kernel_shape} does not have the "
+                          f"contracted (input) axes first, so Keras's quantized layers cannot hold it")
+    return in_of[:, 0].astype(np.int64), out_of[0, :].astype(np.int64)
+
+
+def _flat(canonical: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[rows, cols]`` Keras view of a canonical ``[out, in]`` array."""
+    return np.asarray(canonical)[np.ix_(cols, rows)].T
+
+
+# ------------------------------------------------------------------------------------------- planning
+def _choose(bits: int, symmetric: bool, per_channel: bool, awq: bool, fast: bool) -> str | None:
+    """The Keras mode that holds these codes exactly in the fewest bytes (see the module docstring)."""
+    if awq:
+        return "awq" if bits <= 4 else None
+    if symmetric and per_channel and (bits > 4 or fast):
+        return "int8"
+    if bits <= 4:
+        return "int4"
+    return "gptq"  # 5..8-bit grouped or affine codes: Keras's GPTQ layer with 8-bit (one byte) codes
+
+
+def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
+    awq = wrapper.awq_scales.numpy() if "awq_scales" in wrapper.state_variables() else None
+    bits = wrapper.config["quant_bits"]
+    bits = int(bits["weight"] if isinstance(bits, dict) else bits)
+    return keras_quantized_variables(name, wrapper.layer, wrapper.weight_codes.numpy(),
+                                     wrapper.weight_group_scale.numpy(), wrapper.weight_group_zero_point.numpy(),
+                                     int(wrapper.weight_group_size), bits,
+                                     symmetric=wrapper.weight_codes.dtype == tf.int8, awq_scales=awq, fast=fast)
+
+
+def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zero_point: Any, group_size: int,
+                              bits: int, symmetric: bool, awq_scales: Any = None, fast: bool = False) -> KerasLowbitPlan:
+    """The Keras mode, config and variable values for one layer from its one-shot codes in core's canonical
+    layout (``codes`` ``[out, in]``, ``scale`` / ``zero_point`` ``[out, groups]``, groups of ``group_size`` input
+    columns, AWQ's ``awq_scales`` ``[in]``): the same arrays from the torch or the Keras quantizer give the same
+    values (scales are rounded to float32 first, as the torch wrapper stores them). Changes nothing."""
+    from keras.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig, Int8QuantizationConfig
+
+    plan = kernel_layout(name, layer)
+    codes = np.asarray(codes).astype(np.int32)
+    scale = np.asarray(scale, dtype=np.float32).astype(np.float64)
+    zp = np.rint(np.asarray(zero_point, dtype=np.float64)).astype(np.int32)
+    gs = int(group_size) if group_size is not None else -1
+    awq = awq_scales is not None
+    symmetric = bool(symmetric)
+    n_out, n_in = plan.n_out, plan.n_in
+    gs = n_in if gs <= 0 or gs > n_in else gs  # -1 / None: per output channel
+    if codes.shape != (n_out, n_in) or scale.shape != zp.shape or scale.shape[0] != n_out \
+            or scale.shape[1] != -(-n_in // gs):
+        raise ConfigError(f"layer {name!r}: codes {codes.shape} / scales {scale.shape} / zero points {zp.shape} with "
+                          f"group_size {gs} do not fit its [out, in] = [{n_out}, {n_in}] weight")
+    per_channel = scale.shape[1] == 1
+    mode = _choose(bits, symmetric, per_channel, awq, fast)
+    if mode is None:
+        raise ConfigError(f"layer {name!r} ({type(layer).__name__}): {bits}-bit AWQ codes have no stock Keras "
+                          f"layout (Keras's AWQ layer holds codes of at most 4 bits); use quant_bits <= 4 with "
+                          f"AwqQuantizer, or GptqQuantizer / RtnQuantizer for wider codes")
+    rows, cols = _flat_index(plan, name)
+    group_of_row = rows // gs  # our groups follow the canonical input column
+    keras_gs = -1 if per_channel else gs
+    values: dict[str, np.ndarray] = {}
+    if mode == "int8":
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < -128 or hi > 127:
+            raise ConfigError(f"layer {name!r}: codes [{lo}, {hi}] do not fit int8")
+        values["kernel"] = plan.from_canonical(codes).astype(np.int8)
+        inv = (1.0 / scale[:, 0]).astype(np.float32)  # Keras divides by kernel_scale
+        values["kernel_scale"] = inv  # canonical per output; shaped for the layer at write time
+        config = Int8QuantizationConfig(activation_quantizer=None)
+    elif mode == "int4":
+        q, z = codes, zp
+        if not symmetric:  # unsigned [0, 15] -> Keras's signed nibbles [-8, 7]; q - zp unchanged
+            q, z = codes - 8, zp - 8
+        flat_q = _flat(q, rows, cols).astype(np.int8)
+        if per_channel and symmetric:
+            values["kernel_scale"] = (1.0 / scale[cols, 0]).astype(np.float32)
+            config = Int4QuantizationConfig(block_size=-1)
+        else:
+            values["g_idx"] = group_of_row.astype(np.float32)
+            values["kernel_scale"] = scale[cols, :].T.astype(np.float32)  # [groups, cols]
+            values["kernel_zero"] = z[cols, :].T.astype(np.int8)
+            keras_gs = gs if not per_channel else n_in
+            config = Int4QuantizationConfig(block_size=keras_gs)
+        values["kernel"] = np.asarray(keras.quantizers.pack_int4(flat_q, axis=-1)[0])
+    else:  # gptq / awq: unsigned codes [out(cols), in(rows)], scale / zero [cols, groups]
+        q, z = codes, zp
+        if symmetric:
+            q, z = codes + 2 ** (bits - 1), zp + 2 ** (bits - 1)
+        kq = _flat(q, rows, cols).T.astype(np.uint8)  # [cols, rows]
+        if mode == "awq":  # 4-bit container, packed; GPTQ mode here always has 8-bit codes (one byte each)
+            kq = np.asarray(keras.quantizers.pack_int4(kq, axis=0, dtype="uint8")[0])
+        values["quantized_kernel"] = kq
+        values["kernel_scale"] = scale[cols, :].astype(np.float32)
+        values["kernel_zero"] = z[cols, :].astype(np.uint8)
+        values["g_idx"] = group_of_row.astype(np.float32)
+        if mode == "awq":
+            values["awq_scales"] = np.asarray(awq_scales, dtype=np.float32)[rows]
+            config = AWQConfig(None, None, weight_bits=4, group_size=keras_gs)
+        else:
+            config = GPTQConfig(None, None, weight_bits=8, group_size=keras_gs, symmetric=symmetric)
+        if isinstance(layer, keras.layers.EinsumDense) and len(plan.kernel_shape) == 3:
+            shape = list(plan.kernel_shape)  # Keras splits a 3-D kernel by where its largest axis is
+            lead = shape.index(max(shape)) == 0
+            k_rows = shape[0] if lead else shape[0] * shape[1]
+            if k_rows != n_in:
+                raise ConfigError(f"layer {name!r} (EinsumDense, kernel {plan.kernel_shape}): Keras's {mode} layer "
+                                  f"would split it as [{k_rows}, ...], not as [in={n_in}, out={n_out}]; use 4-bit "
+                                  f"codes (Keras int4) for this layer")
+        elif isinstance(layer, keras.layers.EinsumDense) and len(plan.kernel_shape) != 2:
+            raise ConfigError(f"layer {name!r} (EinsumDense, kernel {plan.kernel_shape}): Keras's {mode} layer takes "
+                              f"2-D or 3-D kernels only")
+    return KerasLowbitPlan(name, layer, mode, bits, keras_gs, symmetric, config, values)
+
+
+def _targets(obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, _OneShotQuantizer):
+        if not obj.calibrated:
+            raise ConfigError(f"to_keras_quantized: {type(obj).__name__} is not calibrated; call calibrate() first")
+        return [(w.name, w) for w in obj.get_modules_wrapper()]
+    if not isinstance(obj, keras.layers.Layer):
+        raise ConfigError(f"to_keras_quantized takes a one-shot quantizer (GptqQuantizer, RtnQuantizer, "
+                          f"AwqQuantizer) or its Keras model, got {type(obj).__name__}")
+    found = []
+    for path, layer in iter_layers(obj):
+        for w in wrappers_of(layer):
+            if isinstance(w.compressor, _OneShotQuantizer) and "weight_codes" in w.state_variables():
+                found.append((path, w))
+    if not found:
+        raise ConfigError(f"to_keras_quantized: model {obj.name!r} has no calibrated GptqQuantizer / RtnQuantizer / "
+                          f"AwqQuantizer layer (their wrappers hold the integer codes)")
+    return found
+
+
+# ------------------------------------------------------------------------------------------- writing
+def _write(p: KerasLowbitPlan) -> None:
+    layer = p.layer
+    layer.quantize(p.mode, type_check=False, config=p.config)
+    v = p.values
+    if p.mode == "int8":
+        layer._kernel.assign(v["kernel"])
+        if isinstance(layer, keras.layers.EinsumDense):
+            plan = kernel_layout(p.name, layer)
+            full = np.broadcast_to(v["kernel_scale"][:, None], (plan.n_out, plan.n_in))
+            k = plan.from_canonical(full)
+            k = k[tuple(slice(0, 1) if a in layer._kernel_reduced_axes else slice(None) for a in range(k.ndim))]
+            layer.kernel_scale.assign(np.asarray(layer._adjust_scale_for_quant(k, "kernel")))
+        else:
+            layer.kernel_scale.assign(v["kernel_scale"])
+        return
+    if p.mode == "int4":
+        layer._kernel.assign(v["kernel"])
+        layer.kernel_scale.assign(v["kernel_scale"])
+        if "kernel_zero" in v:
+            layer.kernel_zero.assign(v["kernel_zero"])
+            layer.g_idx.assign(v["g_idx"])
+        return
+    if hasattr(layer, "_kernel"):
+        del layer._kernel  # as Keras's own GPTQ / AWQ calibration does: the float kernel is gone
+    for name in ("quantized_kernel", "kernel_scale", "kernel_zero", "g_idx", "awq_scales"):
+        if name in v:
+            getattr(layer, name).assign(v[name])
+    if p.mode == "gptq":
+        layer.is_gptq_calibrated = True
+    else:
+        layer.is_awq_calibrated = True
+    object.__setattr__(layer, "save_own_variables", _complete_saver(layer))
+
+
+def _complete_saver(layer: Any) -> Any:
+    """Keras 3.15's ``Dense`` / ``EinsumDense`` ``save_own_variables`` skips ``kernel_zero`` in GPTQ / AWQ mode
+    (its ``_get_kernel_with_merged_lora`` returns no zero point there), so the file it writes has one variable
+    fewer than its own ``load_own_variables`` expects and does not load (also for Keras's own
+    ``quantize('gptq')``). This saver, installed on the instance, writes every variable of the layer's
+    ``variable_serialization_spec`` in order: the file is what stock Keras's loader reads."""
+
+    def save_own_variables(store: Any) -> None:
+        idx = 0
+        for name in layer.variable_serialization_spec[layer.quantization_mode]:
+            if name == "bias" and layer.bias is None:
+                continue
+            store[str(idx)] = getattr(layer, name)
+            idx += 1
+
+    return save_own_variables
+
+
+def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[dict[str, Any]]:
+    """Turn every calibrated one-shot-quantized layer into Keras 3's own quantized layer holding our codes (see
+    the module docstring for the layouts); returns one row per layer (``layer``, ``type``, ``mode``, ``bits``,
+    ``group_size``, ``symmetric``). ``model_or_quantizer``: a calibrated ``GptqQuantizer`` / ``RtnQuantizer`` /
+    ``AwqQuantizer``, or its model. ``fast``: per-channel symmetric codes go into Keras's int8 layer.
+
+    Final: every compressor wrapper of the model is removed; afterwards ``model.save('m.keras')`` writes a file
+    stock Keras loads (``keras.saving.load_model``, no compressor needed) and runs in int4 / int8. A layout Keras
+    cannot hold is a ``ConfigError`` before anything changes."""
+    targets = _targets(model_or_quantizer)
+    for name, w in targets:
+        if w.layer.dtype_policy.quantization_mode is not None or not w.installed:
+            raise ConfigError(f"to_keras_quantized: layer {name!r} was converted already "
+                              f"({w.layer.dtype_policy.name}); the conversion is done once")
+    plans = [_plan_layer(name, w, bool(fast)) for name, w in targets]
+    model = model_or_quantizer.bound_model if isinstance(model_or_quantizer, _OneShotQuantizer) else model_or_quantizer
+    quantizers = {id(w.compressor): w.compressor for _, w in targets}
+    strip_model(model)
+    for q in quantizers.values():
+        q.unhook()
+    for p in plans:
+        _write(p)
+    for attr in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    return [p.row() for p in plans]
+
+
+# ------------------------------------------------------------------------------------------- reading back
+def _policy_attr(layer: Any, name: str) -> Any:
+    return getattr(layer.dtype_policy, name, None)
+
+
+def describe_keras_quantized(layer: Any) -> dict[str, Any] | None:
+    """What a Keras-quantized ``Dense`` / ``EinsumDense`` (``int8``, ``int4``, ``gptq``, ``awq`` mode) stores, for
+    ``compressor report``: ``mode``, ``bits``, ``group_size`` (-1: per channel), ``bytes`` (its weight variables:
+    codes, scales, zero points, ``g_idx``, AWQ scales; not the bias) and ``offsets``: ``code - zero point`` per
+    weight in Keras's ``[rows, cols]`` view (0 exactly where the weight is 0). None for other layers."""
+    mode = getattr(layer.dtype_policy, "quantization_mode", None)
+    if mode not in ("int8", "int4", "gptq", "awq") or not layer.built:
+        return None
+    from keras.quantizers import unpack_int4
+
+    bias = getattr(layer, "bias", None)
+    nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.weights if v is not bias)
+    if mode == "int8":
+        q = np.asarray(layer._kernel.numpy()).astype(np.int32)
+        return {"mode": mode, "bits": 8, "group_size": -1, "bytes": nbytes, "offsets": q}
+    if mode == "int4":
+        packed = layer._kernel
+        cols = getattr(layer, "_int4_unpacked_column_size", None) or getattr(layer, "_orig_output_dim", None)
+        q = np.asarray(unpack_int4(packed, int(cols), axis=-1)).astype(np.int32)
+        block = getattr(layer, "_int4_block_size", None)
+        if block is not None and block > 0:
+            g = np.asarray(layer.g_idx.numpy()).astype(np.int64)
+            q = q - np.asarray(layer.kernel_zero.numpy()).astype(np.int32)[g, :]
+        return {"mode": mode, "bits": 4, "group_size": int(block) if block and block > 0 else -1, "bytes": nbytes,
+                "offsets": q}
+    bits = 4 if mode == "awq" else int(_policy_attr(layer, "weight_bits"))
+    kq = layer.quantized_kernel
+    g = np.asarray(layer.g_idx.numpy()).astype(np.int64)
+    if bits == 4:
+        cols = int(np.asarray(layer.kernel_scale.shape)[0])
+        kq = unpack_int4(kq, cols, axis=0, dtype="uint8")
+    q = np.asarray(kq).astype(np.int32) - np.asarray(layer.kernel_zero.numpy()).astype(np.int32)[:, g]
+    return {"mode": mode, "bits": bits, "group_size": int(_policy_attr(layer, "group_size")), "bytes": nbytes,
+            "offsets": q.T}
