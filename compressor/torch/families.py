@@ -1,7 +1,7 @@
 """Model families (Hugging Face ``transformers``, ...) as plug-ins of the PyTorch backend.
 
 The base classes of the backend (layouts, wrappers, the ``Compressor``, speedup, ONNX export) never name a
-model family. What a family needs from them goes through the five questions of :class:`ModelFamily`,
+model family. What a family needs from them goes through the questions of :class:`ModelFamily`,
 answered by the adapters that plugins declare with the ``compressor_add_model_families`` pluggy hook
 (the built-in one: ``compressor.torch.hf:FAMILY``, registered by ``compressor.torch_plugin``). A family
 adapter is any object with these methods; subclass :class:`ModelFamily` for the defaults.

@@ -10,11 +10,16 @@ Called by the Hugging Face family plug-in (:mod:`compressor.torch.hf`) with the 
   unchanged; affine codes ``[0, 15]`` and zero points are shifted by -8, which keeps ``code - zp``). A
   group size must divide the layer's input width (compressed-tensors has no shorter last group).
 * AWQ: the codes quantize ``W * s``; the layer computes ``Q(W s) (x / s)``, so ``1 / s`` is folded into
-  what produces ``x`` where that is exact: the norm whose output only this layer (or only layers with the
-  same ``s``) reads (its weight and bias divided by ``s``), or the rows of the producing Linear of
-  ``o_proj`` / ``out_proj`` (``v_proj``: attention is linear in the values) and ``down_proj`` (``up_proj``:
-  ``act(gate) * up``), ``fc2`` (``fc1`` under ReLU). A layer whose ``1 / s`` has no exact home is written as
-  its float weight ``Q(W s) / s`` (a warning names it): exact, not packed.
+  what produces ``x`` where that is exact: a norm (weight and bias divided by ``s``) takes the ``1 / s`` of
+  its widest AWQ reader, which stays packed with every reader of the same ``s``; its other readers are
+  written in float with ``s`` multiplied into their columns (each AWQ layer has its own ``s``, so q / k / v
+  and gate / up rarely share one); ``o_proj`` / ``out_proj`` fold into the rows of ``v_proj`` (attention is
+  linear in the values; grouped-query heads when their ``s`` agree), ``down_proj`` into ``up_proj`` (``act(gate)
+  * up``), ``fc2`` into ``fc1`` (ReLU only). A layer whose ``1 / s`` has no exact home is written as its float
+  weight ``Q(W s) / s`` (a warning names it). The folds assume the model calls its layers on the norm's
+  output directly; after writing, a fresh model loaded with the checkpoint's float weights is compared with
+  the compressed model on a short input, and if the logits differ by more than float32 rounding the
+  checkpoint is rewritten without folds (every AWQ layer in float, said in the warning).
 * Pruned float layers: ``sparse_format='dense'`` (default: every compressed-tensors / transformers version
   loads it), ``'bitmask'`` (``sparse-bitmask``), ``'2:4'`` (``sparse-24-bitmask``; refused unless every
   pruned layer is 2:4) or ``'auto'`` (2:4 where a layer is, else bitmask). compressed-tensors 0.15+ (and so
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -39,6 +45,7 @@ from ..core.atomic import atomic_path
 from ..core.compressed_tensors import (
     bitmask_entries,
     is_24_sparse,
+    load_compressed_tensors,
     naive_quantized_entries,
     pack_quantized_entries,
     quant_args,
@@ -47,7 +54,7 @@ from ..core.compressed_tensors import (
 )
 from ..core.errors import ConfigError, ModelError
 from ..core.sequential import quant_spec_of
-from .modules import innermost_module
+from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
 
@@ -94,6 +101,11 @@ def _quantized_layers(model: nn.Module) -> list[QuantizerModuleWrapper]:
     return out
 
 
+def _weighted(module: nn.Module) -> bool:
+    """A layer with a weight (a compressor wrapper or a plain layer), not a container."""
+    return is_wrapper(module) or isinstance(module.__dict__.get("_parameters", {}).get("weight"), torch.Tensor)
+
+
 def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """One small forward: each module's first input and its output (the tensors themselves, so identity
     tells who reads what)."""
@@ -115,8 +127,7 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     model.eval()
     try:
         with torch.no_grad():
-            dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-            model(input_ids=torch.arange(4, device=dev).reshape(1, 4) % 2 + 1)
+            model(input_ids=_probe(model))
     finally:
         model.train(training)
         for h in handles:
@@ -124,31 +135,72 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     return ins, outs
 
 
+def _probe(model: nn.Module) -> torch.Tensor:
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.arange(8, device=dev).reshape(1, 8) % 3 + 1
+
+
+def _fold_error(model: nn.Module, folder: str) -> tuple[float, float]:
+    """Max |logits| difference between ``model`` and a fresh model of its class loaded with the float weights
+    of the checkpoint in ``folder``, and the tolerance (float32 rounding of the folds)."""
+    fresh = type(model)(model.config).eval()
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in load_compressed_tensors(folder).items()}, strict=False)
+    if callable(getattr(fresh, "tie_weights", None)):
+        fresh.tie_weights()
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fresh.to(dev)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref = model(input_ids=_probe(model)).logits.float()
+            got = fresh(input_ids=_probe(model)).logits.float()
+    finally:
+        model.train(training)
+    return float((got - ref).abs().max()), 1e-4 * (1.0 + float(ref.abs().max()))
+
+
 def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, torch.Tensor],
-               packed: set[str]) -> tuple[dict[str, tuple[str, np.ndarray]], list[str]]:
-    """``{key of a float tensor: ('div_rows' | 'div', 1/s to fold)}`` and the AWQ layers left unfolded."""
+               packed: set[str]) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
+    """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'div_rows'``, ``'mul_cols'``)
+    and the AWQ layers left in float."""
     ins, outs = _capture(model)
-    folds: dict[str, tuple[str, np.ndarray]] = {}
+    folds: dict[str, list[tuple[str, np.ndarray]]] = {}
     row_scale: dict[str, np.ndarray] = {}
     done: set[str] = set()
+    normed: set[str] = set()
     names = dict(model.named_modules())
-    # 1. norms: every reader of the norm's output is an AWQ layer with the same s
-    for name, s in awq.items():
+    # 1. norms: the norm takes one reader's 1/s; readers with that s stay packed, the others (float) take s
+    #    into their weight's columns
+    for name in awq:
         if name in done or name not in ins:
             continue
         x = ins[name]
-        readers = sorted(n for n, t in ins.items() if t is x)
+        # the layers reading x (containers that pass x on are not readers; a wiring this misses shows in the
+        # logits check after writing)
+        readers = sorted(n for n, t in ins.items() if t is x and _weighted(names[n]))
         readers = [n for n in readers if not any(n.startswith(o + ".") for o in readers if o != n)]
         producers = [n for n, t in outs.items() if t is x and type(names[n]).__name__.lower().endswith("norm")]
-        if len(producers) != 1 or not all(r in awq and np.array_equal(awq[r], s) for r in readers):
+        if len(producers) != 1 or any(not isinstance(innermost_module(names[r]), nn.Linear) for r in readers):
             continue
         norm = producers[0]
-        if f"{norm}.weight" not in state or state[f"{norm}.weight"].shape != (s.size,):
+        if norm in normed:
+            continue
+        normed.add(norm)
+        ours = [r for r in readers if r in awq]
+        chosen = max(ours, key=lambda r: (innermost_module(names[r]).out_features, -ours.index(r)))
+        s = awq[chosen]
+        if f"{norm}.weight" not in state or state[f"{norm}.weight"].shape != (s.size,) or any(
+                f"{r}.weight" not in state for r in readers):
             continue
         for key in (f"{norm}.weight", f"{norm}.bias"):
             if key in state:
-                folds[key] = ("div", s)
-        done.update(readers)
+                folds.setdefault(key, []).append(("div", s))
+        for r in readers:
+            if r in awq and np.array_equal(awq[r], s):
+                done.add(r)
+            else:
+                folds.setdefault(f"{r}.weight", []).append(("mul_cols", s))
     # 2. Linear -> Linear (the producer's output rows are the consumer's input columns)
     config = getattr(model, "config", None)
     for name, s in awq.items():
@@ -184,9 +236,9 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
     unfolded = sorted(set(awq) - done)
     for p, rows in row_scale.items():
         target = f"{p}.weight_scale" if p in packed and p not in unfolded else f"{p}.weight"
-        folds[target] = ("div_rows", rows)
+        folds.setdefault(target, []).append(("div_rows", rows))
         if f"{p}.bias" in state:
-            folds[f"{p}.bias"] = ("div", rows)
+            folds.setdefault(f"{p}.bias", []).append(("div", rows))
     return folds, unfolded
 
 
@@ -225,99 +277,103 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     missing = [f"{n}.weight" for n in pack if f"{n}.weight" not in state]
     if missing:
         raise ModelError(f"hf_path: the model's state has no {missing}")
-    folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq else ({}, [])
-    for n in unfolded:
-        pack.pop(n)
-        dense_notes.append(f"{n!r} (AWQ: its 1/s cannot be folded exactly into what produces its input)")
-    # pruned float layers
-    sparse_layers: dict[str, str] = {}
-    if sparse_format != "dense":
-        for _, pw in model.named_modules():
-            if not isinstance(pw, PrunerModuleWrapper) or pw.name in pack:
-                continue
-            key = f"{pw.name}.weight"
-            if key not in state or state[key].dim() != 2 or id(innermost_module(pw).weight) in tied:
-                continue
+    base_pack, base_notes = dict(pack), list(dense_notes)
+
+    def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
+        pack, dense_notes = dict(base_pack), list(base_notes)
+        folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq and fold else ({}, list(awq))
+        for n in unfolded:
+            pack.pop(n)
+            dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
+                               f"its norm took another reader's 1/s)")
+        # pruned float layers
+        sparse_layers: dict[str, str] = {}
+        if sparse_format != "dense":
+            for _, pw in model.named_modules():
+                if not isinstance(pw, PrunerModuleWrapper) or pw.name in pack:
+                    continue
+                key = f"{pw.name}.weight"
+                if key not in state or state[key].dim() != 2 or id(innermost_module(pw).weight) in tied:
+                    continue
+                value = state[key]
+                if value.dtype == torch.bfloat16:
+                    continue
+                two_four = is_24_sparse(value.cpu().numpy())
+                if sparse_format == "2:4" and not two_four:
+                    raise ModelError(f"hf_path: hf_sparse_format='2:4' but layer {pw.name!r} is not 2:4 sparse (at most 2 "
+                                     f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
+                sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
+                    sparse_format == "auto" and two_four) else "sparse-bitmask"
+            kinds = set(sparse_layers.values())
+            if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
+                sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
+
+        # ---- build the tensors (nothing written yet)
+        def host(key: str) -> tuple[np.ndarray, bool]:
             value = state[key]
-            if value.dtype == torch.bfloat16:
+            if key in folds:
+                v = value.detach().cpu().double()
+                for how, s in folds[key]:
+                    t = torch.from_numpy(s)
+                    v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
+                value = v.to(value.dtype)
+            return _np(value)
+
+        tensors: dict[str, np.ndarray] = {}
+        bf16: set[str] = set()
+        seen: dict[int, str] = {}
+        for key, value in state.items():
+            if id(value) in seen:  # tied: stored once, as save_pretrained does
                 continue
-            two_four = is_24_sparse(value.cpu().numpy())
-            if sparse_format == "2:4" and not two_four:
-                raise ModelError(f"hf_path: hf_sparse_format='2:4' but layer {pw.name!r} is not 2:4 sparse (at most 2 "
-                                 f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
-            sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
-                sparse_format == "auto" and two_four) else "sparse-bitmask"
-        kinds = set(sparse_layers.values())
-        if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
-            sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
-    if dense_notes:
-        warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
-                      UserWarning, stacklevel=4)
+            seen[id(value)] = key
+            layer = key[: -len(".weight")] if key.endswith(".weight") else None
+            if layer in pack or layer in sparse_layers:
+                continue
+            arr, is_bf16 = host(key)
+            tensors[key] = arr
+            if is_bf16:
+                bf16.add(key)
+        groups: dict[tuple[int, int | None, bool], list[str]] = {}
+        for name, w in pack.items():
+            spec = quant_spec_of(w.config, type(w.quantizer).__name__)
+            codes = w._buffers["weight_codes"].detach().cpu().numpy()
+            scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
+            zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
+            symmetric = codes.dtype == np.int8
+            for _, rows in folds.get(f"{name}.weight_scale", []):
+                scale = scale / rows[:, None]
+            weight = state[f"{name}.weight"]
+            sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
+            entries = pack_quantized_entries if symmetric else naive_quantized_entries
+            tensors.update(entries(name, codes, scale, zp, spec.bits, symmetric, sdtype))
+            n_in = codes.shape[1]
+            gs = spec.group_width(n_in)
+            groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
+        for name, kind in sparse_layers.items():
+            arr, _ = host(f"{name}.weight")
+            tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
 
-    # ---- build the tensors (nothing written yet)
-    def host(key: str) -> tuple[np.ndarray, bool]:
-        arr, is_bf16 = _np(state[key])
-        if key in folds and not is_bf16:
-            how, s = folds[key]
-            arr = (arr.astype(np.float64) / (s[:, None] if how == "div_rows" and arr.ndim == 2 else s)).astype(arr.dtype)
-        return arr, is_bf16
+        qc: dict[str, Any] = {}
+        if groups or sparse_layers:
+            formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
+            qc = {"quant_method": "compressed-tensors",
+                  "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+                  "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
+                  "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
+            for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
+                qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
+                                                     "input_activations": None, "output_activations": None,
+                                                     "format": "pack-quantized" if sym else "naive-quantized"}
+            if sparse_layers:
+                kind = next(iter(sparse_layers.values()))
+                total = sum(state[f"{n}.weight"].numel() for n in sparse_layers)
+                zeros = sum(int((state[f"{n}.weight"] == 0).sum()) for n in sparse_layers)
+                qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
+                                         "global_sparsity": zeros / total if total else 0.0,
+                                         "sparsity_structure": "2:4" if kind == "sparse-24-bitmask" else "unstructured"}
+        return tensors, bf16, qc, dense_notes, bool(folds)
 
-    tensors: dict[str, np.ndarray] = {}
-    bf16: set[str] = set()
-    seen: dict[int, str] = {}
-    for key, value in state.items():
-        if id(value) in seen:  # tied: stored once, as save_pretrained does
-            continue
-        seen[id(value)] = key
-        layer = key[: -len(".weight")] if key.endswith(".weight") else None
-        if layer in pack or layer in sparse_layers:
-            continue
-        arr, is_bf16 = host(key)
-        tensors[key] = arr
-        if is_bf16:
-            bf16.add(key)
-    groups: dict[tuple[int, int | None, bool], list[str]] = {}
-    for name, w in pack.items():
-        spec = quant_spec_of(w.config, type(w.quantizer).__name__)
-        codes = w._buffers["weight_codes"].detach().cpu().numpy()
-        scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
-        zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
-        symmetric = codes.dtype == np.int8
-        key = f"{name}.weight_scale"
-        if key in folds:
-            scale = scale / folds[key][1][:, None]
-        weight = state[f"{name}.weight"]
-        sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
-        entries = pack_quantized_entries if symmetric else naive_quantized_entries
-        tensors.update(entries(name, codes, scale, zp, spec.bits, symmetric, sdtype))
-        n_in = codes.shape[1]
-        gs = spec.group_width(n_in)
-        groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
-    for name, kind in sparse_layers.items():
-        arr, _ = host(f"{name}.weight")
-        tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
-
-    qc: dict[str, Any] = {}
-    if groups or sparse_layers:
-        formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
-        qc = {"quant_method": "compressed-tensors",
-              "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
-              "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
-              "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
-        for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
-            qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
-                                                 "input_activations": None, "output_activations": None,
-                                                 "format": "pack-quantized" if sym else "naive-quantized"}
-        if sparse_layers:
-            kind = next(iter(sparse_layers.values()))
-            total = sum(state[f"{n}.weight"].numel() for n in sparse_layers)
-            zeros = sum(int((state[f"{n}.weight"] == 0).sum()) for n in sparse_layers)
-            qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
-                                     "global_sparsity": zeros / total if total else 0.0,
-                                     "sparsity_structure": "2:4" if kind == "sparse-24-bitmask" else "unstructured"}
-
-    # ---- write: a temporary folder next to the target, renamed into place
-    with atomic_path(path) as tmp:
+    def write(tmp: str, tensors: dict[str, np.ndarray], bf16: set[str], qc: dict[str, Any]) -> None:
         os.makedirs(tmp)
         model.config.save_pretrained(tmp)
         gen = getattr(model, "generation_config", None)
@@ -333,3 +389,17 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
             json.dump(config, f, indent=2, sort_keys=True)
         write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"}, bf16=bf16)
 
+    # ---- write: a temporary folder next to the target, renamed into place
+    tensors, bf16, qc, dense_notes, folded = plan(True)
+    with atomic_path(path) as tmp:
+        write(tmp, tensors, bf16, qc)
+        if folded:  # the AWQ folds assume how the model wires its layers: check them on the written weights
+            err, tol = _fold_error(model, tmp)
+            if err > tol:
+                shutil.rmtree(tmp)
+                tensors, bf16, qc, dense_notes, _ = plan(False)
+                dense_notes.append(f"(the AWQ 1/s folds changed this model's logits by {err:.3g}, so none is used)")
+                write(tmp, tensors, bf16, qc)
+    if dense_notes:
+        warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
+                      UserWarning, stacklevel=4)

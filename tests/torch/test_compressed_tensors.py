@@ -140,16 +140,32 @@ def test_awq_folds_exactly_where_it_can(tmp_path):
         q.export_model(None, hf_path=str(tmp_path / "ck"))
     msg = " ".join(str(r.message) for r in rec)
     p = "model.decoder.layers.0."
-    # q/k/v read one norm with three different s: no exact home for 1/s, written in float
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+    # q/k/v read one norm with three different s: the norm takes k_proj's (the first of the widest), q and v
+    # are written in float with k's s in their columns
+    for name in ("self_attn.q_proj", "self_attn.v_proj"):
         assert f"'{p}{name}' (AWQ" in msg
+    assert f"'{p}self_attn.k_proj'" not in msg
     (group,) = _qconfig(tmp_path / "ck")["config_groups"].values()
     # fc1: 1/s in final_layer_norm; out_proj: in v_proj's rows; fc2: in fc1's rows (ReLU is positively homogeneous)
-    assert group["targets"] == [p + "fc1", p + "fc2", p + "self_attn.out_proj"]
+    assert group["targets"] == [p + "fc1", p + "fc2", p + "self_attn.k_proj", p + "self_attn.out_proj"]
     t = read_safetensors(tmp_path / "ck" / "model.safetensors")
     s = dict(model.named_modules())[p + "fc1"].awq_scales.double().numpy()
     gamma = dict(model.named_modules())[p + "final_layer_norm"].weight.detach().double().numpy()
     np.testing.assert_allclose(t[p + "final_layer_norm.weight"], gamma / s, rtol=1e-6)
+    assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
+
+
+def test_awq_fold_check_falls_back_to_float(tmp_path, monkeypatch):
+    import compressor.torch.hf_checkpoint as hc
+
+    model = _build("llama")
+    q = AwqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"]}])
+    q.calibrate(_batches())
+    ref = _logits(model)
+    monkeypatch.setattr(hc, "_fold_error", lambda model, folder: (1.0, 1e-4))  # as if a fold were wrong
+    with pytest.warns(UserWarning, match="changed this model's logits by 1, so none is used"):
+        q.export_model(None, hf_path=str(tmp_path / "ck"))
+    assert _qconfig(tmp_path / "ck") is None  # every AWQ layer in float
     assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
 
 
