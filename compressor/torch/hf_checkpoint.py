@@ -403,3 +403,9 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     if dense_notes:
         warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
                       UserWarning, stacklevel=4)
+    if qc.get("sparsity_config"):
+        warnings.warn(f"export_model(hf_path=...): {len(qc['sparsity_config']['targets'])} layers are stored "
+                      f"{qc['sparsity_config']['format']}, a format compressed-tensors 0.15+ (and transformers with it) "
+                      f"no longer reads: from_pretrained would leave those weights randomly initialised. Read it with "
+                      f"compressor.core.compressed_tensors.load_compressed_tensors / 'compressor unpack', or write "
+                      f"hf_sparse_format='dense' for from_pretrained", UserWarning, stacklevel=4)

@@ -185,7 +185,8 @@ def test_sparse_24_and_bitmask_formats_exact_bytes(tmp_path):
     p = SparseGPTPruner(model, [{"sparse_pattern": "2:4", "op_types": ["default"]}])
     p.calibrate(_batches())
     ref = _logits(model)
-    p.export_model(None, hf_path=str(tmp_path / "s24"), hf_sparse_format="2:4")
+    with pytest.warns(UserWarning, match="compressed-tensors 0.15\\+ .* no longer reads"):
+        p.export_model(None, hf_path=str(tmp_path / "s24"), hf_sparse_format="2:4")
     qc = _qconfig(tmp_path / "s24")
     assert qc["sparsity_config"]["format"] == "sparse-24-bitmask" and qc["config_groups"] == {}
     rows = {r["layer"]: r for r in checkpoint_report(tmp_path / "s24")["layers"]}
@@ -254,3 +255,17 @@ def test_refusals_models_without_codes_or_groups(tmp_path):
     with pytest.raises(ModelError, match="belongs to no model family with a checkpoint format"):
         r.export_model(None, hf_path=str(tmp_path / "x"))
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_24_format_refused_for_unstructured_sparsity(tmp_path):
+    model = _build("llama")
+    p = SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}])
+    p.calibrate(_batches())
+    with pytest.raises(ModelError, match=r"hf_sparse_format='2:4' but layer 'model.layers.0.self_attn.q_proj' is not 2:4"):
+        p.export_model(None, hf_path=str(tmp_path / "ck"), hf_sparse_format="2:4")
+    assert not os.path.exists(tmp_path / "ck")
+    p.export_model(None, hf_path=str(tmp_path / "ck"), hf_sparse_format="auto")
+    assert _qconfig(tmp_path / "ck")["sparsity_config"]["format"] == "sparse-bitmask"
+    rep = checkpoint_report(tmp_path / "ck")
+    assert all(r["sparsity"] == 0.5 for r in rep["layers"] if r["format"] == "sparse-bitmask")
+    assert len([r for r in rep["layers"] if r["format"] == "sparse-bitmask"]) == 7
