@@ -164,7 +164,10 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
                packed: set[str]) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
     """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'div_rows'``, ``'mul_cols'``)
     and the AWQ layers left in float."""
-    ins, outs = _capture(model)
+    try:
+        ins, outs = _capture(model)
+    except Exception:  # noqa: BLE001 - a model the probe cannot run (e.g. needs decoder inputs): no folds
+        return {}, sorted(awq)
     folds: dict[str, list[tuple[str, np.ndarray]]] = {}
     row_scale: dict[str, np.ndarray] = {}
     done: set[str] = set()
