@@ -269,3 +269,24 @@ def test_24_format_refused_for_unstructured_sparsity(tmp_path):
     rep = checkpoint_report(tmp_path / "ck")
     assert all(r["sparsity"] == 0.5 for r in rep["layers"] if r["format"] == "sparse-bitmask")
     assert len([r for r in rep["layers"] if r["format"] == "sparse-bitmask"]) == 7
+
+
+@pytest.mark.parametrize("bits,group_size,scheme,fmt,strategy", [
+    (8, None, "symmetric", "pack-quantized", "channel"), (3, 16, "symmetric", "pack-quantized", "group"),
+    (8, None, "affine", "naive-quantized", "channel")])
+def test_other_bit_widths_reload(tmp_path, bits, group_size, scheme, fmt, strategy):
+    model = _build("qwen2")
+    q = RtnQuantizer(model, [{"quant_bits": bits, "group_size": group_size, "quant_scheme": scheme,
+                              "op_types": ["default"]}])
+    q.calibrate()
+    ref = _logits(model)
+    q.export_model(None, hf_path=str(tmp_path / "ck"))
+    qc = _qconfig(tmp_path / "ck")
+    (group,) = qc["config_groups"].values()
+    assert qc["format"] == fmt and group["weights"]["num_bits"] == bits and group["weights"]["strategy"] == strategy
+    t = read_safetensors(tmp_path / "ck" / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj"  # [64, 32]
+    assert t[f"{name}.weight_scale"].shape == (64, 1 if group_size is None else 32 // group_size)
+    if fmt == "pack-quantized":
+        assert t[f"{name}.weight_packed"].shape == (64, 32 * bits // 32)
+    assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
