@@ -173,6 +173,7 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
     done: set[str] = set()
     normed: set[str] = set()
     names = dict(model.named_modules())
+    tied = _tied(model)
     # 1. norms: the norm takes one reader's 1/s; readers with that s stay packed, the others (float) take s
     #    into their weight's columns
     for name in awq:
@@ -191,6 +192,8 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
             continue
         normed.add(norm)
         ours = [r for r in readers if r in awq]
+        if not ours or any(id(innermost_module(names[r]).weight) in tied for r in readers):
+            continue  # a tied weight (LM head / embedding) cannot take s without changing its twin
         chosen = max(ours, key=lambda r: (innermost_module(names[r]).out_features, -ours.index(r)))
         s = awq[chosen]
         if f"{norm}.weight" not in state or state[f"{norm}.weight"].shape != (s.size,) or any(
