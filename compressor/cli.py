@@ -159,8 +159,21 @@ def _is_algorithm(section: str | None) -> bool:
 
 
 # -------------------------------------------------------------------------------------------- report
+def _is_checkpoint_dir(path: str) -> bool:
+    import os
+
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from . import report
+
+    if _is_checkpoint_dir(args.model):  # a compressed-tensors (Hugging Face) checkpoint folder
+        from .core.compressed_tensors import checkpoint_report, format_checkpoint_report
+
+        rep = checkpoint_report(args.model)
+        print(json.dumps(rep, indent=2) if args.json else format_checkpoint_report(rep))
+        return 0
 
     weights, masks, quantized = report.read_weights_info(args.model)
     if args.masks is not None:
@@ -265,8 +278,23 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
     from .core.atomic import atomic_path
     from .core.packing import unpack
 
-    arrays = unpack(args.packed)
     suffix = os.path.splitext(args.output)[1].lower()
+    if _is_checkpoint_dir(args.packed):  # a compressed-tensors checkpoint folder -> float weights
+        from .core.compressed_tensors import load_compressed_tensors, write_safetensors
+
+        if suffix not in (".npz", ".safetensors"):
+            raise ConfigError(f"cannot write {args.output!r}: a compressed-tensors checkpoint unpacks to .npz or "
+                              f".safetensors")
+        arrays = load_compressed_tensors(args.packed)  # checked completely before the output is touched
+        with atomic_path(args.output) as tmp:
+            if suffix == ".npz":
+                with open(tmp, "wb") as f:
+                    np.savez(f, **arrays)
+            else:
+                write_safetensors(tmp, arrays)
+        print(f"{args.packed} -> {args.output}: {len(arrays)} tensors")
+        return 0
+    arrays = unpack(args.packed)
     if suffix == ".npz":
         with atomic_path(args.output) as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
@@ -339,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Per-layer sparsity and bit widths of an exported model: a torch state_dict "
                                     "(.pt/.pth), a Keras model (.keras), a .npz of weights, or a deployable "
                                     "artifact (.onnx, .tflite: the weights as the runtime stores them).")
-    rp.add_argument("model", metavar="MODEL_FILE")
+    rp.add_argument("model", metavar="MODEL_FILE", help="a model file, or a compressed-tensors checkpoint folder "
+                                                       "(bits, group size, sparsity and bytes per layer)")
     rp.add_argument("--masks", metavar="MASKS", help="mask file from export_model (.pt or .npz)")
     rp.add_argument("--calibration", metavar="FILE", help="calibration file from a quantizer's export_model")
     rp.add_argument("--plot", metavar="OUT.png", help="draw per-layer sparsity with matplotlib")
@@ -377,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "into OUT: .npz (any backend), .pt/.pth (a torch state_dict, loadable into the "
                                     "original model class) or .keras (with --model: a .keras file of the same model "
                                     "whose architecture receives the weights). The values are bit-identical.")
-    up.add_argument("packed", metavar="PACKED")
+    up.add_argument("packed", metavar="PACKED", help="a compressed file, or a compressed-tensors checkpoint folder "
+                                                    "(unpacked to float weights in .npz / .safetensors)")
     up.add_argument("output", metavar="OUT")
     up.add_argument("--model", metavar="ARCH.keras", help="for a .keras OUT: the model file giving the architecture")
     up.set_defaults(func=_cmd_unpack)

@@ -1,7 +1,7 @@
 """Model families (Hugging Face ``transformers``, ...) as plug-ins of the PyTorch backend.
 
 The base classes of the backend (layouts, wrappers, the ``Compressor``, speedup, ONNX export) never name a
-model family. What a family needs from them goes through the five questions of :class:`ModelFamily`,
+model family. What a family needs from them goes through the questions of :class:`ModelFamily`,
 answered by the adapters that plugins declare with the ``compressor_add_model_families`` pluggy hook
 (the built-in one: ``compressor.torch.hf:FAMILY``, registered by ``compressor.torch_plugin``). A family
 adapter is any object with these methods; subclass :class:`ModelFamily` for the defaults.
@@ -19,9 +19,11 @@ from typing import Any
 
 from torch import nn
 
+from ..core.errors import ModelError
 from ..core.registry import registry
 
-__all__ = ["ModelFamily", "families", "is_in_out_linear", "on_compress", "export_context", "after_speedup"]
+__all__ = ["ModelFamily", "families", "is_in_out_linear", "on_compress", "export_context", "after_speedup",
+           "save_checkpoint"]
 
 
 class ModelFamily:
@@ -49,6 +51,11 @@ class ModelFamily:
     def after_speedup(self, model: nn.Module, layers: list[dict[str, Any]]) -> str | None:
         """Called on a sped-up model with the speedup report's rows; returns a note for the report."""
         return None
+
+    def save_checkpoint(self, model: nn.Module, path: str, **options: Any) -> bool:
+        """Write the compressed ``model`` as this family's checkpoint folder at ``path`` (e.g. Hugging Face's
+        compressed-tensors format); False when the family has no such format."""
+        return False
 
 
 _CACHE: list[Any] = [None, []]  # [the registry the list was read from, the adapters]
@@ -88,3 +95,12 @@ def export_context(model: nn.Module) -> Iterator[None]:
 def after_speedup(model: nn.Module, layers: list[dict[str, Any]]) -> list[str]:
     """The notes of every family that claims the sped-up ``model``."""
     return [n for f in _claiming(model) if (n := f.after_speedup(model, layers))]
+
+
+def save_checkpoint(model: nn.Module, path: Any, **options: Any) -> None:
+    """Write ``model`` in the checkpoint format of the family that claims it (``export_model(hf_path=...)``)."""
+    for f in _claiming(model):
+        if f.save_checkpoint(model, path, **options):
+            return
+    raise ModelError(f"hf_path: {type(model).__name__} belongs to no model family with a checkpoint format (a Hugging "
+                     f"Face transformers PreTrainedModel writes compressed-tensors checkpoints); use model_path")

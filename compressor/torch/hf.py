@@ -322,6 +322,12 @@ class HuggingFace(ModelFamily):
     def after_speedup(self, model: nn.Module, layers: list[dict[str, Any]]) -> str | None:
         return speedup_config(model, layers)
 
+    def save_checkpoint(self, model: nn.Module, path: str, **options: Any) -> bool:
+        from .hf_checkpoint import save_compressed_tensors
+
+        save_compressed_tensors(model, path, compressed_state_dict(model), **options)
+        return True
+
 
 #: the adapter ``compressor.torch_plugin`` declares
 FAMILY = HuggingFace()

@@ -124,17 +124,28 @@ class TorchPruner(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.current_epoch = int(state.get("epoch", 0))
 
-    def export_model(self, model_path: str, mask_path: str | None = None, onnx_path: str | None = None,
+    def export_model(self, model_path: str | None, mask_path: str | None = None, onnx_path: str | None = None,
                      input_shape: tuple[int, ...] | None = None, device: Any = None, dummy_input: Any = None,
-                     compressed_path: str | None = None, **onnx_kwargs: Any) -> None:
+                     compressed_path: str | None = None, hf_path: str | None = None, hf_sparse_format: str = "dense",
+                     **onnx_kwargs: Any) -> None:
         """Save a state_dict loadable into the ORIGINAL model class (pruned weights zeroed), optionally
         the masks (``{layer: {'weight': mask, 'bias': mask}}``) and an ONNX file checked with onnxruntime.
         ONNX inputs: ``dummy_input`` (a tensor, a tuple, or a dict of keyword arguments such as
         ``{'input_ids': ids, 'attention_mask': mask}``) or ``input_shape`` (a random float tensor); the
         graph has dynamic batch (and token sequence) axes; ``onnx_kwargs`` go to ``torch.onnx.export``.
         ``compressed_path``: also the same state_dict as a compressed file (kept values, positions, entropy
-        coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``."""
+        coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``.
+        ``hf_path``: a Hugging Face model as a compressed-tensors checkpoint folder (pruned layers stored as
+        ``hf_sparse_format``: ``'dense'``, ``'bitmask'``, ``'2:4'`` or ``'auto'``; one-shot quantized layers
+        of a quantizer composed on top packed; see :mod:`compressor.torch.hf_checkpoint`); ``model_path``
+        may then be None."""
+        from .. import families
         from .export import export_pruned_model
+
+        if hf_path is not None:
+            families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
+            if model_path is None and mask_path is None and onnx_path is None and compressed_path is None:
+                return
 
         export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device, dummy_input,
                             compressed_path=compressed_path, **onnx_kwargs)

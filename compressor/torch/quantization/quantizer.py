@@ -141,14 +141,25 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
 
         return calibration_entry(wrapper)
 
-    def export_model(self, model_path: str, calibration_path: str | None = None, onnx_path: str | None = None,
+    def export_model(self, model_path: str | None, calibration_path: str | None = None, onnx_path: str | None = None,
                      input_shape: tuple[int, ...] | None = None, device: torch.device | str | None = None,
-                     **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
+                     hf_path: str | None = None, hf_sparse_format: str = "dense",
+                     **onnx_kwargs: Any) -> dict[str, dict[str, Any]] | None:
         """Save a plain float state_dict (quantized weight values) loadable into the original model class,
         and return (and save to ``calibration_path``) the per-layer calibration config. With ``onnx_path``
         and ``input_shape`` (or ``dummy_input=``: a tensor, a tuple, or a dict of keyword arguments) also
-        export ONNX with QuantizeLinear/DequantizeLinear nodes."""
+        export ONNX with QuantizeLinear/DequantizeLinear nodes. ``hf_path``: a Hugging Face model quantized
+        by a one-shot weight quantizer (GPTQ / RTN / AWQ, alone or on a pruner) as a compressed-tensors
+        checkpoint folder that ``AutoModelForCausalLM.from_pretrained`` loads (see
+        :mod:`compressor.torch.hf_checkpoint`; ``hf_sparse_format`` for pruned float layers); with
+        ``model_path=None`` only that folder is written (returns None)."""
+        from .. import families
         from .export import export_model
+
+        if hf_path is not None:
+            families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
+            if model_path is None and calibration_path is None and onnx_path is None:
+                return None
 
         return export_model(self, model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
 

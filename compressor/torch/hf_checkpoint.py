@@ -1,0 +1,417 @@
+"""A compressed Hugging Face model as a compressed-tensors checkpoint folder (``export_model(hf_path=DIR)``).
+
+Called by the Hugging Face family plug-in (:mod:`compressor.torch.hf`) with the model's compressed state
+(original keys, compressed float values); the format itself is :mod:`compressor.core.compressed_tensors`.
+
+* Layers of a one-shot weight quantizer (:class:`~compressor.torch.quantization.oneshot.GptqQuantizer`,
+  ``RtnQuantizer``, ``AwqQuantizer``) that are ``nn.Linear``: ``pack-quantized`` with their own codes,
+  scales and zero points (bits, group size, symmetric / asymmetric as calibrated; symmetric codes of the
+  narrow range ``[-7, 7]`` are a subset of compressed-tensors' signed int4 ``[-8, 7]``, so they load
+  unchanged; affine codes ``[0, 15]`` and zero points are shifted by -8, which keeps ``code - zp``). A
+  group size must divide the layer's input width (compressed-tensors has no shorter last group).
+* AWQ: the codes quantize ``W * s``; the layer computes ``Q(W s) (x / s)``, so ``1 / s`` is folded into
+  what produces ``x`` where that is exact: a norm (weight and bias divided by ``s``) takes the ``1 / s`` of
+  its widest AWQ reader, which stays packed with every reader of the same ``s``; its other readers are
+  written in float with ``s`` multiplied into their columns (each AWQ layer has its own ``s``, so q / k / v
+  and gate / up rarely share one); ``o_proj`` / ``out_proj`` fold into the rows of ``v_proj`` (attention is
+  linear in the values; grouped-query heads when their ``s`` agree), ``down_proj`` into ``up_proj`` (``act(gate)
+  * up``), ``fc2`` into ``fc1`` (ReLU only). A layer whose ``1 / s`` has no exact home is written as its float
+  weight ``Q(W s) / s`` (a warning names it). The folds assume the model calls its layers on the norm's
+  output directly; after writing, a fresh model loaded with the checkpoint's float weights is compared with
+  the compressed model on a short input, and if the logits differ by more than float32 rounding the
+  checkpoint is rewritten without folds (every AWQ layer in float, said in the warning).
+* Pruned float layers: ``sparse_format='dense'`` (default: every compressed-tensors / transformers version
+  loads it), ``'bitmask'`` (``sparse-bitmask``), ``'2:4'`` (``sparse-24-bitmask``; refused unless every
+  pruned layer is 2:4) or ``'auto'`` (2:4 where a layer is, else bitmask). compressed-tensors 0.15+ (and so
+  transformers with it) no longer read the sparse formats: load those with
+  :func:`compressor.core.compressed_tensors.load_compressed_tensors` / ``compressor unpack``.
+* Not packed (float, a warning names them): GPT-2's ``Conv1D`` (not a Linear for compressed-tensors) and a
+  quantized layer whose weight is tied to another (the LM head tied to the embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.atomic import atomic_path
+from ..core.compressed_tensors import (
+    bitmask_entries,
+    is_24_sparse,
+    load_compressed_tensors,
+    naive_quantized_entries,
+    pack_quantized_entries,
+    quant_args,
+    sparse24_entries,
+    write_safetensors,
+)
+from ..core.errors import ConfigError, ModelError
+from ..core.sequential import quant_spec_of
+from .modules import innermost_module, is_wrapper
+from .pruning.wrapper import PrunerModuleWrapper
+from .quantization.wrapper import QuantizerModuleWrapper
+
+__all__ = ["save_compressed_tensors", "SPARSE_FORMATS"]
+
+SPARSE_FORMATS = ("dense", "bitmask", "2:4", "auto")
+#: (consumer suffix, producer suffix): the producer's output rows feed the consumer's input columns one to one
+_ROW_FOLDS = (("self_attn.o_proj", "self_attn.v_proj"), ("self_attn.out_proj", "self_attn.v_proj"),
+              ("attn.out_proj", "attn.v_proj"), ("mlp.down_proj", "mlp.up_proj"), ("fc2", "fc1"))
+
+
+def _np(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16).copy(), True
+    return t.numpy().copy(), False
+
+
+def _tied(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, v in seen.items() if v > 1}
+
+
+def _quantized_layers(model: nn.Module) -> list[QuantizerModuleWrapper]:
+    out = []
+    for _, w in model.named_modules():
+        if not isinstance(w, QuantizerModuleWrapper):
+            continue
+        kinds = [t for t in w.quant_types if t != "weight"]
+        if kinds:
+            raise ModelError(f"hf_path: layer {w.name!r} quantizes {kinds}; a compressed-tensors checkpoint written "
+                             f"here holds weight-only quantization (GptqQuantizer / RtnQuantizer / AwqQuantizer)")
+        codes = w._buffers.get("weight_codes")
+        done = w._buffers.get("oneshot_calibrated")
+        if codes is None or done is None:
+            raise ModelError(f"hf_path: layer {w.name!r} is quantized by {type(w.quantizer).__name__}, which keeps no "
+                             f"integer codes (weight_codes / weight_group_scale buffers); compressed-tensors "
+                             f"checkpoints are written for GptqQuantizer / RtnQuantizer / AwqQuantizer")
+        if not bool(done):
+            raise ModelError(f"hf_path: layer {w.name!r} is not calibrated yet; run quantizer.calibrate(...) first")
+        out.append(w)
+    return out
+
+
+def _weighted(module: nn.Module) -> bool:
+    """A layer with a weight (a compressor wrapper or a plain layer), not a container."""
+    return is_wrapper(module) or isinstance(module.__dict__.get("_parameters", {}).get("weight"), torch.Tensor)
+
+
+def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One small forward: each module's first input and its output (the tensors themselves, so identity
+    tells who reads what)."""
+    ins: dict[str, Any] = {}
+    outs: dict[str, Any] = {}
+    handles = []
+    for name, m in model.named_modules():
+        def pre(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(x, torch.Tensor):
+                ins[name] = x
+
+        def post(mod: nn.Module, args: tuple, out: Any, name: str = name) -> None:
+            if isinstance(out, torch.Tensor):
+                outs[name] = out
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=_probe(model))
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    return ins, outs
+
+
+def _probe(model: nn.Module) -> torch.Tensor:
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.arange(8, device=dev).reshape(1, 8) % 3 + 1
+
+
+def _fold_error(model: nn.Module, folder: str) -> tuple[float, float]:
+    """Max |logits| difference between ``model`` and a fresh model of its class loaded with the float weights
+    of the checkpoint in ``folder``, and the tolerance (float32 rounding of the folds)."""
+    fresh = type(model)(model.config).eval()
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in load_compressed_tensors(folder).items()}, strict=False)
+    if callable(getattr(fresh, "tie_weights", None)):
+        fresh.tie_weights()
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fresh.to(dev)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref = model(input_ids=_probe(model)).logits.float()
+            got = fresh(input_ids=_probe(model)).logits.float()
+    finally:
+        model.train(training)
+    return float((got - ref).abs().max()), 1e-4 * (1.0 + float(ref.abs().max()))
+
+
+def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, torch.Tensor],
+               packed: set[str]) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
+    """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'div_rows'``, ``'mul_cols'``)
+    and the AWQ layers left in float."""
+    try:
+        ins, outs = _capture(model)
+    except Exception:  # noqa: BLE001 - a model the probe cannot run (e.g. needs decoder inputs): no folds
+        return {}, sorted(awq)
+    folds: dict[str, list[tuple[str, np.ndarray]]] = {}
+    row_scale: dict[str, np.ndarray] = {}
+    done: set[str] = set()
+    normed: set[str] = set()
+    names = dict(model.named_modules())
+    tied = _tied(model)
+    # 1. norms: the norm takes one reader's 1/s; readers with that s stay packed, the others (float) take s
+    #    into their weight's columns
+    for name in awq:
+        if name in done or name not in ins:
+            continue
+        x = ins[name]
+        # the layers reading x (containers that pass x on are not readers; a wiring this misses shows in the
+        # logits check after writing)
+        readers = sorted(n for n, t in ins.items() if t is x and _weighted(names[n]))
+        readers = [n for n in readers if not any(n.startswith(o + ".") for o in readers if o != n)]
+        producers = [n for n, t in outs.items() if t is x and type(names[n]).__name__.lower().endswith("norm")]
+        if len(producers) != 1 or any(not isinstance(innermost_module(names[r]), nn.Linear) for r in readers):
+            continue
+        norm = producers[0]
+        if norm in normed:
+            continue
+        normed.add(norm)
+        ours = [r for r in readers if r in awq]
+        if not ours or any(id(innermost_module(names[r]).weight) in tied for r in readers):
+            continue  # a tied weight (LM head / embedding) cannot take s without changing its twin
+        chosen = max(ours, key=lambda r: (innermost_module(names[r]).out_features, -ours.index(r)))
+        s = awq[chosen]
+        if f"{norm}.weight" not in state or state[f"{norm}.weight"].shape != (s.size,) or any(
+                f"{r}.weight" not in state for r in readers):
+            continue
+        for key in (f"{norm}.weight", f"{norm}.bias"):
+            if key in state:
+                folds.setdefault(key, []).append(("div", s))
+        for r in readers:
+            if r in awq and np.array_equal(awq[r], s):
+                done.add(r)
+            else:
+                folds.setdefault(f"{r}.weight", []).append(("mul_cols", s))
+    # 2. Linear -> Linear (the producer's output rows are the consumer's input columns)
+    config = getattr(model, "config", None)
+    for name, s in awq.items():
+        if name in done:
+            continue
+        for cons, prod in _ROW_FOLDS:
+            if not name.endswith(cons):
+                continue
+            p = name[: -len(cons)] + prod
+            if p not in names or f"{p}.weight" not in state:
+                continue
+            if prod == "fc1" and getattr(config, "activation_function", None) not in ("relu",):
+                continue
+            n_out = int(getattr(innermost_module(names[p]), "out_features", -1))
+            if n_out == s.size:
+                rows = s
+            elif "v_proj" in prod and n_out > 0 and s.size % n_out == 0:  # grouped-query attention
+                heads = getattr(config, "num_attention_heads", None)
+                kv = getattr(config, "num_key_value_heads", None)
+                if not heads or not kv or s.size % heads:
+                    continue
+                d, rep = s.size // heads, heads // kv
+                r = s.reshape(kv, rep, d)
+                if not np.all(r == r[:, :1, :]):
+                    continue
+                rows = r[:, 0, :].reshape(-1)
+            else:
+                continue
+            if p in row_scale:
+                continue
+            row_scale[p] = rows
+            done.add(name)
+    unfolded = sorted(set(awq) - done)
+    for p, rows in row_scale.items():
+        target = f"{p}.weight_scale" if p in packed and p not in unfolded else f"{p}.weight"
+        folds.setdefault(target, []).append(("div_rows", rows))
+        if f"{p}.bias" in state:
+            folds.setdefault(f"{p}.bias", []).append(("div", rows))
+    return folds, unfolded
+
+
+def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
+                            sparse_format: str = "dense") -> None:
+    """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
+    keys) as a compressed-tensors checkpoint folder at ``path``, atomically (a temporary folder next to it,
+    renamed into place). See the module docstring for what is packed."""
+    path = os.fspath(path)
+    if sparse_format not in SPARSE_FORMATS:
+        raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ModelError(f"hf_path {path!r} exists and is not a folder; a compressed-tensors checkpoint is a folder")
+    tied = _tied(model)
+    wrappers = _quantized_layers(model)
+    pack: dict[str, QuantizerModuleWrapper] = {}
+    dense_notes: list[str] = []
+    awq: dict[str, np.ndarray] = {}
+    for w in wrappers:
+        layer = innermost_module(w)
+        if not isinstance(layer, nn.Linear):
+            dense_notes.append(f"{w.name!r} ({type(layer).__name__}: not a Linear for compressed-tensors)")
+            continue
+        if id(layer.weight) in tied:
+            dense_notes.append(f"{w.name!r} (its weight is tied to another layer's)")
+            continue
+        spec = quant_spec_of(w.config, type(w.quantizer).__name__)
+        n_in = w._buffers["weight_codes"].shape[1]
+        gs = spec.group_width(n_in)
+        if n_in % gs:
+            raise ModelError(f"hf_path: layer {w.name!r}: group_size {gs} does not divide its {n_in} input columns; "
+                             f"compressed-tensors needs equal groups (use a group_size dividing {n_in}, or -1)")
+        pack[w.name] = w
+        if "awq_scales" in w._buffers:
+            awq[w.name] = w._buffers["awq_scales"].detach().cpu().double().numpy()
+    missing = [f"{n}.weight" for n in pack if f"{n}.weight" not in state]
+    if missing:
+        raise ModelError(f"hf_path: the model's state has no {missing}")
+    base_pack, base_notes = dict(pack), list(dense_notes)
+
+    def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
+        pack, dense_notes = dict(base_pack), list(base_notes)
+        folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq and fold else ({}, list(awq))
+        for n in unfolded:
+            pack.pop(n)
+            dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
+                               f"its norm took another reader's 1/s)")
+        # pruned float layers
+        sparse_layers: dict[str, str] = {}
+        if sparse_format != "dense":
+            for _, pw in model.named_modules():
+                if not isinstance(pw, PrunerModuleWrapper) or pw.name in pack:
+                    continue
+                key = f"{pw.name}.weight"
+                if key not in state or state[key].dim() != 2 or id(innermost_module(pw).weight) in tied:
+                    continue
+                value = state[key]
+                if value.dtype == torch.bfloat16:
+                    continue
+                two_four = is_24_sparse(value.cpu().numpy())
+                if sparse_format == "2:4" and not two_four:
+                    raise ModelError(f"hf_path: hf_sparse_format='2:4' but layer {pw.name!r} is not 2:4 sparse (at most 2 "
+                                     f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
+                sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
+                    sparse_format == "auto" and two_four) else "sparse-bitmask"
+            kinds = set(sparse_layers.values())
+            if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
+                sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
+
+        # ---- build the tensors (nothing written yet)
+        def host(key: str) -> tuple[np.ndarray, bool]:
+            value = state[key]
+            if key in folds:
+                v = value.detach().cpu().double()
+                for how, s in folds[key]:
+                    t = torch.from_numpy(s)
+                    v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
+                value = v.to(value.dtype)
+            return _np(value)
+
+        tensors: dict[str, np.ndarray] = {}
+        bf16: set[str] = set()
+        seen: dict[int, str] = {}
+        for key, value in state.items():
+            if id(value) in seen:  # tied: stored once, as save_pretrained does
+                continue
+            seen[id(value)] = key
+            layer = key[: -len(".weight")] if key.endswith(".weight") else None
+            if layer in pack or layer in sparse_layers:
+                continue
+            arr, is_bf16 = host(key)
+            tensors[key] = arr
+            if is_bf16:
+                bf16.add(key)
+        groups: dict[tuple[int, int | None, bool], list[str]] = {}
+        for name, w in pack.items():
+            spec = quant_spec_of(w.config, type(w.quantizer).__name__)
+            codes = w._buffers["weight_codes"].detach().cpu().numpy()
+            scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
+            zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
+            symmetric = codes.dtype == np.int8
+            for _, rows in folds.get(f"{name}.weight_scale", []):
+                scale = scale / rows[:, None]
+            weight = state[f"{name}.weight"]
+            sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
+            entries = pack_quantized_entries if symmetric else naive_quantized_entries
+            tensors.update(entries(name, codes, scale, zp, spec.bits, symmetric, sdtype))
+            n_in = codes.shape[1]
+            gs = spec.group_width(n_in)
+            groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
+        for name, kind in sparse_layers.items():
+            arr, _ = host(f"{name}.weight")
+            tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
+
+        qc: dict[str, Any] = {}
+        if groups or sparse_layers:
+            formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
+            qc = {"quant_method": "compressed-tensors",
+                  "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+                  "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
+                  "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
+            for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
+                qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
+                                                     "input_activations": None, "output_activations": None,
+                                                     "format": "pack-quantized" if sym else "naive-quantized"}
+            if sparse_layers:
+                kind = next(iter(sparse_layers.values()))
+                total = sum(state[f"{n}.weight"].numel() for n in sparse_layers)
+                zeros = sum(int((state[f"{n}.weight"] == 0).sum()) for n in sparse_layers)
+                qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
+                                         "global_sparsity": zeros / total if total else 0.0,
+                                         "sparsity_structure": "2:4" if kind == "sparse-24-bitmask" else "unstructured"}
+        return tensors, bf16, qc, dense_notes, bool(folds)
+
+    def write(tmp: str, tensors: dict[str, np.ndarray], bf16: set[str], qc: dict[str, Any]) -> None:
+        os.makedirs(tmp)
+        model.config.save_pretrained(tmp)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+            gen.save_pretrained(tmp)
+        cfg_path = os.path.join(tmp, "config.json")
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+        config.pop("quantization_config", None)
+        if qc:
+            config["quantization_config"] = qc
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"}, bf16=bf16)
+
+    # ---- write: a temporary folder next to the target, renamed into place
+    tensors, bf16, qc, dense_notes, folded = plan(True)
+    with atomic_path(path) as tmp:
+        write(tmp, tensors, bf16, qc)
+        if folded:  # the AWQ folds assume how the model wires its layers: check them on the written weights
+            err, tol = _fold_error(model, tmp)
+            if err > tol:
+                shutil.rmtree(tmp)
+                tensors, bf16, qc, dense_notes, _ = plan(False)
+                dense_notes.append(f"(the AWQ 1/s folds changed this model's logits by {err:.3g}, so none is used)")
+                write(tmp, tensors, bf16, qc)
+    if dense_notes:
+        warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
+                      UserWarning, stacklevel=4)
+    if qc.get("sparsity_config"):
+        warnings.warn(f"export_model(hf_path=...): {len(qc['sparsity_config']['targets'])} layers are stored "
+                      f"{qc['sparsity_config']['format']}, a format compressed-tensors 0.15+ (and transformers with it) "
+                      f"no longer reads: from_pretrained would leave those weights randomly initialised. Read it with "
+                      f"compressor.core.compressed_tensors.load_compressed_tensors / 'compressor unpack', or write "
+                      f"hf_sparse_format='dense' for from_pretrained", UserWarning, stacklevel=4)
