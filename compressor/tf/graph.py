@@ -27,7 +27,8 @@ Translation
 * keras.ops calls (``x + 3``, ``x * (1 / 6)``, ``keras.ops.relu6(x)``: hard-sigmoid / hard-swish written as
   functions): unary element-wise ops and binary ops with a scalar operand ``activation`` (``f(0) == 0``
   evaluated), binary ops on two tensors ``elementwise``; other ops ``other``.
-* Anything else (LayerNormalization, GroupNormalization, SeparableConv, attention, non-layer ops,
+* SeparableConv1D/2D: ``conv`` (input channel ``c`` = depthwise slice ``c`` + pointwise rows ``c*m..c*m+m-1``).
+* Anything else (LayerNormalization, GroupNormalization, attention, non-layer ops,
   unknown layers, ``channels_first`` layers, weighted layers called more than once): ``other``
   (``op`` = class name): core never cuts through it.
 * Nested Functional / Sequential models are flattened (their layers keep their ``iter_layers`` paths,
@@ -128,7 +129,15 @@ def _prod(dims: Any) -> int:
 
 
 def _np(v: Any) -> np.ndarray:
-    return np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
+    return np.asarray(to_numpy(v), dtype=np.float64)
+
+
+def to_numpy(v: Any) -> np.ndarray:
+    """A variable's / tensor's value. Variables go through ``.numpy()``: ``keras.ops.convert_to_numpy`` on a
+    TF variable calls ``np.array`` on it, which numpy 2 answers with a DeprecationWarning per call (1,612 of
+    them while pruning NASNetMobile)."""
+    numpy = getattr(v, "numpy", None)
+    return np.asarray(numpy()) if callable(numpy) else keras.ops.convert_to_numpy(v)
 
 
 # ---------------------------------------------------------------------------------- activations
@@ -377,6 +386,11 @@ class _Builder:
             cin = int(in_shapes[0][1 if cf else -1])
             pos = _prod(shape[2:]) if cf else positions
             node.macs = conv_macs(cin * m, cin, cin, k, pos) + conv_macs(int(op.filters), cin * m, 1, 1, pos)
+            if not cf:  # depthwise [k..., in, m] then pointwise [1.., in * m, out]: input channel c feeds rows
+                node.kind = "conv"  # c * m .. c * m + m - 1 of the pointwise kernel (speedup slices both)
+                bias = _var_np(op, "bias") if op.use_bias else None
+                node.attrs["dead"] = _dead_filters(_np(op.pointwise_kernel), bias)
+                fused = op.activation
         elif "Transpose" in cls and hasattr(op, "filters"):
             cin = int(in_shapes[0][1 if cf else -1])
             node.macs = conv_macs(int(op.filters), cin, 1, _prod(op.kernel_size),
@@ -465,7 +479,7 @@ def _is_scalar(v: Any) -> bool:
     if isinstance(v, keras.KerasTensor):
         return False
     try:
-        return int(np.size(keras.ops.convert_to_numpy(v))) == 1
+        return int(np.size(to_numpy(v))) == 1
     except Exception:  # noqa: BLE001 - not a constant we can read
         return False
 

@@ -28,7 +28,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
 from . import layout
 from .compressor import Compressor, iter_layers
-from .graph import build_graph, is_graph_model, walkable
+from .graph import build_graph, is_graph_model, to_numpy, walkable
 from .pruning.export import zero_masked
 
 __all__ = ["speedup_model", "count_flops_params", "SpeedupReport"]
@@ -214,6 +214,18 @@ def _slice_depthwise(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any],
     return {}, [np.take(w, i, axis=-2) if w.ndim >= 2 else w[o] for w in ws]
 
 
+def _slice_separable(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """SeparableConv: depthwise kernel ``[k..., in, m]`` sliced on ``in``; pointwise kernel ``[1.., in * m, out]``
+    on the rows of the kept inputs (``c * m + j``) and on ``out``; bias ``[out]``."""
+    dw, pw, *bias = layer.get_weights()
+    m = dw.shape[-1]
+    i = _idx(entry.get("in"), dw.shape[-2])
+    o = _idx(entry.get("out"), pw.shape[-1])
+    rows = (i[:, None] * m + np.arange(m)[None, :]).reshape(-1)
+    return {"filters": len(o)}, [np.take(dw, i, axis=-2), np.take(np.take(pw, rows, axis=-2), o, axis=-1),
+                                 *[b[o] for b in bias]]
+
+
 def _slice_vectors(layer: Any, entry: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """BatchNormalization: gamma, beta, moving mean and variance, all per output channel."""
     return {}, [w[_idx(entry.get("out"), w.shape[0])] for w in layer.get_weights()]
@@ -263,6 +275,8 @@ SLICERS = {
     "EinsumDense": _slice_einsum,
     "DepthwiseConv1D": _slice_depthwise,
     "DepthwiseConv2D": _slice_depthwise,
+    "SeparableConv1D": _slice_separable,
+    "SeparableConv2D": _slice_separable,
     "BatchNormalization": _slice_vectors,
     "Embedding": _slice_embedding,
     "Reshape": _slice_reshape,
@@ -413,7 +427,7 @@ def _report(graph: Any, new: Any, plan: Any, masks: dict[str, Any]) -> SpeedupRe
         w = layout.weight_of(layer) if layer is not None else None
         if w is None:
             continue
-        z = int(np.sum(keras.ops.convert_to_numpy(w) == 0))
+        z = int(np.sum(to_numpy(w) == 0))
         if z:
             zeros += z
             where.append(name)

@@ -497,3 +497,33 @@ def test_keras_applications(arch):
     assert report.params_after < 0.6 * report.params_before
     assert report.macs_after < 0.6 * report.macs_before
     assert count_flops_params(small)[1] == small.count_params() - moving_stats(small) == report.params_after
+
+
+def test_separable_conv_consumers_take_the_kept_input_channels():
+    """NASNet / Xception: a conv feeding SeparableConv2D / SeparableConv1D (not pruned themselves) loses its
+    pruned filters; the separable layer's depthwise slice and the pointwise rows ``c * m + j`` of the kept
+    inputs go with them, and the outputs do not change."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inp)
+    h = keras.layers.SeparableConv2D(6, 3, depth_multiplier=2, padding="same", name="sep")(h)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.SeparableConv1D(5, 3, padding="same", name="sep1")(keras.layers.Reshape((64, 6))(h))
+    model = keras.Model(inp, keras.layers.Dense(2, name="fc")(keras.layers.Flatten()(h)))
+    x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
+    with pytest.warns(UserWarning, match="SeparableConv2D"):  # 'default' leaves the separable layers out
+        pruner = ctf.L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["default"]}], dependency_aware=True)
+    pruner.compress()
+    ref = np.asarray(model(x))
+    small = speedup_model(pruner)
+    shapes = {lay.name: [tuple(w.shape) for w in lay.get_weights()] for lay in small.layers if lay.get_weights()}
+    assert shapes["c1"] == [(3, 3, 3, 4), (4,)]
+    assert shapes["sep"] == [(3, 3, 4, 2), (1, 1, 8, 6), (6,)]  # 4 kept inputs x multiplier 2 pointwise rows
+    assert shapes["sep1"] == [(3, 6, 1), (1, 6, 5), (5,)]  # nothing upstream of it pruned (bn keeps 6)
+    keep = np.flatnonzero(np.asarray(pruner.get_modules_wrapper()[0].weight_mask).reshape(-1, 8).any(axis=0))
+    dw_old = model.get_layer("sep").get_weights()[0]
+    pw_old = model.get_layer("sep").get_weights()[1]
+    dw_new, pw_new, _ = small.get_layer("sep").get_weights()
+    np.testing.assert_array_equal(dw_new, dw_old[:, :, keep, :])
+    np.testing.assert_array_equal(pw_new, pw_old[:, :, (keep[:, None] * 2 + np.arange(2)).reshape(-1), :])
+    np.testing.assert_allclose(np.asarray(small(x)), ref, rtol=0, atol=1e-5)
