@@ -58,7 +58,7 @@ import tensorflow as tf
 
 from ..core.errors import ConfigError
 from .compressor import iter_layers, strip_model, wrappers_of
-from .oneshot import KernelLayout, _OneShotQuantizer, kernel_layout
+from .kernel_layout import KernelLayout, kernel_layout
 
 __all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan"]
 
@@ -206,8 +206,14 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
     return KerasLowbitPlan(name, layer, mode, bits, keras_gs, symmetric, config, values)
 
 
+def _is_oneshot_quantizer(obj: Any) -> bool:
+    """A GptqQuantizer / RtnQuantizer / AwqQuantizer (by their marker: this module sits below compressor.tf.oneshot,
+    which calls it, so it cannot import their classes)."""
+    return getattr(type(obj), "holds_integer_codes", False) is True
+
+
 def _targets(obj: Any) -> list[tuple[str, Any]]:
-    if isinstance(obj, _OneShotQuantizer):
+    if _is_oneshot_quantizer(obj):
         if not obj.calibrated:
             raise ConfigError(f"to_keras_quantized: {type(obj).__name__} is not calibrated; call calibrate() first")
         return [(w.name, w) for w in obj.get_modules_wrapper()]
@@ -217,7 +223,7 @@ def _targets(obj: Any) -> list[tuple[str, Any]]:
     found = []
     for path, layer in iter_layers(obj):
         for w in wrappers_of(layer):
-            if isinstance(w.compressor, _OneShotQuantizer) and "weight_codes" in w.state_variables():
+            if _is_oneshot_quantizer(w.compressor) and "weight_codes" in w.state_variables():
                 found.append((path, w))
     if not found:
         raise ConfigError(f"to_keras_quantized: model {obj.name!r} has no calibrated GptqQuantizer / RtnQuantizer / "
@@ -293,7 +299,7 @@ def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[d
             raise ConfigError(f"to_keras_quantized: layer {name!r} was converted already "
                               f"({w.layer.dtype_policy.name}); the conversion is done once")
     plans = [_plan_layer(name, w, bool(fast)) for name, w in targets]
-    model = model_or_quantizer.bound_model if isinstance(model_or_quantizer, _OneShotQuantizer) else model_or_quantizer
+    model = model_or_quantizer.bound_model if _is_oneshot_quantizer(model_or_quantizer) else model_or_quantizer
     quantizers = {id(w.compressor): w.compressor for _, w in targets}
     strip_model(model)
     for q in quantizers.values():
