@@ -460,8 +460,11 @@ def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, 
     e.g. k / v -> q) gets the earlier layer's accumulator and is not observed (its statistics are equal)."""
     accs: dict[str, os1.GramAccumulator] = {}
     observe: dict[str, Callable] = {}
-    for t in tasks:
-        lead = (shared or {}).get(t.name)
+    shared = shared or {}
+    # leaders first: a leader may come after its followers in the layer list (keras-hub Llama: the up
+    # projection is defined before the gate, which is called first)
+    for t in sorted(tasks, key=lambda t: t.name in shared):
+        lead = shared.get(t.name)
         if lead in accs and accs[lead].in_features == t.in_features:
             accs[t.name] = accs[lead]
         else:
