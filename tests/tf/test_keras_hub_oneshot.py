@@ -14,7 +14,7 @@ keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
 
 from compressor.core.errors import ConfigError  # noqa: E402
-from compressor.tf import GptqQuantizer, SparseGPTPruner  # noqa: E402
+from compressor.tf import AwqQuantizer, GptqQuantizer, SparseGPTPruner  # noqa: E402
 from compressor.tf.oneshot import kernel_layout  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -112,3 +112,14 @@ def test_a_config_that_matches_nothing_names_what_the_model_contains(name):
         assert "selects no layer" in str(e.value)
         for kind in ("Dense", "EinsumDense", "TransformerDecoder", "ReversibleEmbedding"):
             assert f"'{kind}'" in str(e.value)
+
+
+def test_awq_groups_the_projections_that_read_one_input():
+    model = build("gemma")
+    a = AwqQuantizer(model, [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}]).calibrate(DATA, progress=False)
+    groups = {r["layer"].split("/", 1)[1]: r.get("group", "").split("/", 1)[-1] for r in a.rows if r["block"] == a.blocks[0]}
+    assert groups == {"attention/query": "attention/query", "attention/key": "attention/query",
+                      "attention/value": "attention/query", "attention/attention_output": "",
+                      "ffw_gating": "ffw_gating", "ffw_gating_2": "ffw_gating", "ffw_linear": ""}
+    out = model(DATA)
+    assert np.isfinite(np.asarray(out)).all()
