@@ -46,6 +46,12 @@ def _group_size(v: Any) -> int | None:
     raise ValueError
 
 
+#: ``awq_search``: where AWQ's alpha is chosen (see :class:`AwqMethod`)
+AWQ_SEARCHES = ("block", "layer")
+#: ``quant_range``: the symmetric code range (``narrow``: the project's convention; ``full``: compressed-tensors')
+QUANT_RANGES = ("narrow", "full")
+
+
 #: the config keys of the one-shot methods (each compressor lists the ones it takes in ``config_keys``)
 ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
     KeySpec("group_size", _group_size, "a positive int (input columns per quantization group) or -1 / None "
@@ -57,6 +63,13 @@ ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
                                                       f"per-block pruning threshold is taken)"),
     KeySpec("n_grid", _int_at_least(1), "an int >= 1 (AWQ: points of the alpha grid in [0, 1), default 20)"),
     KeySpec("duo_scaling", _bool, "True or False (AWQ: scale by activation and weight statistics)"),
+    KeySpec("awq_search", _choice(AWQ_SEARCHES), f"one of {list(AWQ_SEARCHES)} (AWQ: 'block' (default) searches one "
+                                                 f"alpha per group of layers that read the same input, on the block's "
+                                                 f"output error; 'layer': each layer alone, on its own output error)"),
+    KeySpec("quant_range", _choice(QUANT_RANGES), f"one of {list(QUANT_RANGES)} (symmetric weight grid: 'narrow' "
+                                                  f"(default) [-(2^(b-1)-1), 2^(b-1)-1], e.g. int4 [-7, 7]; 'full' "
+                                                  f"[-2^(b-1), 2^(b-1)-1], e.g. int4 [-8, 7] as compressed-tensors "
+                                                  f"and Keras int4)"),
 ]}
 
 QUANT_SCHEMES = {"per_channel_symmetric": True, "per_tensor_symmetric": True, "symmetric": True,
@@ -94,7 +107,8 @@ def weight_only_config(config_list: Any) -> Any:
 
 def quant_spec_of(config: dict[str, Any], what: str) -> os1.QuantSpec:
     """The weight grid of a one-shot quantizer's normalised config entry: ``quant_bits['weight']`` (2..8),
-    ``quant_scheme`` (symmetric / affine; default symmetric), ``group_size`` (default: per channel)."""
+    ``quant_scheme`` (symmetric / affine; default symmetric), ``group_size`` (default: per channel),
+    ``quant_range`` (symmetric codes: 'narrow' (default) or 'full'; affine codes always use all ``2^b`` values)."""
     bits = config.get("quant_bits", {}).get("weight")
     if bits is None:
         raise ConfigError(f"{what}: config entry {config.get('op_types') or config.get('op_names')} has no weight "
@@ -106,7 +120,11 @@ def quant_spec_of(config: dict[str, Any], what: str) -> os1.QuantSpec:
         raise ConfigError(f"{what}: quant_scheme {scheme!r} is not one of {sorted(QUANT_SCHEMES)}")
     if not 2 <= int(bits) <= 8:
         raise ConfigError(f"{what}: weight-only one-shot quantization takes quant_bits 2..8, got {bits}")
-    return os1.QuantSpec(int(bits), symmetric=QUANT_SCHEMES[scheme], group_size=config.get("group_size"))
+    qrange = config.get("quant_range", "narrow")
+    if qrange not in QUANT_RANGES:
+        raise ConfigError(f"{what}: quant_range {qrange!r} is not one of {list(QUANT_RANGES)}")
+    return os1.QuantSpec(int(bits), symmetric=QUANT_SCHEMES[scheme], group_size=config.get("group_size"),
+                         narrow=qrange == "narrow")
 
 
 # ------------------------------------------------------------------------------------------------ model side
@@ -139,7 +157,13 @@ class OneShotBackend(Protocol):
 
     Optional: ``shared_inputs(block, inputs, tasks) -> {layer: earlier layer}`` names the layers of a block
     that read the very same input as an earlier one (q / k / v, gate / up); they then share its accumulator
-    (equal statistics, computed once) and are not passed to ``observe``."""
+    (equal statistics, computed once) and are not passed to ``observe``.
+    ``snapshot(task) -> copy`` / ``restore(task, copy)``: a host copy of everything :meth:`write` (and
+    ``set_weight``) change in the layer, and putting it back; with them a run that fails part way (any
+    exception, KeyboardInterrupt) leaves every layer as it was.
+    ``set_weight(task, weight)`` (canonical ``[out, in]``, float weight only) and ``block_output(block,
+    inputs) -> [array per input]`` (the block's hidden-state outputs): AWQ's block-output search
+    (``awq_search: 'block'``)."""
 
     def blocks(self) -> Sequence[tuple[str, Any]]:
         """The repeated blocks (decoder layers) in execution order, ``(path, block)``; empty: no blocks."""
@@ -245,16 +269,27 @@ class RtnMethod(OneShotMethod):
 
 
 class AwqMethod(OneShotMethod):
-    """AWQ (Lin et al. 2023): per-input-channel scales ``s = mean|X|^alpha`` (grid over alpha), chosen by the
-    layer's output error on the calibration data, ``tr(D H D^T)`` with ``D = W - Q(W s) / s`` (exactly
-    ``||X W^T - X W'^T||^2``, from the Gram matrix: no activations kept), then round to nearest.
+    """AWQ (Lin et al. 2023): per-input-channel scales ``s = mean|X|^alpha`` (duo scaling: divided by the
+    weights' normalised magnitude ``^(1 - alpha)``), ``alpha`` from a grid in ``[0, 1)``, then round to nearest
+    of ``W s``; the layer keeps ``Q(W s) / s`` (it computes what the reference computes after folding ``1 / s``
+    into whatever produces its input, and needs no folding).
 
-    Each layer gets its own ``s`` (the reference shares one ``s`` between the layers that read the same input,
-    because it folds ``1 / s`` into the norm before them; here the layer keeps ``Q(W s) / s``, which computes
-    the same and needs no folding)."""
+    ``awq_search: 'block'`` (default, as AutoAWQ / llmcompressor): the layers of a block that read the very same
+    input (q / k / v, gate / up; found by the backend) form one group with ONE ``s`` from their shared input
+    statistics (``w_mean`` over their stacked weights); its ``alpha`` minimises the mean squared error of the
+    BLOCK's output on the calibration inputs vs the block before quantization (:func:`run_sequential` asks
+    the backend to run the block with the candidate weights; groups are searched in execution order, the
+    ones before already quantized). A layer alone in its group (o_proj, down_proj) is searched on its own
+    output error ``tr(D H D^T)``, ``D = W - Q(W s) / s`` (exactly ``||X W^T - X W'^T||^2`` from the Gram
+    matrix: the reference's loss for a group whose parent module is the layer itself).
+    ``awq_search: 'layer'``: every layer alone, on its own output error."""
 
     name = "awq"
     kind = "quantizer"
+
+    @staticmethod
+    def block_search(task: LayerTask) -> bool:
+        return task.config.get("awq_search", "block") == "block"
 
     def compress(self, task, weight, mask, stats):
         c = task.config
@@ -268,10 +303,38 @@ class AwqMethod(OneShotMethod):
             return float(np.sum((d @ h) * d))
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean)
-        a = os1.awq_quantize(w, found.scales, spec)
+        return self.result(w, mask, found.scales, spec, {"alpha": found.alpha,
+                                                         "error": min(v for _, v in found.losses)})
+
+    @staticmethod
+    def result(w: np.ndarray, mask: np.ndarray | None, scales: np.ndarray, spec: os1.QuantSpec,
+               info: dict[str, Any]) -> LayerResult:
+        a = os1.awq_quantize(w, scales, spec)
         eff = a.effective if mask is None else np.where(mask, a.effective, 0.0)
-        return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales,
-                           info={"alpha": found.alpha, "error": min(v for _, v in found.losses)})
+        return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales, info=info)
+
+    def search_group(self, tasks: list[LayerTask], weights: list[tuple[np.ndarray, np.ndarray | None]],
+                     stats: os1.GramAccumulator, block_loss: Callable[[dict[str, np.ndarray]], float]
+                     ) -> list[LayerResult]:
+        """One ``alpha`` for ``tasks`` (layers that read one input, statistics ``stats``): ``block_loss({layer:
+        candidate effective weight})`` is the block's output error with those weights. Returns one result per
+        task (the group's ``alpha`` and loss in ``info``)."""
+        c = tasks[0].config
+        specs = [quant_spec_of(t.config, "AwqQuantizer") for t in tasks]
+        ws = [w if m is None else np.where(m, w, 0.0) for w, m in weights]
+        w_mean = (os1.awq_weight_mean(np.concatenate(ws, axis=0), specs[0].group_size)
+                  if c.get("duo_scaling", True) else None)
+
+        def loss(s: np.ndarray) -> float:
+            cand = {}
+            for t, w, (_, m), spec in zip(tasks, ws, weights, specs):
+                eff = os1.awq_quantize(w, s, spec).effective
+                cand[t.name] = eff if m is None else np.where(m, eff, 0.0)
+            return block_loss(cand)
+
+        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean)
+        info = {"alpha": found.alpha, "error": min(v for _, v in found.losses), "group": tasks[0].name}
+        return [self.result(w, m, found.scales, spec, dict(info)) for w, (_, m), spec in zip(ws, weights, specs)]
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -285,26 +348,110 @@ def _progress(stream: Any) -> Callable[[str], None]:
     return say
 
 
+class _Undo:
+    """Host copies (numpy / CPU) of what a run changes, taken per layer just before its first change (the
+    backend's optional ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest
+    first, so a run that fails part way leaves the model as it found it."""
+
+    def __init__(self, backend: OneShotBackend):
+        self.backend = backend
+        self.enabled = callable(getattr(backend, "snapshot", None)) and callable(getattr(backend, "restore", None))
+        self.saved: list[tuple[LayerTask, Any]] = []
+        self.names: set[str] = set()
+
+    def before(self, task: LayerTask) -> None:
+        if self.enabled and task.name not in self.names:
+            self.saved.append((task, self.backend.snapshot(task)))  # type: ignore[attr-defined]
+            self.names.add(task.name)
+
+    def rollback(self) -> None:
+        for task, saved in reversed(self.saved):
+            self.backend.restore(task, saved)  # type: ignore[attr-defined]
+        self.saved, self.names = [], set()
+
+
+def _row(task: LayerTask, method: OneShotMethod, result: LayerResult, block: str) -> dict[str, Any]:
+    if not np.all(np.isfinite(result.weight)):
+        raise ModelError(f"{method.name}: layer {task.name!r}: the compressed weight is not finite")
+    row = {"layer": task.name, "block": block, "method": method.name}
+    if result.mask is not None:
+        row["sparsity"] = 1.0 - float(np.count_nonzero(result.mask)) / result.mask.size
+    if result.quantized is not None:
+        row["bits"] = result.quantized.spec.bits
+        row["group_size"] = result.quantized.group_size
+    row.update(result.info)
+    return row
+
+
+def _check_seen(method: OneShotMethod, task: LayerTask, stats: os1.GramAccumulator | None) -> None:
+    if stats is not None and stats.count == 0:
+        raise ModelError(f"{type(method).__name__}: layer {task.name!r} saw no input during calibration (is it "
+                         f"used in the model's forward for these inputs?); exclude it or check the data")
+
+
 def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list[LayerTask],
-                     accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], block: str) -> None:
+                     accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], block: str,
+                     undo: _Undo | None = None) -> None:
     for t in tasks:
         weight, mask = backend.read_weight(t)
         stats = accs.get(t.name)
-        if stats is not None and stats.count == 0:
-            raise ModelError(f"{type(method).__name__}: layer {t.name!r} saw no input during calibration (is it "
-                             f"used in the model's forward for these inputs?); exclude it or check the data")
+        _check_seen(method, t, stats)
         result = method.compress(t, np.asarray(weight, np.float64), mask, stats)
-        if not np.all(np.isfinite(result.weight)):
-            raise ModelError(f"{method.name}: layer {t.name!r}: the compressed weight is not finite")
+        row = _row(t, method, result, block)
+        if undo is not None:
+            undo.before(t)
         backend.write(t, result)
-        row = {"layer": t.name, "block": block, "method": method.name}
-        if result.mask is not None:
-            row["sparsity"] = 1.0 - float(np.count_nonzero(result.mask)) / result.mask.size
-        if result.quantized is not None:
-            row["bits"] = result.quantized.spec.bits
-            row["group_size"] = result.quantized.group_size
-        row.update(result.info)
         rows.append(row)
+
+
+def _output_error(outs: Sequence[Any], ref: Sequence[np.ndarray]) -> float:
+    """Mean squared difference of a block's outputs from the reference ones (float64)."""
+    total, n = 0.0, 0
+    for o, r in zip(outs, ref):
+        d = np.asarray(o, dtype=np.float64) - r
+        total += float(np.sum(d * d))
+        n += d.size
+    return total / max(n, 1)
+
+
+def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: list[Any], tasks: list[LayerTask],
+               accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], name: str, undo: _Undo) -> None:
+    """AWQ with ``awq_search: 'block'``: the layers sharing an accumulator (one input) are one group, searched
+    on the block's output (see :class:`AwqMethod`); a layer alone is searched on its own output error."""
+    groups: dict[int, list[LayerTask]] = {}
+    for t in tasks:
+        groups.setdefault(id(accs[t.name]) if method.block_search(t) else id(t), []).append(t)
+    if not any(len(g) > 1 for g in groups.values()):
+        _compress_layers(backend, method, tasks, accs, rows, name, undo)
+        return
+    run = getattr(backend, "block_output", None)
+    set_weight = getattr(backend, "set_weight", None)
+    if run is None or set_weight is None:
+        raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output / "
+                         f"set_weight); give awq_search: 'layer'")
+    ref = [np.asarray(o, dtype=np.float64) for o in run(block, inputs)]  # the block before quantization
+    for group in groups.values():
+        if len(group) == 1:
+            _compress_layers(backend, method, group, accs, rows, name, undo)
+            continue
+        stats = accs[group[0].name]
+        _check_seen(method, group[0], stats)
+        weights = []
+        for t in group:
+            w, m = backend.read_weight(t)
+            weights.append((np.asarray(w, np.float64), m))
+            undo.before(t)
+
+        def block_loss(cand: dict[str, np.ndarray], group: list[LayerTask] = group) -> float:
+            for t in group:
+                set_weight(t, cand[t.name])
+            return _output_error(run(block, inputs), ref)
+
+        results = method.search_group(group, weights, stats, block_loss)
+        for t, r in zip(group, results):
+            row = _row(t, method, r, name)
+            backend.write(t, r)
+            rows.append(row)
 
 
 def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, str] | None = None
@@ -313,8 +460,11 @@ def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, 
     e.g. k / v -> q) gets the earlier layer's accumulator and is not observed (its statistics are equal)."""
     accs: dict[str, os1.GramAccumulator] = {}
     observe: dict[str, Callable] = {}
-    for t in tasks:
-        lead = (shared or {}).get(t.name)
+    shared = shared or {}
+    # leaders first: a leader may come after its followers in the layer list (keras-hub Llama: the up
+    # projection is defined before the gate, which is called first)
+    for t in sorted(tasks, key=lambda t: t.name in shared):
+        lead = shared.get(t.name)
         if lead in accs and accs[lead].in_features == t.in_features:
             accs[t.name] = accs[lead]
         else:
@@ -337,6 +487,19 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
     statistics, RTN, needs none). ``progress``: True (stderr), False / None, or a file. Returns one report
     row per layer (``layer``, ``block``, ``method``, ``sparsity`` / ``bits``, the method's numbers)."""
     say = _progress(progress)
+    undo = _Undo(backend)
+    try:
+        return _run(backend, method, batches, say, undo)
+    except BaseException as e:  # KeyboardInterrupt too: the model goes back to what it was
+        try:
+            undo.rollback()
+        except Exception as r:  # noqa: BLE001
+            e.add_note(f"(restoring the layers changed before the failure failed too: {type(r).__name__}: {r})")
+        raise
+
+
+def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any], say: Callable[[str], None],
+         undo: _Undo) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     blocks = list(backend.blocks())
     needs_data = method.statistics is not None
@@ -348,14 +511,17 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
         tasks = backend.block_layers(block)
         t0 = time.perf_counter()
         if not needs_data:
-            _compress_layers(backend, method, tasks, {}, rows, name)
+            _compress_layers(backend, method, tasks, {}, rows, name, undo)
         else:
             if inputs is None:
                 inputs = backend.first_inputs(batches)
             if tasks:
                 accs, observe = _observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)
-                _compress_layers(backend, method, tasks, accs, rows, name)
+                if isinstance(method, AwqMethod) and any(method.block_search(t) for t in tasks):
+                    _awq_block(backend, method, block, inputs, tasks, accs, rows, name, undo)
+                else:
+                    _compress_layers(backend, method, tasks, accs, rows, name, undo)
             if i + 1 < total:  # the compressed block's outputs feed the next block
                 inputs = backend.run_block(block, inputs, None)
         say(f"[{method.name}] block {i + 1}/{total} {name}: {len(tasks)} layer(s), {time.perf_counter() - t0:.1f} s")
@@ -368,7 +534,7 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
             backend.run_model(batches, observe)
         else:
             accs = {}
-        _compress_layers(backend, method, rest, accs, rows, "")
+        _compress_layers(backend, method, rest, accs, rows, "", undo)
         where = "outside the blocks" if blocks else "whole model"
         say(f"[{method.name}] {where}: {len(rest)} layer(s), {time.perf_counter() - t0:.1f} s")
     if not rows:

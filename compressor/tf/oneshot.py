@@ -217,6 +217,7 @@ class KerasOneShotBackend:
         self._blocks = list(blocks)
         self.tasks = {w.name: LayerTask(w.name, w.config, compressor._layouts[w.name].n_in, w)
                       for w in compressor.modules_wrapper}
+        self._compiled: dict[int, Any] = {}
 
     # -- structure
     def blocks(self) -> list[tuple[str, Any]]:
@@ -325,6 +326,48 @@ class KerasOneShotBackend:
                 out.append(inp.with_hidden(_hidden_of(inp.call(block), block)))
         return out
 
+    def shared_inputs(self, block: Any, inputs: list[BlockInput], tasks: list[LayerTask]) -> dict[str, str]:
+        """``{layer: earlier layer}`` for the block's layers called with the very same input tensor as an earlier
+        one (q / k / v, gate / up), seen in one run of the block on the first calibration batch."""
+        if not inputs:
+            return {}
+        calls: dict[str, list[int]] = {}
+        first: dict[str, int] = {}
+        alive: list[Any] = []  # keeps the inputs alive, so ids stay unique during the probe
+        with ExitStack() as stack:
+            for t in tasks:
+                layer = t.handle.layer
+
+                def make(orig: Callable[..., Any], name: str = t.name, layer: Any = layer) -> Callable[..., Any]:
+                    def probe(*args: Any, **kwargs: Any) -> Any:
+                        x = _first_arg(layer, args, kwargs)[1]
+                        alive.append(x)
+                        first.setdefault(name, len(alive))
+                        calls.setdefault(name, []).append(id(x))
+                        return orig(*args, **kwargs)
+                    return probe
+
+                stack.enter_context(_intercepted(layer, make))
+            inputs[0].call(block)
+        order = sorted(calls, key=lambda n: first[n])  # the leader is the layer called first
+        out: dict[str, str] = {}
+        for i, n in enumerate(order):
+            lead = next((m for m in order[:i] if m not in out and calls[m] == calls[n]), None)
+            if lead is not None:
+                out[n] = lead
+        return out
+
+    def block_output(self, block: Any, inputs: list[BlockInput]) -> list[np.ndarray]:
+        """The block's hidden-state output on each cached input (float64). AWQ runs this once per candidate
+        ``alpha`` with only kernel values changed, so the block runs as one ``tf.function`` (traced once per
+        input signature; eager Keras calls cost ~20x more)."""
+        fn = self._compiled.get(id(block))
+        if fn is None:
+            def run(args: tuple, kwargs: dict) -> Any:
+                return _hidden_of(block(*args, **kwargs), block)
+            fn = self._compiled[id(block)] = tf.function(run, reduce_retracing=True)
+        return [np.asarray(fn(inp.args, inp.kwargs), dtype=np.float64) for inp in inputs]
+
     def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
         with self._observing(observe):
             for i, b in enumerate(batches):
@@ -343,6 +386,42 @@ class KerasOneShotBackend:
 
     def write(self, task: LayerTask, result: LayerResult) -> None:
         self.c._write(task.handle, self.c._layouts[task.name], result)
+
+    def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
+        kernel = _kernel(task.handle)
+        kernel.assign(tf.cast(self.c._layouts[task.name].from_canonical(weight), kernel.dtype))
+
+    def snapshot(self, task: LayerTask) -> dict[str, Any]:
+        """Host copies of what :meth:`write` / :meth:`set_weight` change: the kernel, the wrapper's state
+        variables (masks, codes, ...), and which of them and of its plain attributes existed."""
+        w = task.handle
+        return {"kernel": np.array(_kernel(w).numpy()),
+                "states": {n: np.array(v.numpy()) for n, v in w.state_variables().items()},
+                "attrs": {a: vars(w)[a] for a in _WRITTEN_ATTRS if a in vars(w)}}
+
+    def restore(self, task: LayerTask, saved: dict[str, Any]) -> None:
+        w = task.handle
+        _kernel(w).assign(saved["kernel"])
+        states = w.__dict__["_state_vars"]
+        for n in list(states):
+            if n in saved["states"]:
+                states[n].assign(saved["states"][n])
+            else:  # created by this run
+                del states[n]
+                object.__delattr__(w, n)
+        for a in _WRITTEN_ATTRS:
+            if a in saved["attrs"]:
+                object.__setattr__(w, a, saved["attrs"][a])
+            elif a in vars(w):
+                object.__delattr__(w, a)
+
+
+def _kernel(wrapper: Any) -> Any:
+    return getattr(wrapper.weight, "_value", wrapper.weight)
+
+
+#: plain attributes a one-shot ``_write`` sets on a wrapper (restored by :meth:`KerasOneShotBackend.restore`)
+_WRITTEN_ATTRS = ("weight_group_size",)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -532,7 +611,7 @@ class _OneShotQuantizer(_OneShot, TfQuantizer):
     holds_integer_codes = True
     required_keys = ("quant_bits",)
     supported_quant_types = ("weight",)
-    config_keys: tuple[Any, ...] = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"])
+    config_keys: tuple[Any, ...] = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"], ONESHOT_KEYS["quant_range"])
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], sequential_targets: Any = None) -> None:
         self._oneshot_setup(sequential_targets)
@@ -572,7 +651,7 @@ class GptqQuantizer(_OneShotQuantizer):
     ``block_size``, ``act_order``. A layer pruned before (a pruner's mask on it) keeps its zeros."""
 
     method = GptqMethod()
-    config_keys = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"], ONESHOT_KEYS["damp"], ONESHOT_KEYS["block_size"],
+    config_keys = (*_OneShotQuantizer.config_keys, ONESHOT_KEYS["damp"], ONESHOT_KEYS["block_size"],
                    ONESHOT_KEYS["act_order"])
 
 
@@ -588,4 +667,5 @@ class AwqQuantizer(_OneShotQuantizer):
     ``n_grid``, ``duo_scaling``."""
 
     method = AwqMethod()
-    config_keys = (QUANT_SCHEME_KEY, ONESHOT_KEYS["group_size"], ONESHOT_KEYS["n_grid"], ONESHOT_KEYS["duo_scaling"])
+    config_keys = (*_OneShotQuantizer.config_keys, ONESHOT_KEYS["n_grid"], ONESHOT_KEYS["duo_scaling"],
+                   ONESHOT_KEYS["awq_search"])

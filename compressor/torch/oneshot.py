@@ -433,7 +433,40 @@ class TorchOneShotBackend:
             for h in handles:
                 h.remove()
 
+    def block_output(self, block: nn.Module, inputs: list[_Input]) -> list[np.ndarray]:
+        """The block's hidden-state output on each cached input (float64 rows of the real, not padded, tokens)."""
+        outs = []
+        for inp in inputs:
+            h = _hidden_of(block(*inp.args, **inp.kwargs)).detach()
+            k = inp.keep
+            if k is not None and tuple(h.shape[:-1]) == tuple(k.shape):
+                h = h[k.to(h.device)]
+            outs.append(h.to("cpu", torch.float64).numpy())
+        return outs
+
     # ---- weights
+    def snapshot(self, task: LayerTask) -> dict[str, torch.Tensor]:
+        """CPU copies of what :meth:`write` / :meth:`set_weight` change: the weight and the wrapper's buffers."""
+        w = task.handle
+        saved = {f"buffer:{n}": b.detach().to("cpu", copy=True) for n, b in w.named_buffers()}
+        saved["weight"] = w.weight.detach().to("cpu", copy=True)
+        return saved
+
+    def restore(self, task: LayerTask, saved: dict[str, torch.Tensor]) -> None:
+        w = task.handle
+        buffers = dict(w.named_buffers())
+        with torch.no_grad():
+            w.weight.copy_(saved["weight"])
+            for key, value in saved.items():
+                if key.startswith("buffer:"):
+                    buffers[key[7:]].copy_(value)
+
+    def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
+        w = task.handle
+        new = from_canonical(w, torch.from_numpy(np.ascontiguousarray(weight)))
+        with torch.no_grad():
+            w.weight.copy_(new.to(dtype=w.weight.dtype, device=w.weight.device))
+
     def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
         w = task.handle
         weight = to_canonical(w, w.weight.detach()).to("cpu", torch.float64).numpy()
@@ -445,12 +478,8 @@ class TorchOneShotBackend:
         return weight, mask
 
     def write(self, task: LayerTask, result: LayerResult) -> None:
-        w = task.handle
-        weight = w.weight
-        new = from_canonical(w, torch.from_numpy(np.ascontiguousarray(result.weight)))
-        with torch.no_grad():
-            weight.copy_(new.to(dtype=weight.dtype, device=weight.device))
-        self.compressor._oneshot_write(w, result)
+        self.set_weight(task, result.weight)
+        self.compressor._oneshot_write(task.handle, result)
 
 
 # ------------------------------------------------------------------------------------------------ compressors

@@ -143,3 +143,151 @@ def test_progress_lines_and_errors():
         run_sequential(Silent(W, HEAD, {"sparsity": 0.5}), SparseGPTMethod(), BATCHES, progress=False)
     with pytest.raises(ConfigError, match="no weight bits"):
         quant_spec_of({"quant_bits": {}}, "GptqQuantizer")
+
+
+# ------------------------------------------------------------------------------------------------ AWQ block search
+class GluBackend:
+    """One block ``x + (relu(x A^T) * (x B^T)) C^T`` (A and B read the same input, as gate / up)."""
+
+    def __init__(self, config, fail_at=None):
+        rng = np.random.default_rng(5)
+        self.w = {"a": rng.normal(size=(12, 8)), "b": rng.normal(size=(12, 8)), "c": rng.normal(size=(8, 12)) / 3}
+        self.config = config
+        self.fail_at = fail_at
+        self.outputs = 0
+
+    def blocks(self):
+        return [("blk", "blk")]
+
+    def block_layers(self, block):
+        if block is None:
+            return []
+        return [LayerTask(n, self.config, self.w[n].shape[1], n) for n in ("a", "b", "c")]
+
+    def shared_inputs(self, block, inputs, tasks):
+        return {"b": "a"}
+
+    def first_inputs(self, batches):
+        return [np.array(b, dtype=np.float64) for b in batches]
+
+    def forward(self, x, observe=None):
+        if observe and "a" in observe:
+            observe["a"](x)
+        g = np.maximum(x @ self.w["a"].T, 0.0) * (x @ self.w["b"].T)
+        if observe and "c" in observe:
+            observe["c"](g)
+        return x + g @ self.w["c"].T
+
+    def run_block(self, block, inputs, observe):
+        return [self.forward(x, observe) for x in inputs]
+
+    def block_output(self, block, inputs):
+        self.outputs += 1
+        if self.fail_at is not None and self.outputs >= self.fail_at:
+            raise KeyboardInterrupt
+        return [self.forward(x) for x in inputs]
+
+    def set_weight(self, task, weight):
+        self.w[task.name] = np.array(weight)
+
+    def read_weight(self, task):
+        return self.w[task.name].copy(), None
+
+    def write(self, task, result):
+        self.w[task.name] = result.weight
+
+    def snapshot(self, task):
+        return self.w[task.name].copy()
+
+    def restore(self, task, saved):
+        self.w[task.name] = saved
+
+
+def test_awq_block_search_one_alpha_for_layers_sharing_an_input_by_the_block_output_error():
+    cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
+    be = GluBackend(cfg)
+    w0 = {n: w.copy() for n, w in be.w.items()}
+    rows = run_sequential(be, AwqMethod(), BATCHES, progress=False)
+    assert [r["layer"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["alpha"] == rows[1]["alpha"] and rows[0]["group"] == rows[1]["group"] == "a"
+    assert "group" not in rows[2]  # alone: searched on its own output error
+    # the same alpha by hand: s from the shared input statistics and the stacked weights (duo scaling),
+    # the loss = mean squared error of the block output (a and b quantized, c float) vs the float block
+    spec = quant_spec_of(cfg, "t")
+    x = np.concatenate([b.reshape(-1, 8) for b in BATCHES])
+    acc = os1.GramAccumulator(8, gram=False)
+    for b in BATCHES:
+        acc.add(b)
+    xm = acc.abs_mean()
+    np.testing.assert_allclose(xm, np.abs(x).mean(axis=0), rtol=1e-12)
+    wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
+    ref = GluBackend(cfg)
+    want = [ref.forward(b) for b in BATCHES]
+    losses = []
+    for alpha in os1.awq_grid():
+        s = os1.awq_scales(xm, alpha, wm)
+        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
+        got = [ref.forward(b) for b in BATCHES]
+        losses.append(sum(((g - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    best = int(np.argmin(losses))
+    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
+    s = os1.awq_scales(xm, os1.awq_grid()[best], wm)
+    for n in "ab":
+        np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
+    assert be.outputs == 1 + 20  # the float reference + one run per alpha
+    # 'layer': each layer alone (a and b may get different alphas), no block runs
+    be2 = GluBackend({**cfg, "awq_search": "layer"})
+    rows2 = run_sequential(be2, AwqMethod(), BATCHES, progress=False)
+    assert be2.outputs == 0 and all("group" not in r for r in rows2)
+    assert rows2[0]["alpha"] != rows2[1]["alpha"]  # (this data: the layers alone disagree)
+
+
+def test_a_run_that_fails_part_way_restores_every_layer():
+    cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
+    be = GluBackend(cfg, fail_at=5)  # KeyboardInterrupt in the middle of the alpha search
+    before = {n: w.copy() for n, w in be.w.items()}
+    with pytest.raises(KeyboardInterrupt):
+        run_sequential(be, AwqMethod(), BATCHES, progress=False)
+    for n in before:
+        np.testing.assert_array_equal(be.w[n], before[n])
+
+    class LateFailure(NumpyBackend):  # block 2 fails after block 1 was compressed
+        def run_block(self, block, inputs, observe):
+            if block == "b1":
+                raise RuntimeError("boom in b1")
+            return super().run_block(block, inputs, observe)
+
+        def snapshot(self, task):
+            return self.w[task.name].copy(), self.masks.get(task.name)
+
+        def restore(self, task, saved):
+            self.w[task.name] = saved[0]
+            if saved[1] is None:
+                self.masks.pop(task.name, None)
+            else:
+                self.masks[task.name] = saved[1]
+
+    be2 = LateFailure(W, HEAD, {"sparsity": 0.5})
+    w_before = {n: w.copy() for n, w in be2.w.items()}
+    with pytest.raises(RuntimeError, match="boom in b1"):
+        run_sequential(be2, SparseGPTMethod(), BATCHES, progress=False)
+    assert be2.masks == {}
+    for n in w_before:
+        np.testing.assert_array_equal(be2.w[n], w_before[n])
+
+
+def test_quant_range_full_gives_the_signed_int4_grid():
+    w = RNG.normal(size=(6, 16))
+    full = quant_spec_of({"quant_bits": {"weight": 4}, "quant_range": "full"}, "t")
+    narrow = quant_spec_of({"quant_bits": {"weight": 4}}, "t")
+    assert (full.qrange, narrow.qrange) == ((-8, 7), (-7, 7))
+    q = os1.rtn_quantize(w, full)
+    assert q.codes.min() >= -8 and q.codes.max() <= 7 and (q.zero_point == 0).all()
+    # compressed-tensors' symmetric int4: scale = max|w| / 7.5 per row, codes = clip(round(w / scale), -8, 7)
+    scale = np.abs(w).max(axis=1, keepdims=True) / 7.5
+    np.testing.assert_allclose(q.scale, scale, rtol=1e-15)
+    np.testing.assert_array_equal(q.codes, np.clip(np.round(w / q.scale), -8, 7))
+    assert (q.codes == -8).any()  # a row's negative extreme sits on -7.5 and rounds (half to even) to -8
+    with pytest.raises(ConfigError, match="quant_range 'wide' is not one of"):
+        quant_spec_of({"quant_bits": {"weight": 4}, "quant_range": "wide"}, "t")

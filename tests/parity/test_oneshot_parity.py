@@ -171,3 +171,68 @@ def test_torch_codes_give_the_keras_quantized_layer_of_the_keras_export(name, ex
         assert sorted(from_torch.values) == sorted(from_keras.values)
         for key in from_keras.values:
             np.testing.assert_array_equal(from_torch.values[key], from_keras.values[key], err_msg=key)
+
+
+class TorchGlu(torch.nn.Module):
+    """``x + down(relu(gate(x)) * up(x))``: gate and up read the same input (one AWQ group)."""
+
+    def __init__(self, wg, wu, wd):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(D, H, bias=False), torch.nn.Linear(D, H, bias=False)
+        self.down = torch.nn.Linear(H, D, bias=False)
+        with torch.no_grad():
+            for lin, w in ((self.gate, wg), (self.up, wu), (self.down, wd)):
+                lin.weight.copy_(torch.from_numpy(w))
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class KerasGlu(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = keras.layers.Dense(H, use_bias=False, name="gate")
+        self.up = keras.layers.Dense(H, use_bias=False, name="up")
+        self.down = keras.layers.Dense(D, use_bias=False, name="down")
+
+    def call(self, x):
+        return x + self.down(keras.ops.relu(self.gate(x)) * self.up(x))
+
+
+GLU = [(RNG.normal(size=(H, D)).astype(np.float32) / 4, RNG.normal(size=(H, D)).astype(np.float32) / 4,
+        RNG.normal(size=(D, H)).astype(np.float32) / 6) for _ in range(BLOCKS)]
+
+
+def test_awq_block_search_agrees_alpha_for_alpha_and_code_for_code():
+    class TorchGluNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([TorchGlu(*w) for w in GLU])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    tm = TorchGluNet().eval()
+    km = keras.Sequential([KerasGlu(name=f"glu_{i}") for i in range(BLOCKS)])
+    km(BATCHES[0])
+    for b, (wg, wu, wd) in zip(km.layers, GLU):
+        b.gate.kernel.assign(wg.T)
+        b.up.kernel.assign(wu.T)
+        b.down.kernel.assign(wd.T)
+    cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}]
+    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
+    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False)
+    t_rows = [(r["layer"], r["alpha"], r.get("group")) for r in tq.oneshot_rows]
+    k_rows = [(r["layer"], r["alpha"], r.get("group")) for r in kq.report()]
+    assert [r[2] for r in t_rows] == ["blocks.0.gate", "blocks.0.gate", None, "blocks.1.gate",
+                                       "blocks.1.gate", None]
+    assert [r[2] for r in k_rows] == ["glu_0/gate", "glu_0/gate", None, "glu_1/gate", "glu_1/gate", None]
+    assert [r[1] for r in t_rows] == [r[1] for r in k_rows]  # the same alpha everywhere
+    t_codes = [w.weight_codes.numpy() for w in tq.get_modules_wrapper()]
+    k_codes = [np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()]
+    for t, k in zip(t_codes[:3], k_codes[:3]):  # block 0 sees the data itself: exactly equal codes
+        np.testing.assert_array_equal(t, k)
+    for t, k in zip(t_codes[3:], k_codes[3:]):
+        assert np.mean(t != k) <= 0.005

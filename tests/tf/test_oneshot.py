@@ -22,7 +22,7 @@ from compressor.tf import (  # noqa: E402
     WandaPruner,
 )
 from compressor.tf.calibration_data import calibration_batches  # noqa: E402
-from compressor.tf.oneshot import _einsum_layout, kernel_layout  # noqa: E402
+from compressor.tf.kernel_layout import _einsum_layout, kernel_layout  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore:.*leaves out weighted layers")]
 
@@ -403,3 +403,80 @@ def test_exported_keras_files_compute_what_the_compressed_model_computes(tmp_pat
     k = loaded.get_layer("down").kernel.numpy()  # [in, out]: 2:4 along the input axis, 4-bit grid per group
     assert ((k.T.reshape(WIDTH, -1, 4) != 0).sum(-1) <= 2).all()
     assert max(len(np.unique(k[g * 16:(g + 1) * 16, j])) for g in range(4) for j in range(WIDTH)) <= 15
+
+
+# ------------------------------------------------------------------------------------------- AWQ search, rollback, range
+def test_awq_block_search_gives_one_alpha_and_one_scale_vector_per_input_group():
+    m = lm()
+    a = AwqQuantizer(m, [{"quant_bits": 4, "group_size": 8, **DEFAULT}]).calibrate(CALIB, progress=False)
+    rows = {r["layer"]: r for r in a.report()}
+    ws = {w.name: w for w in a.modules_wrapper}
+    for b in ("block0", "block1"):
+        qkv = [f"{b}/attn/{n}" for n in ("query", "key", "value")]
+        assert {rows[n]["group"] for n in qkv} == {qkv[0]} and len({rows[n]["alpha"] for n in qkv}) == 1
+        for n in qkv[1:]:
+            np.testing.assert_array_equal(ws[n].awq_scales.numpy(), ws[qkv[0]].awq_scales.numpy())
+        for n in (f"{b}/attn/attention_output", f"{b}/up", f"{b}/down"):
+            assert "group" not in rows[n]
+    layer_mode = AwqQuantizer(lm(), [{"quant_bits": 4, "group_size": 8, "awq_search": "layer", **DEFAULT}])
+    assert all("group" not in r for r in layer_mode.calibrate(CALIB, progress=False).report())
+
+
+def _all_state(m, p):
+    weights = [v.numpy().copy() for v in m.weights]
+    states = {w.name: {n: v.numpy().copy() for n, v in w.state_variables().items()} for w in p.modules_wrapper}
+    attrs = {w.name: sorted(a for a in vars(w) if a.startswith("weight_")) for w in p.modules_wrapper}
+    return weights, states, attrs
+
+
+def _same_state(a, b):
+    (wa, sa, aa), (wb, sb, ab) = a, b
+    assert len(wa) == len(wb) and all(np.array_equal(x, y) for x, y in zip(wa, wb))
+    assert aa == ab and {k: sorted(v) for k, v in sa.items()} == {k: sorted(v) for k, v in sb.items()}
+    for k in sa:
+        for n in sa[k]:
+            np.testing.assert_array_equal(sa[k][n], sb[k][n])
+
+
+@pytest.mark.parametrize("cls,cfg", [(SparseGPTPruner, {"sparsity": 0.5}), (GptqQuantizer, {"quant_bits": 4}),
+                                     (AwqQuantizer, {"quant_bits": 4, "group_size": 8})],
+                         ids=["sparsegpt", "gptq", "awq"])
+def test_calibrate_that_fails_in_block_two_leaves_every_weight_and_state_as_before(cls, cfg, monkeypatch):
+    from compressor.tf.oneshot import KerasOneShotBackend
+
+    m = lm()
+    p = cls(m, [{**cfg, **DEFAULT}])
+    before = _all_state(m, p)
+    write = KerasOneShotBackend.write
+
+    def failing(self, task, result):
+        if task.name == "block1/up":
+            raise KeyboardInterrupt("interrupted in block 2")
+        return write(self, task, result)
+
+    monkeypatch.setattr(KerasOneShotBackend, "write", failing)
+    with pytest.raises(KeyboardInterrupt, match="interrupted in block 2"):
+        p.calibrate(CALIB, progress=False)
+    _same_state(_all_state(m, p), before)
+    assert not p.calibrated and list(p.rows) == []
+    if cls is not GptqQuantizer:
+        return
+    monkeypatch.setattr(KerasOneShotBackend, "write", write)
+    p.calibrate(CALIB, progress=False)  # works afterwards, as on a fresh model
+    fresh = lm()
+    cls(fresh, [{**cfg, **DEFAULT}]).calibrate(CALIB, progress=False)
+    for x, y in zip(m.weights, fresh.weights):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+
+
+def test_quant_range_full_uses_the_signed_int4_grid():
+    for key, lo in (("full", -8), ("narrow", -7)):
+        r = RtnQuantizer(lm(), [{"quant_bits": 4, "group_size": 8, "quant_range": key, **DEFAULT}]).calibrate(progress=False)
+        codes = np.concatenate([w.weight_codes.numpy().ravel() for w in r.modules_wrapper])
+        assert codes.min() == lo and codes.max() == 7
+        for name in LAYERS:
+            w, wrapper = canon(r, name)
+            deq = wrapper.weight_codes.numpy().astype(np.float64) * np.repeat(wrapper.weight_group_scale.numpy(), 8, axis=1)
+            np.testing.assert_array_equal(w, deq.astype(np.float32))
+    with pytest.raises(ConfigError, match="quant_range"):
+        GptqQuantizer(lm(), [{"quant_bits": 4, "quant_range": "wide", **DEFAULT}])

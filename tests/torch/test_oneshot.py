@@ -437,3 +437,72 @@ def test_the_registry_picks_the_torch_classes():
     assert type(p) is SparseGPTPruner
     for name in ("WandaPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer"):
         assert compressor.core.registry.registry().get("torch", name) is getattr(compressor.torch, name)
+
+
+# ------------------------------------------------------------------------------------------------ AWQ search, rollback, range
+def test_awq_block_search_gives_one_alpha_and_one_scale_vector_per_input_group():
+    model = build("llama")
+    q = make(AwqQuantizer, model, {"quant_bits": 4, "group_size": 16}).calibrate(batches(), progress=False)
+    rows = {r["layer"]: r for r in q.oneshot_rows}
+    ws = {w.name: w for w in q.get_modules_wrapper()}
+    for b in ("model.layers.0", "model.layers.1"):
+        groups = [[f"{b}.self_attn.{n}_proj" for n in "qkv"], [f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"]]
+        for g in groups:
+            assert {rows[n]["group"] for n in g} == {g[0]} and len({rows[n]["alpha"] for n in g}) == 1
+            for n in g[1:]:
+                assert torch.equal(ws[n].awq_scales, ws[g[0]].awq_scales)
+        for n in (f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"):  # alone: their own output error
+            assert "group" not in rows[n]
+    for w in ws.values():
+        _check_codes(w, 4, 16)
+    lq = make(AwqQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16, "awq_search": "layer"})
+    lq.calibrate(batches(), progress=False)
+    assert all("group" not in r for r in lq.oneshot_rows)
+    with pytest.raises(ConfigError, match="awq_search"):
+        make(AwqQuantizer, build("llama"), {"quant_bits": 4, "awq_search": "model"})
+
+
+@pytest.mark.parametrize("cls,cfg,exc", [
+    (SparseGPTPruner, {"sparsity": 0.5}, RuntimeError),
+    (GptqQuantizer, {"quant_bits": 4, "group_size": 16}, KeyboardInterrupt),
+    (AwqQuantizer, {"quant_bits": 4, "group_size": 16}, RuntimeError),
+], ids=["sparsegpt", "gptq-interrupt", "awq"])
+def test_calibrate_that_fails_in_block_two_leaves_every_weight_and_buffer_as_before(cls, cfg, exc):
+    model = build("llama")
+    p = make(cls, model, cfg)
+    before = state(model)
+    assert any("weight_mask" in k or "weight_codes" in k for k in before)  # wrapper buffers are in the state
+
+    def boom(module, args, kwargs):
+        raise exc("block 2 failed")
+
+    handle = model.model.layers[1].register_forward_pre_hook(boom, with_kwargs=True)
+    with pytest.raises(exc, match="block 2 failed"):
+        p.calibrate(batches(), progress=False)
+    handle.remove()
+    assert same_state(model, before) and set(model.state_dict()) == set(before)
+    assert not p.calibrated and p.oneshot_rows == []
+    # and the compressor still works: the same result as on a fresh copy
+    p.calibrate(batches(), progress=False)
+    fresh = build("llama")
+    make(cls, fresh, cfg).calibrate(batches(), progress=False)
+    assert same_state(model, state(fresh))
+
+
+def test_quant_range_full_uses_the_signed_int4_grid():
+    for rng_key, lo in (("full", -8), ("narrow", -7)):
+        model = build("llama")
+        q = make(RtnQuantizer, model, {"quant_bits": 4, "group_size": 16, "quant_range": rng_key}).calibrate()
+        codes = torch.cat([w.weight_codes.flatten() for w in q.get_modules_wrapper()])
+        assert int(codes.min()) == lo and int(codes.max()) == 7
+        for w in q.get_modules_wrapper():
+            gidx = torch.arange(w.weight_codes.shape[1]) // 16
+            deq = w.weight_codes.double() * w.weight_group_scale.double()[:, gidx]
+            torch.testing.assert_close(deq, w.weight.double(), rtol=1e-6, atol=1e-6)
+            assert int(w.weight_group_zero_point.abs().max()) == 0
+    g = make(GptqQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16, "quant_range": "full"})
+    g.calibrate(batches(), progress=False)
+    codes = torch.cat([w.weight_codes.flatten() for w in g.get_modules_wrapper()])
+    assert int(codes.min()) == -8 and int(codes.max()) == 7
+    with pytest.raises(ConfigError, match="quant_range"):
+        make(GptqQuantizer, build("llama"), {"quant_bits": 4, "quant_range": "wide"})

@@ -47,7 +47,7 @@ __all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer"]
 class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
     required_keys = ("quant_bits",)
     supported_quant_types = ("weight",)
-    config_keys: tuple[Any, ...] = (QUANT_SCHEME_KEY, *oneshot_key_specs("group_size"))
+    config_keys: tuple[Any, ...] = (QUANT_SCHEME_KEY, *oneshot_key_specs("group_size", "quant_range"))
 
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], sequential_targets: Any = None):
         self._init_oneshot(model, sequential_targets)
@@ -127,4 +127,4 @@ class AwqQuantizer(_OneShotQuantizer):
     ``Q(W s) / s``."""
 
     method_class = AwqMethod
-    config_keys = (*_OneShotQuantizer.config_keys, *oneshot_key_specs("n_grid", "duo_scaling"))
+    config_keys = (*_OneShotQuantizer.config_keys, *oneshot_key_specs("n_grid", "duo_scaling", "awq_search"))
