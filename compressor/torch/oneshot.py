@@ -235,6 +235,20 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _dedupe(v: Any, prev: Any) -> Any:
+    """``prev`` where ``v`` holds the same tensors (same shape, dtype, device, values) as ``prev``, else ``v``:
+    the block inputs of every batch then share one causal mask / one rotary table instead of one per batch
+    (they are read only)."""
+    if torch.is_tensor(v):
+        same = (torch.is_tensor(prev) and v.shape == prev.shape and v.dtype == prev.dtype and v.device == prev.device
+                and bool(torch.equal(v, prev)))
+        return prev if same else v
+    if isinstance(v, tuple) and isinstance(prev, tuple) and len(v) == len(prev) and v:
+        out = tuple(_dedupe(a, b) for a, b in zip(v, prev))
+        return prev if all(a is b for a, b in zip(out, prev)) else out
+    return v
+
+
 def _keep_mask(kwargs: dict[str, Any]) -> torch.Tensor | None:
     m = kwargs.get("attention_mask")
     if torch.is_tensor(m) and m.dim() == 2 and not m.is_floating_point():
@@ -318,7 +332,12 @@ class TorchOneShotBackend:
                     raise ModelError(f"{self.what}.calibrate: block {self._blocks[0][0]!r} was called without a "
                                      f"hidden-state tensor")
                 where = ("kw", key)
-            store.append(_Input(tuple(args), dict(kwargs), where, current.get("keep")))
+            kwargs = dict(kwargs)
+            if store:  # the causal mask / rotary tables repeat on every batch: keep one copy
+                prev = store[-1].kwargs
+                kwargs = {k: _dedupe(v, prev[k]) if k in prev and where != ("kw", k) else v
+                          for k, v in kwargs.items()}
+            store.append(_Input(tuple(args), kwargs, where, current.get("keep")))
             raise _Stop
 
         handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
