@@ -16,9 +16,9 @@ The math (Wanda, SparseGPT, GPTQ, RTN, AWQ) and the block-by-block loop live in
 * **running a block**: the block is called with the stored ``(args, kwargs)``, the hidden state (the first
   positional argument, else ``hidden_states=``) replaced by the previous block's output (a tensor, or a
   tuple whose ``[0]`` is the hidden state). Layer inputs are read with forward pre-hooks on the wrappers and
-  handed to core as float64 numpy rows ``[tokens, in]``. Padded tokens are left out of the statistics when
-  the batch has a 2-D ``attention_mask`` (``0`` = padding) whose shape matches the layer input's leading
-  axes.
+  handed to core as float32 (float64 for a float64 model) numpy rows ``[tokens, in]``. Padded tokens are
+  left out of the statistics when the batch has a 2-D ``attention_mask`` (``0`` = padding) whose shape
+  matches the layer input's leading axes.
 * **weights**: read and written in the canonical ``[out, in]`` layout (:mod:`compressor.torch.layout`:
   HF ``Conv1D`` is transposed).
 
@@ -369,7 +369,10 @@ class TorchOneShotBackend:
             k = keep()
             if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
                 x = x[k.to(x.device)]
-            last[:] = [t, _version(t), x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
+            # float32 as it is (core's Gram takes float32 products of float32 values, whatever the dtype handed
+            # over: no float64 copy here); half precision widened to float32, float64 kept
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            last[:] = [t, _version(t), x.to("cpu", dtype).numpy().reshape(-1, x.shape[-1])]
             return last[2]
 
         for w in self.wrappers:
