@@ -18,12 +18,14 @@ run happens in a FRESH interpreter with one intra-op thread (``torch.set_num_thr
   (``--llmc-python``, default /tmp/llmc/bin/python; the column is skipped with a message when it is
   absent), fed the same windows as a DataLoader of batch 1 (as examples/anchors/llmcompressor_rows.py).
 
-Measured per run: the wall time of the compression call only (model and data loaded before), and the peak
-extra memory: the process's peak RSS (``VmHWM``, reset with ``/proc/self/clear_refs`` once the model and
+Measured per run: the wall time of the compression call only (model and data loaded before; the compressor's
+construction included), the process's CPU time over that call (user + system: robust against other load on
+a shared machine), and the peak extra memory: the process's peak RSS (``VmHWM``, reset with ``/proc/self/clear_refs`` once the model and
 data are loaded, where the kernel allows) minus its RSS at that point. It is set against the model's weight
 bytes and against ``one block's calibration activations``: ``samples x seq x hidden x 4 bytes x 2`` (a
 block's cached inputs and the outputs that become the next block's inputs, float32): the memory a
-block-by-block (sequential) calibration cannot avoid.
+block-by-block (sequential) calibration cannot avoid. ``kept``: the RSS growth still there after the call
+(the compressed model's own state: masks, integer codes, scales).
 
     python benchmarks/oneshot_llm.py [--models trained[,large]] [--methods sparsegpt50,wanda50,...]
         [--sides ours,llmc] [--repeat 1] [--batch 1] [--weights PATH] [--llmc-python PATH]
@@ -121,6 +123,10 @@ def _llmc(method: str, model, calib, batch: int):
     from llmcompressor.modifiers.pruning import WandaPruningModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
+    if not torch.cuda.is_available():
+        # llmcompressor 0.14's AWQ pins its cached activations (pin_memory), which a CPU-only torch refuses
+        # ("Cannot access accelerator device"): on CPU pinning has nothing to do, so it is the identity here
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     ignore, targets = ["lm_head"], ["Linear"]
     recipe = {
         "sparsegpt50": lambda: SparseGPTModifier(sparsity=0.5, mask_structure="0:0", targets=targets, ignore=ignore),
@@ -170,8 +176,10 @@ def worker(side: str, method: str, workdir: Path, batch: int) -> None:
     sec = time.perf_counter() - t0
     u1 = resource.getrusage(resource.RUSAGE_SELF)
     peak = _rss_kib("VmHWM")
+    gc.collect()
+    end = _rss_kib("VmRSS")  # what stays: the compressed model's own state (masks, codes, scales)
     cpu = (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)
-    print(json.dumps({"seconds": sec, "cpu_seconds": cpu, "base_kib": base, "peak_kib": peak, "reset": reset,
+    print(json.dumps({"seconds": sec, "cpu_seconds": cpu, "base_kib": base, "peak_kib": peak, "end_kib": end, "reset": reset,
                       "threads": torch.get_num_threads()}), flush=True)
 
 
@@ -232,13 +240,14 @@ def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: fl
     return json.loads(lines[-1])
 
 
-def _cell(runs: list[dict]) -> tuple[float, float, float] | str:
-    """(median wall s, median cpu s, max extra KiB) over the successful runs, or the first error."""
+def _cell(runs: list[dict]) -> tuple[float, float, float, float] | str:
+    """(median wall s, median cpu s, max peak extra KiB, max KiB still held at the end) over the successful
+    runs, or the first error."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return next((r["error"] for r in runs), "not run")
     return (statistics.median(r["seconds"] for r in ok), statistics.median(r.get("cpu_seconds", 0.0) for r in ok),
-            max(r["peak_kib"] - r["base_kib"] for r in ok))
+            max(r["peak_kib"] - r["base_kib"] for r in ok), max(r.get("end_kib", 0) - r["base_kib"] for r in ok))
 
 
 def _row(method: str, ours: list[dict], llmc: list[dict], info: dict) -> str:
@@ -253,7 +262,8 @@ def _row(method: str, ours: list[dict], llmc: list[dict], info: dict) -> str:
     both = isinstance(o, tuple) and isinstance(m, tuple)
     ratio = f"{o[0] / m[0]:.2f}x ({o[1] / m[1]:.2f}x)" if both else "-"
     cells = [method, sec(o), sec(m), ratio,
-             f"{o[2] / 1024:.0f}" if isinstance(o, tuple) else "-", f"{m[2] / 1024:.0f}" if isinstance(m, tuple) else "-",
+             f"{o[2] / 1024:.0f} ({o[3] / 1024:.0f})" if isinstance(o, tuple) else "-",
+             f"{m[2] / 1024:.0f} ({m[3] / 1024:.0f})" if isinstance(m, tuple) else "-",
              extra(o, w), extra(o, act), extra(m, act),
              f"{(w + o[2]) / (w + act):.2f}" if isinstance(o, tuple) else "-"]
     return "| " + " | ".join(cells) + " |"
@@ -304,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{info['params'] / 1e6:.1f} M params, weights {info['weight_bytes'] / 2**20:.1f} MiB "
                   f"(decoder Linear {info['linear_bytes'] / 2**20:.1f} MiB); one block's calibration activations "
                   f"(128 x {SEQ} x {info['hidden']} x 4 B x 2) {info['block_act_bytes'] / 2**20:.1f} MiB", flush=True)
-            print("| method | ours s (cpu s) | llmcompressor s (cpu s) | ours / llmc wall (cpu) | ours extra MiB "
-                  "| llmc extra MiB | ours extra / weights | ours extra / block act | llmc extra / block act "
+            print("| method | ours s (cpu s) | llmcompressor s (cpu s) | ours / llmc wall (cpu) | ours peak extra MiB "
+                  "(kept) | llmc peak extra MiB (kept) | ours extra / weights | ours extra / block act | llmc extra / block act "
                   "| ours (weights + extra) / (weights + block act) |")
             print("|---|---|---|---|---|---|---|---|---|---|")
             for method in methods:
