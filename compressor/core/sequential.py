@@ -139,7 +139,9 @@ class OneShotBackend(Protocol):
 
     Optional: ``shared_inputs(block, inputs, tasks) -> {layer: earlier layer}`` names the layers of a block
     that read the very same input as an earlier one (q / k / v, gate / up); they then share its accumulator
-    (equal statistics, computed once) and are not passed to ``observe``."""
+    (equal statistics, computed once) and are not passed to ``observe``. ``advance(block, inputs)``: the
+    block's outputs as :meth:`run_block` without observing, written over ``inputs`` in place (the driver
+    no longer needs them: one copy of the activations instead of two)."""
 
     def blocks(self) -> Sequence[tuple[str, Any]]:
         """The repeated blocks (decoder layers) in execution order, ``(path, block)``; empty: no blocks."""
@@ -330,6 +332,13 @@ def _shared_inputs(backend: OneShotBackend, block: Any, inputs: list[Any], tasks
     return fn(block, inputs, tasks) if fn is not None else None
 
 
+def _advance(backend: OneShotBackend, block: Any, inputs: list[Any]) -> list[Any]:
+    """The block's outputs on ``inputs``: the backend's ``advance(block, inputs)`` if it has one (it replaces the
+    inputs by the outputs one by one, in place: one copy of the activations), else ``run_block``."""
+    fn = getattr(backend, "advance", None)
+    return fn(block, inputs) if fn is not None else backend.run_block(block, inputs, None)
+
+
 def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
                    progress: Any = True) -> list[dict[str, Any]]:
     """Compress every selected layer of the backend's model with ``method``, block by block (see the module
@@ -357,7 +366,7 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
                 backend.run_block(block, inputs, observe)
                 _compress_layers(backend, method, tasks, accs, rows, name)
             if i + 1 < total:  # the compressed block's outputs feed the next block
-                inputs = backend.run_block(block, inputs, None)
+                inputs = _advance(backend, block, inputs)
         say(f"[{method.name}] block {i + 1}/{total} {name}: {len(tasks)} layer(s), {time.perf_counter() - t0:.1f} s")
     inputs = None  # free the last block's activations
     rest = backend.block_layers(None)

@@ -444,6 +444,15 @@ class TorchOneShotBackend:
                 self._shared = {}
         return outs
 
+    def advance(self, block: nn.Module, inputs: list[_Input]) -> list[_Input]:
+        """:meth:`run_block` without observing, each entry of ``inputs`` replaced by the block's output for it as
+        soon as it is computed (the list is updated in place and returned): one copy of the calibration
+        activations in memory, not the block's inputs and outputs side by side."""
+        for i in range(len(inputs)):
+            inp = inputs[i]
+            inputs[i] = inp.with_hidden(_hidden_of(block(*inp.args, **inp.kwargs)))
+        return inputs
+
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:
         state: dict[str, Any] = {}
         handles = self._observing(observe, lambda: state.get("keep"))
