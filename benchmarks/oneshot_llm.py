@@ -155,8 +155,9 @@ def worker(side: str, method: str, workdir: Path, batch: int) -> None:
     if side == "llmc":  # llmcompressor reads the config back from name_or_path: a local checkpoint
         from transformers import LlamaForCausalLM
 
-        d = tempfile.mkdtemp(prefix="llmc-bench-")
-        model.save_pretrained(d)
+        d = Path(workdir) / "llmc-checkpoint"
+        if not d.is_dir():
+            model.save_pretrained(d)
         model = LlamaForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
         run = _llmc(method, model, calib, batch)
     else:
