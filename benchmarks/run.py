@@ -11,6 +11,8 @@ It runs, each in its own process so frameworks and thread settings do not leak b
   ``--device`` is passed to the scripts that accept it, ``--quick`` passes fewer rounds;
 * import time of ``compressor.torch`` / ``compressor.tf`` against ``import torch`` / ``import
   tensorflow`` alone (fresh interpreters, interleaved, median with min/max);
+* ``oneshot_llm.py``: one-shot compression (SparseGPT, Wanda, GPTQ, AWQ, RTN) of the trained byte-level
+  Llama, wall time and peak memory vs llmcompressor 0.14 (in its own venv, skipped when absent);
 * mask memory: bytes of our bool masks vs the weights, vs float32 masks (NNI's) and vs
   ``torch.nn.utils.prune`` (which keeps ``weight_orig`` and a float mask per weight), measured on the
   state_dict / the mask variables of a pruned model on each backend.
@@ -53,6 +55,7 @@ SCRIPTS: dict[str, str] = {  # script -> framework it needs
     "torch_compile": "torch",
     "lowbit_torch": "torch",
     "packing": "numpy",
+    "oneshot_llm": "torch",
 }
 #: scripts that measure something only a CUDA GPU has: skipped unless --device cuda
 CUDA_ONLY = {"torch_semi_structured"}

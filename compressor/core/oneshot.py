@@ -65,6 +65,8 @@ DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK_SIZE = 128
 AWQ_N_GRID = 20
 AWQ_MIN_SCALE = 1e-4  # the AWQ reference's clamp of mean|x|^alpha
+#: rows per float32 Gram product (:meth:`GramAccumulator.add`): bounds the float32 rounding of one partial sum
+GRAM_F32_ROWS = 1024
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -140,8 +142,8 @@ class GramAccumulator:
 
     ``gram=False`` keeps O(in) memory (Wanda and AWQ need no ``H``); ``sq_sum`` is then summed directly,
     which can differ from ``diag(H)`` in the last bit: a backend picks one mode per algorithm and uses
-    it on both frameworks. Rows go in float64 (``x`` is converted first), so the order of batches is the
-    only thing that changes the sums' rounding.
+    it on both frameworks. The sums are float64; ``gram`` takes float32 products of float32-valued rows
+    (see :meth:`add`), so the values and their grouping into batches are what decide its rounding.
     """
 
     def __init__(self, in_features: int, gram: bool = True):
@@ -154,19 +156,35 @@ class GramAccumulator:
         self.abs_sum = np.zeros(self.in_features)
 
     def add(self, x: Any) -> None:
-        """Accumulate a batch of input rows ``x`` (``[..., in]``); NaN / inf or a wrong width is a ValueError."""
-        a = np.asarray(x, dtype=np.float64)
+        """Accumulate a batch of input rows ``x`` (``[..., in]``); NaN / inf or a wrong width is a ValueError.
+
+        The Gram matrix of rows that are float32 values (float32 input, or float64 input whose every value is a
+        float32: what a float32 model computes, whichever dtype the backend hands over) is computed as float32
+        products of at most :data:`GRAM_F32_ROWS` rows each, summed into the float64 ``gram`` (half the time of
+        a float64 product; the references accumulate in float32 throughout). Other rows are multiplied in
+        float64. So the result depends on the values and their grouping into ``add`` calls only, not on the
+        dtype a backend passes. ``sq_sum`` / ``abs_sum`` are float64 sums of the float64 values."""
+        a = np.asarray(x)
+        if a.dtype != np.float32:
+            a = np.asarray(a, dtype=np.float64)
         if a.ndim == 0 or a.shape[-1] != self.in_features:
             raise ValueError(f"layer input must end with the layer's input dimension {self.in_features}, "
                              f"got shape {a.shape}")
         a = a.reshape(-1, self.in_features)
         if not np.all(np.isfinite(a)):
             raise ValueError("calibration inputs contain NaN or inf")
+        a64 = np.asarray(a, dtype=np.float64)
         if self.gram is not None:
-            self.gram += a.T @ a
+            low = a if a.dtype == np.float32 else a.astype(np.float32)
+            if low is a or np.array_equal(low, a):
+                for i in range(0, low.shape[0], GRAM_F32_ROWS):
+                    c = low[i:i + GRAM_F32_ROWS]
+                    self.gram += c.T @ c
+            else:
+                self.gram += a64.T @ a64
         else:
-            self._sq += np.einsum("ti,ti->i", a, a)
-        self.abs_sum += np.abs(a).sum(axis=0)
+            self._sq += np.einsum("ti,ti->i", a64, a64)
+        self.abs_sum += np.abs(a64).sum(axis=0)
         self.count += a.shape[0]
 
     @property

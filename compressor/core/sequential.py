@@ -163,7 +163,9 @@ class OneShotBackend(Protocol):
     exception, KeyboardInterrupt) leaves every layer as it was.
     ``set_weight(task, weight)`` (canonical ``[out, in]``, float weight only) and ``block_output(block,
     inputs) -> [array per input]`` (the block's hidden-state outputs): AWQ's block-output search
-    (``awq_search: 'block'``)."""
+    (``awq_search: 'block'``).
+    ``advance(block, inputs)``: the block's outputs as :meth:`run_block` without observing, written over
+    ``inputs`` in place (the driver no longer needs them: one copy of the activations instead of two)."""
 
     def blocks(self) -> Sequence[tuple[str, Any]]:
         """The repeated blocks (decoder layers) in execution order, ``(path, block)``; empty: no blocks."""
@@ -480,6 +482,13 @@ def _shared_inputs(backend: OneShotBackend, block: Any, inputs: list[Any], tasks
     return fn(block, inputs, tasks) if fn is not None else None
 
 
+def _advance(backend: OneShotBackend, block: Any, inputs: list[Any]) -> list[Any]:
+    """The block's outputs on ``inputs``: the backend's ``advance(block, inputs)`` if it has one (it replaces the
+    inputs by the outputs one by one, in place: one copy of the activations), else ``run_block``."""
+    fn = getattr(backend, "advance", None)
+    return fn(block, inputs) if fn is not None else backend.run_block(block, inputs, None)
+
+
 def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
                    progress: Any = True) -> list[dict[str, Any]]:
     """Compress every selected layer of the backend's model with ``method``, block by block (see the module
@@ -523,7 +532,7 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
                 else:
                     _compress_layers(backend, method, tasks, accs, rows, name, undo)
             if i + 1 < total:  # the compressed block's outputs feed the next block
-                inputs = backend.run_block(block, inputs, None)
+                inputs = _advance(backend, block, inputs)
         say(f"[{method.name}] block {i + 1}/{total} {name}: {len(tasks)} layer(s), {time.perf_counter() - t0:.1f} s")
     inputs = None  # free the last block's activations
     rest = backend.block_layers(None)

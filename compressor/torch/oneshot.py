@@ -16,9 +16,9 @@ The math (Wanda, SparseGPT, GPTQ, RTN, AWQ) and the block-by-block loop live in
 * **running a block**: the block is called with the stored ``(args, kwargs)``, the hidden state (the first
   positional argument, else ``hidden_states=``) replaced by the previous block's output (a tensor, or a
   tuple whose ``[0]`` is the hidden state). Layer inputs are read with forward pre-hooks on the wrappers and
-  handed to core as float64 numpy rows ``[tokens, in]``. Padded tokens are left out of the statistics when
-  the batch has a 2-D ``attention_mask`` (``0`` = padding) whose shape matches the layer input's leading
-  axes.
+  handed to core as float32 (float64 for a float64 model) numpy rows ``[tokens, in]``. Padded tokens are
+  left out of the statistics when the batch has a 2-D ``attention_mask`` (``0`` = padding) whose shape
+  matches the layer input's leading axes.
 * **weights**: read and written in the canonical ``[out, in]`` layout (:mod:`compressor.torch.layout`:
   HF ``Conv1D`` is transposed).
 
@@ -235,6 +235,20 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _dedupe(v: Any, prev: Any) -> Any:
+    """``prev`` where ``v`` holds the same tensors (same shape, dtype, device, values) as ``prev``, else ``v``:
+    the block inputs of every batch then share one causal mask / one rotary table instead of one per batch
+    (they are read only)."""
+    if torch.is_tensor(v):
+        same = (torch.is_tensor(prev) and v.shape == prev.shape and v.dtype == prev.dtype and v.device == prev.device
+                and bool(torch.equal(v, prev)))
+        return prev if same else v
+    if isinstance(v, tuple) and isinstance(prev, tuple) and len(v) == len(prev) and v:
+        out = tuple(_dedupe(a, b) for a, b in zip(v, prev))
+        return prev if all(a is b for a, b in zip(out, prev)) else out
+    return v
+
+
 def _keep_mask(kwargs: dict[str, Any]) -> torch.Tensor | None:
     m = kwargs.get("attention_mask")
     if torch.is_tensor(m) and m.dim() == 2 and not m.is_floating_point():
@@ -318,7 +332,12 @@ class TorchOneShotBackend:
                     raise ModelError(f"{self.what}.calibrate: block {self._blocks[0][0]!r} was called without a "
                                      f"hidden-state tensor")
                 where = ("kw", key)
-            store.append(_Input(tuple(args), dict(kwargs), where, current.get("keep")))
+            kwargs = dict(kwargs)
+            if store:  # the causal mask / rotary tables repeat on every batch: keep one copy
+                prev = store[-1].kwargs
+                kwargs = {k: _dedupe(v, prev[k]) if k in prev and where != ("kw", k) else v
+                          for k, v in kwargs.items()}
+            store.append(_Input(tuple(args), kwargs, where, current.get("keep")))
             raise _Stop
 
         handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
@@ -350,7 +369,10 @@ class TorchOneShotBackend:
             k = keep()
             if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
                 x = x[k.to(x.device)]
-            last[:] = [t, _version(t), x.to("cpu", torch.float64).numpy().reshape(-1, x.shape[-1])]
+            # float32 as it is (core's Gram takes float32 products of float32 values, whatever the dtype handed
+            # over: no float64 copy here); half precision widened to float32, float64 kept
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            last[:] = [t, _version(t), x.to("cpu", dtype).numpy().reshape(-1, x.shape[-1])]
             return last[2]
 
         for w in self.wrappers:
@@ -421,6 +443,15 @@ class TorchOneShotBackend:
             if observe is not None:
                 self._shared = {}
         return outs
+
+    def advance(self, block: nn.Module, inputs: list[_Input]) -> list[_Input]:
+        """:meth:`run_block` without observing, each entry of ``inputs`` replaced by the block's output for it as
+        soon as it is computed (the list is updated in place and returned): one copy of the calibration
+        activations in memory, not the block's inputs and outputs side by side."""
+        for i in range(len(inputs)):
+            inp = inputs[i]
+            inputs[i] = inp.with_hidden(_hidden_of(block(*inp.args, **inp.kwargs)))
+        return inputs
 
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:
         state: dict[str, Any] = {}

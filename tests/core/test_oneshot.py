@@ -147,6 +147,27 @@ def test_gram_accumulator_exact_values_over_batches_and_leading_axes():
         light.mean()
 
 
+def test_gram_of_float32_rows_is_float32_products_summed_in_float64_whatever_dtype_the_backend_passes():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2 * O.GRAM_F32_ROWS + 6, 16)).astype(np.float32)
+    as32, as64 = O.GramAccumulator(16), O.GramAccumulator(16)
+    as32.add(x)
+    as64.add(x.astype(np.float64).reshape(2, -1, 16))  # float32 values handed over as float64: the same Gram
+    assert np.array_equal(as32.gram, as64.gram) and as32.gram.dtype == np.float64
+    chunks = [x[i:i + O.GRAM_F32_ROWS] for i in range(0, len(x), O.GRAM_F32_ROWS)]
+    expected = np.zeros((16, 16))
+    for c in chunks:  # three float32 products (1024 + 1024 + 6 rows), summed in float64
+        expected += c.T @ c
+    assert np.array_equal(as32.gram, expected)
+    x64 = x.astype(np.float64)
+    assert np.abs(as32.gram - x64.T @ x64).max() <= 1e-5 * np.abs(x64.T @ x64).max()
+    assert np.array_equal(as32.abs_sum, np.abs(x64).sum(axis=0))  # the channel sums stay float64 sums
+    fine = x64[:7] + 1e-9  # not float32 values: a float64 product
+    acc = O.GramAccumulator(16)
+    acc.add(fine)
+    assert np.array_equal(acc.gram, fine.T @ fine)
+
+
 def test_gram_accumulator_refuses_bad_batches_and_empty():
     acc = O.GramAccumulator(3)
     with pytest.raises(ValueError, match="input dimension 3"):

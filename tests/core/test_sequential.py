@@ -95,6 +95,22 @@ def test_each_block_calibrates_on_the_compressed_outputs_of_the_one_before():
     assert be.runs == [("b0", True), ("b0", False), ("b1", True), ("model", True)]
 
 
+def test_a_backend_with_advance_gets_the_next_inputs_in_place_with_the_same_result():
+    class InPlace(NumpyBackend):
+        def advance(self, block, inputs):
+            self.runs.append((block, "advance"))
+            for i, x in enumerate(inputs):
+                inputs[i] = self._block(block, x, None)
+            return inputs
+
+    plain, inplace = NumpyBackend(W, HEAD, {"sparsity": 0.5}), InPlace(W, HEAD, {"sparsity": 0.5})
+    run_sequential(plain, SparseGPTMethod(), BATCHES, progress=False)
+    run_sequential(inplace, SparseGPTMethod(), BATCHES, progress=False)
+    assert inplace.runs == [("b0", True), ("b0", "advance"), ("b1", True), ("model", True)]
+    for name in ("b0", "b1", "head"):
+        np.testing.assert_array_equal(inplace.w[name], plain.w[name])
+
+
 def test_wanda_uses_channel_norms_and_keeps_half_of_each_row():
     be = NumpyBackend(W, HEAD, {"sparsity": 0.5})
     run_sequential(be, WandaMethod(), BATCHES, progress=False)

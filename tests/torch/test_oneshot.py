@@ -127,6 +127,37 @@ def test_blocks_are_found_without_naming_the_family_and_the_head_is_left_out(fam
     assert shared == SHARED[family]
 
 
+def test_block_inputs_share_the_repeated_mask_and_rotary_tables_and_advance_in_place():
+    """The first block's cached inputs keep ONE causal mask / rotary table for all batches (memory: one block's
+    activations, not 1.5x), while hidden states and a padded batch's own mask stay per batch; advance() then
+    replaces them by the block's outputs in place."""
+    model = build("llama")
+    model.config._attn_implementation = "eager"  # a float causal mask on every call (sdpa passes None)
+    be = TorchOneShotBackend(make(WandaPruner, model, {"sparsity": 0.5}), None)
+    ids = batches(3)
+    pad = torch.ones(4, 16, dtype=torch.long)
+    pad[0, :5] = 0
+    with torch.no_grad():
+        first = be.first_inputs([((ids[0],), {"use_cache": False}), ((ids[1],), {"use_cache": False}),
+                                 ((ids[2],), {"use_cache": False, "attention_mask": pad})])
+    k0, k1, k2 = (f.kwargs for f in first)
+    assert torch.is_tensor(k0["attention_mask"]) and k0["attention_mask"].shape == (4, 1, 16, 16)
+    assert k1["attention_mask"] is k0["attention_mask"]
+    assert k1["position_embeddings"] is k0["position_embeddings"]
+    assert k2["position_embeddings"] is k0["position_embeddings"]
+    assert k2["attention_mask"] is not k0["attention_mask"]
+    assert not torch.equal(k2["attention_mask"], k0["attention_mask"])
+    hidden = [f.hidden() for f in first]
+    assert hidden[0] is not hidden[1] and not torch.equal(hidden[0], hidden[1])
+    # the next block's inputs: advance() overwrites the list in place with what run_block returns
+    block = be.blocks()[0][1]
+    with torch.no_grad():
+        outs = be.run_block(block, first, None)
+        same = be.advance(block, first)
+    assert same is first and all(torch.equal(a.hidden(), b.hidden()) for a, b in zip(same, outs))
+    assert same[1].kwargs["attention_mask"] is k0["attention_mask"]
+
+
 def test_named_head_is_compressed_outside_the_blocks_and_a_model_without_blocks_is_one_pass():
     model = build("llama")
     with warnings.catch_warnings():
