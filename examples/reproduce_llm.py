@@ -8,7 +8,8 @@ compressed, ``lm_head`` left out; held-out perplexity over every 256-byte window
 Rows: the method on PyTorch (``compressor.torch``) and on Keras (``compressor.tf``, on a Keras port of the
 same model with the same weights, examples/llm_keras.py, when it is there), for each calibration seed; with
 ``--anchor-python /tmp/llmc/bin/python``, llmcompressor 0.14 on the same weights and the same windows, run in
-that separate environment by examples/anchors/llmcompressor_rows.py.
+that separate environment by examples/anchors/llmcompressor_rows.py; backend ``keras_quantize``: Keras 3.15's
+``model.quantize`` (int4 g128 / GPTQ / AWQ) on the Keras port, examples/anchors/keras_quantize_rows.py.
 
     python -m examples.reproduce_llm [--methods all|a,b] [--seeds 0,1,2] [--backend torch,tf,llmcompressor|all]
         [--anchor-python PATH] [--workdir DIR] [--json PATH (resumable)] [--summary-only]
@@ -59,6 +60,10 @@ METHODS: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {
 ANCHOR = {"wanda50": "wanda50", "sparsegpt50": "sparsegpt50", "sparsegpt24": "sparsegpt24",
           "sparsegpt70": "sparsegpt70", "rtn_w4g128": "rtn_w4g128", "gptq_w4g128": "gptq_w4g128",
           "rtn_w3g128": "rtn_w3g128", "gptq_w3g128": "gptq_w3g128", "awq_w4g128": "awq_w4g128"}
+#: the Keras 3.15 ``model.quantize`` row beside ours (examples/anchors/keras_quantize_rows.py; its int4 g128 grid
+#: is asymmetric, ours symmetric)
+KERAS_ANCHOR = {"rtn_w4g128": "int4_g128", "gptq_w4g128": "gptq_w4g128", "gptq_w3g128": "gptq_w3g128",
+                "awq_w4g128": "awq_w4g128"}
 
 
 def apply_method(backend: Any, model: Any, method: str, calib: Any) -> float:
@@ -96,10 +101,12 @@ def run_keras(model: Any, state: dict[str, np.ndarray], method: str, calib: np.n
     return perplexity_keras(km, windows), sec
 
 
-def run_anchor(python: str, state: Path, corpus_path: str, method: str, seed: int) -> dict | None:
-    """One llmcompressor row (examples/anchors/llmcompressor_rows.py in ``python``'s own environment)."""
-    cmd = [python, str(ROOT / "examples" / "anchors" / "llmcompressor_rows.py"), "--state", str(state),
-           "--corpus", corpus_path, "--methods", ANCHOR[method], "--seed", str(seed)]
+def run_anchor(python: str, state: Path, corpus_path: str, method: str, seed: int,
+               script: str = "llmcompressor_rows.py") -> dict | None:
+    """One anchor row: examples/anchors/<script> (llmcompressor's in ``python``'s own environment)."""
+    name = (KERAS_ANCHOR if script.startswith("keras") else ANCHOR)[method]
+    cmd = [python, str(ROOT / "examples" / "anchors" / script), "--state", str(state),
+           "--corpus", corpus_path, "--methods", name, "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not rows:
@@ -109,7 +116,7 @@ def run_anchor(python: str, state: Path, corpus_path: str, method: str, seed: in
     return rows[-1]
 
 
-BACKENDS = ("torch", "tf", "llmcompressor")
+BACKENDS = ("torch", "tf", "llmcompressor", "keras_quantize")
 
 
 def summary(rows: list[dict], methods: list[str], backends: list[str]) -> str:
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0", help="calibration seeds, e.g. 0,1,2")
     p.add_argument("--backend", default="torch",
                    help=f"comma-separated of {list(BACKENDS)}, or 'all' (torch,tf; llmcompressor when "
-                        "--anchor-python is given)")
+                        "--anchor-python is given). keras_quantize: Keras 3.15's own model.quantize on the "
+                        "Keras port (examples/anchors/keras_quantize_rows.py)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS)
     p.add_argument("--workdir", default=str(ROOT / "out" / "llm"), help="trained weights are cached here")
     p.add_argument("--train-seed", type=int, default=0)
@@ -201,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         calib = calibration_windows(text, 128, seed)
         for method in methods:
             for be in backends:
-                if (method, be, seed) in done or (be == "llmcompressor" and method not in ANCHOR):
+                if (method, be, seed) in done or (be == "llmcompressor" and method not in ANCHOR) or (
+                        be == "keras_quantize" and method not in KERAS_ANCHOR):
                     continue
-                if be == "llmcompressor":
-                    r = run_anchor(a.anchor_python, state_path, a.corpus, method, seed)
+                if be in ("llmcompressor", "keras_quantize"):
+                    r = (run_anchor(a.anchor_python, state_path, a.corpus, method, seed) if be == "llmcompressor"
+                         else run_anchor(sys.executable, state_path, a.corpus, method, seed, "keras_quantize_rows.py"))
                     if r is None:
                         continue
                     ppl, sec = r["ppl"], r["seconds"]
