@@ -11,10 +11,11 @@ Methods (Keras 3.15 semantics, read from keras/src/layers/core/dense.py and kera
 * ``int8``: ``model.quantize('int8')``: int8 weights per output channel (abs-max, [-127, 127]) AND int8
   activations quantized per token at run time (W8A8 dynamic);
 * ``int8_w``: the same weights, activations left float (``Int8QuantizationConfig(activation_quantizer=None)``);
-* ``int4``: ``model.quantize('int4')``: int4 per output channel, symmetric abs-max on [-8, 7] (no groups),
-  weight-only;
+* ``int4``: ``model.quantize('int4')``: Keras resolves mode 'int4' to ``Int4QuantizationConfig()``, whose
+  ``block_size`` defaults to 128: the same as ``int4_g128`` (measured: identical perplexity);
 * ``int4_g128``: ``Int4QuantizationConfig(block_size=128)``: groups of 128 inputs, asymmetric (a zero point per
   group), weight-only: the grid closest to our ``rtn_w4g128`` (ours is symmetric [-7, 7]);
+* ``int4_pc``: ``Int4QuantizationConfig(block_size=None)``: per output channel, symmetric abs-max on [-8, 7];
 * ``gptq_w4g128`` / ``gptq_w3g128``: ``GPTQConfig(weight_bits, group_size=128)`` with its defaults
   (asymmetric, no act-order, damping 0.01);
 * ``awq_w4g128``: ``AWQConfig(group_size=128)`` with its defaults (20 grid points).
@@ -43,10 +44,11 @@ import numpy as np  # noqa: E402
 from examples.llm_common import CONFIG, DEFAULT_CORPUS, calibration_windows, corpus, held_out_windows  # noqa: E402
 from examples.llm_keras import build_keras_llama, load_hf_weights, perplexity_keras  # noqa: E402
 
-METHODS = ("int8", "int8_w", "int4", "int4_g128", "gptq_w4g128", "gptq_w3g128", "awq_w4g128")
+METHODS = ("int8", "int8_w", "int4", "int4_g128", "int4_pc", "gptq_w4g128", "gptq_w3g128", "awq_w4g128")
 GRID = {"int8": "int8 per channel, symmetric [-127, 127]; activations int8 per token (dynamic)",
         "int8_w": "int8 per channel, symmetric [-127, 127]; activations float",
-        "int4": "int4 per channel, symmetric [-8, 7] (abs-max / 7 scale)",
+        "int4": "int4 groups of 128, asymmetric (Keras's default Int4QuantizationConfig)",
+        "int4_pc": "int4 per channel, symmetric [-8, 7] (abs-max / 7 scale)",
         "int4_g128": "int4 groups of 128, asymmetric (zero point per group)",
         "gptq_w4g128": "GPTQ int4 groups of 128, asymmetric, no act-order",
         "gptq_w3g128": "GPTQ int3 groups of 128, asymmetric, no act-order",
@@ -88,6 +90,8 @@ def quantize(model, method: str, calib: np.ndarray) -> None:
         model.quantize(method, filters=decoder_dense)
     elif method == "int8_w":
         model.quantize("int8", config=q.Int8QuantizationConfig(activation_quantizer=None), filters=decoder_dense)
+    elif method == "int4_pc":
+        model.quantize("int4", config=q.Int4QuantizationConfig(block_size=None), filters=decoder_dense)
     elif method == "int4_g128":
         model.quantize("int4", config=q.Int4QuantizationConfig(block_size=128), filters=decoder_dense)
     elif method.startswith("gptq_w") or method.startswith("awq_w"):
