@@ -8,10 +8,11 @@ compressed, ``lm_head`` left out; held-out perplexity over every 256-byte window
 Rows: the method on PyTorch (``compressor.torch``) and on Keras (``compressor.tf``, on a Keras port of the
 same model with the same weights, examples/llm_keras.py, when it is there), for each calibration seed; with
 ``--anchor-python /tmp/llmc/bin/python``, llmcompressor 0.14 on the same weights and the same windows, run in
-that separate environment by examples/anchors/llmcompressor_rows.py.
+that separate environment by examples/anchors/llmcompressor_rows.py; backend ``keras_quantize``: Keras 3.15's
+``model.quantize`` (int4 g128 / GPTQ / AWQ) on the Keras port, examples/anchors/keras_quantize_rows.py.
 
-    python -m examples.reproduce_llm [--methods all|a,b] [--seeds 0,1,2] [--backend torch|tf|all]
-        [--anchor-python PATH] [--workdir DIR] [--json PATH]
+    python -m examples.reproduce_llm [--methods all|a,b] [--seeds 0,1,2] [--backend torch,tf,llmcompressor|all]
+        [--anchor-python PATH] [--workdir DIR] [--json PATH (resumable)] [--summary-only]
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ METHODS: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {
 ANCHOR = {"wanda50": "wanda50", "sparsegpt50": "sparsegpt50", "sparsegpt24": "sparsegpt24",
           "sparsegpt70": "sparsegpt70", "rtn_w4g128": "rtn_w4g128", "gptq_w4g128": "gptq_w4g128",
           "rtn_w3g128": "rtn_w3g128", "gptq_w3g128": "gptq_w3g128", "awq_w4g128": "awq_w4g128"}
+#: the Keras 3.15 ``model.quantize`` row beside ours (examples/anchors/keras_quantize_rows.py; its int4 g128 grid
+#: is asymmetric, ours symmetric)
+KERAS_ANCHOR = {"rtn_w4g128": "int4_g128", "gptq_w4g128": "gptq_w4g128", "gptq_w3g128": "gptq_w3g128",
+                "awq_w4g128": "awq_w4g128"}
 
 
 def apply_method(backend: Any, model: Any, method: str, calib: Any) -> float:
@@ -96,33 +101,67 @@ def run_keras(model: Any, state: dict[str, np.ndarray], method: str, calib: np.n
     return perplexity_keras(km, windows), sec
 
 
-def run_anchor(python: str, state: Path, corpus_path: str, methods: list[str], seed: int) -> dict[str, dict]:
-    names = [ANCHOR[m] for m in methods if m in ANCHOR]
-    if not names:
-        return {}
-    cmd = [python, str(ROOT / "examples" / "anchors" / "llmcompressor_rows.py"), "--state", str(state),
-           "--corpus", corpus_path, "--methods", ",".join(names), "--seed", str(seed)]
+def run_anchor(python: str, state: Path, corpus_path: str, method: str, seed: int,
+               script: str = "llmcompressor_rows.py") -> dict | None:
+    """One anchor row: examples/anchors/<script> (llmcompressor's in ``python``'s own environment)."""
+    name = (KERAS_ANCHOR if script.startswith("keras") else ANCHOR)[method]
+    cmd = [python, str(ROOT / "examples" / "anchors" / script), "--state", str(state),
+           "--corpus", corpus_path, "--methods", name, "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    rows = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            rows[r["method"]] = r
-    if out.returncode != 0:
-        print(f"  anchor failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-    return rows
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not rows:
+        print(f"  anchor {method} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-3:]}",
+              file=sys.stderr)
+        return None
+    return rows[-1]
+
+
+BACKENDS = ("torch", "tf", "llmcompressor", "keras_quantize")
+
+
+def summary(rows: list[dict], methods: list[str], backends: list[str]) -> str:
+    """Markdown: per method and backend the mean (min..max) over seeds, and max |torch - Keras| per seed."""
+    def vals(method: str, be: str) -> dict:
+        return {r["seed"]: r["ppl"] for r in rows if r["method"] == method and r["backend"] == be}
+
+    head = [f"{b} ppl mean (min..max)" for b in backends]
+    lines = ["| method | seeds | " + " | ".join(head) + " | max abs(torch - tf) |",
+             "|---|---|" + "---|" * (len(backends) + 1)]
+    for method in ["dense", *methods]:
+        cells, seeds = [], set()
+        for be in backends:
+            v = vals(method, be)
+            seeds |= set(v)
+            if not v:
+                cells.append("-")
+            elif len(v) == 1:
+                cells.append(f"{next(iter(v.values())):.4f}")
+            else:
+                x = np.array(list(v.values()))
+                cells.append(f"{x.mean():.4f} ({x.min():.4f}..{x.max():.4f})")
+        t, k = vals(method, "torch"), vals(method, "tf")
+        both = sorted(set(t) & set(k), key=str)
+        diff = f"{max(abs(t[s] - k[s]) for s in both):.1e}" if both else "-"
+        seed_s = ",".join(str(s) for s in sorted(seeds, key=str) if s is not None) or "-"
+        lines.append(f"| {method} | {seed_s} | " + " | ".join(cells) + f" | {diff} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="all", help=f"comma-separated of {list(METHODS)} (default all)")
     p.add_argument("--seeds", default="0", help="calibration seeds, e.g. 0,1,2")
-    p.add_argument("--backend", choices=("torch", "tf", "all"), default="torch")
+    p.add_argument("--backend", default="torch",
+                   help=f"comma-separated of {list(BACKENDS)}, or 'all' (torch,tf; llmcompressor when "
+                        "--anchor-python is given). keras_quantize: Keras 3.15's own model.quantize on the "
+                        "Keras port (examples/anchors/keras_quantize_rows.py)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS)
     p.add_argument("--workdir", default=str(ROOT / "out" / "llm"), help="trained weights are cached here")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--anchor-python", help="a python with llmcompressor 0.14 (its own venv)")
-    p.add_argument("--json", help="also write the rows as JSON")
+    p.add_argument("--json", help="rows as JSON, rewritten after every row; rows already in it are skipped "
+                                  "(resume an interrupted run)")
+    p.add_argument("--summary-only", action="store_true", help="print the table of the rows in --json")
     a = p.parse_args(argv)
     import torch
 
@@ -131,40 +170,61 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; allowed: {list(METHODS)}")
+    if a.backend == "all":
+        backends = ["torch", "tf"] + (["llmcompressor"] if a.anchor_python else [])
+    else:
+        backends = a.backend.split(",")
+    bad = sorted(set(backends) - set(BACKENDS))
+    if bad:
+        p.error(f"unknown backends {bad}; allowed: {list(BACKENDS)} or 'all'")
+    if "llmcompressor" in backends and not a.anchor_python:
+        p.error("--backend llmcompressor needs --anchor-python")
+    json_path = Path(a.json) if a.json else None
+    rows: list[dict] = json.loads(json_path.read_text()) if json_path and json_path.is_file() else []
+    if a.summary_only:
+        print(summary(rows, methods, [b for b in BACKENDS if any(r["backend"] == b for r in rows)]))
+        return 0
+    done = {(r["method"], r["backend"], r["seed"]) for r in rows}
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        done.add((row["method"], row["backend"], row["seed"]))
+        if json_path:
+            tmp = json_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rows, indent=1))
+            tmp.replace(json_path)
+
     text = corpus(a.corpus)
     print(text.describe())
     model = trained_llama(text, a.workdir, seed=a.train_seed)
     state_path = Path(a.workdir) / f"llama-bytes-seed{a.train_seed}-steps260.pt"
     windows = held_out_windows(text)
-    dense = perplexity_torch(model, windows)
+    if ("dense", "torch", None) not in done:
+        dense = perplexity_torch(model, windows)
+        add({"method": "dense", "backend": "torch", "seed": None, "ppl": dense, "seconds": 0.0})
+    dense = next(r["ppl"] for r in rows if r["method"] == "dense" and r["backend"] == "torch")
     print(f"dense held-out perplexity: {dense:.4f} ({sum(q.numel() for q in model.parameters()):,} parameters)")
-    backends = ["torch", "tf"] if a.backend == "all" else [a.backend]
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()} if "tf" in backends else {}
-    rows = [{"method": "dense", "backend": "torch", "seed": None, "ppl": dense, "seconds": 0.0}]
     for seed in (int(s) for s in a.seeds.split(",")):
         calib = calibration_windows(text, 128, seed)
-        anchors = run_anchor(a.anchor_python, state_path, a.corpus, methods, seed) if a.anchor_python else {}
         for method in methods:
             for be in backends:
-                ppl, sec = (run_torch(model, method, calib, windows) if be == "torch"
-                            else run_keras(model, state, method, calib, windows))
-                rows.append({"method": method, "backend": be, "seed": seed, "ppl": ppl, "seconds": sec})
-                print(f"  seed {seed} {method:24s} {be:5s} ppl {ppl:.4f}  ({sec:.1f} s)", flush=True)
-            if method in ANCHOR and ANCHOR[method] in anchors:
-                r = anchors[ANCHOR[method]]
-                rows.append({"method": method, "backend": "llmcompressor", "seed": seed, "ppl": r["ppl"],
-                             "seconds": r["seconds"]})
-                print(f"  seed {seed} {method:24s} llmc  ppl {r['ppl']:.4f}  ({r['seconds']:.1f} s)", flush=True)
-    print("\n| method | " + " | ".join(f"{b} ppl (mean over seeds)" for b in [*backends, "llmcompressor"]) + " |")
-    print("|---|" + "---|" * (len(backends) + 1))
-    for method in ["dense", *methods]:
-        cells = []
-        for be in [*backends, "llmcompressor"]:
-            vals = [r["ppl"] for r in rows if r["method"] == method and r["backend"] == be]
-            cells.append(f"{np.mean(vals):.4f}" if vals else "-")
-        print(f"| {method} | " + " | ".join(cells) + " |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+                if (method, be, seed) in done or (be == "llmcompressor" and method not in ANCHOR) or (
+                        be == "keras_quantize" and method not in KERAS_ANCHOR):
+                    continue
+                if be in ("llmcompressor", "keras_quantize"):
+                    r = (run_anchor(a.anchor_python, state_path, a.corpus, method, seed) if be == "llmcompressor"
+                         else run_anchor(sys.executable, state_path, a.corpus, method, seed, "keras_quantize_rows.py"))
+                    if r is None:
+                        continue
+                    ppl, sec = r["ppl"], r["seconds"]
+                else:
+                    ppl, sec = (run_torch(model, method, calib, windows) if be == "torch"
+                                else run_keras(model, state, method, calib, windows))
+                add({"method": method, "backend": be, "seed": seed, "ppl": ppl, "seconds": sec})
+                print(f"  seed {seed} {method:24s} {be:13s} ppl {ppl:.4f}  ({sec:.1f} s)", flush=True)
+    print()
+    print(summary(rows, methods, [b for b in BACKENDS if any(r["backend"] == b for r in rows)]))
     return 0
 
 
