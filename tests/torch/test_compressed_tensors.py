@@ -131,9 +131,29 @@ def test_rtn_affine_is_naive_quantized_and_loads(tmp_path):
     assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
 
 
-def test_awq_folds_exactly_where_it_can(tmp_path):
+def test_awq_with_one_scale_per_input_group_packs_every_layer(tmp_path):
+    """The default block search gives q / k / v one shared ``s`` (they read one norm): every 1/s folds
+    exactly (q/k/v and fc1 into their norms, out_proj into v_proj's rows, fc2 into fc1's rows)."""
+    import warnings
+
     model = _build("opt")
     q = AwqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"]}])
+    q.calibrate(_batches())
+    ref = _logits(model)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        q.export_model(None, hf_path=str(tmp_path / "ck"))
+    assert not [r for r in rec if "written as float weights" in str(r.message)]
+    p = "model.decoder.layers.0."
+    (group,) = _qconfig(tmp_path / "ck")["config_groups"].values()
+    assert group["targets"] == [p + n for n in ("fc1", "fc2", "self_attn.k_proj", "self_attn.out_proj",
+                                                "self_attn.q_proj", "self_attn.v_proj")]
+    assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
+
+
+def test_awq_folds_exactly_where_it_can(tmp_path):
+    model = _build("opt")  # per-layer search: q / k / v get three different s
+    q = AwqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"], "awq_search": "layer"}])
     q.calibrate(_batches())
     ref = _logits(model)
     with pytest.warns(UserWarning, match="written as float weights") as rec:
