@@ -107,8 +107,17 @@ def mask_to_set(layer: str, name: str, has_mask: bool, value: Any) -> bool:
 # masker's keyword arguments). Arguments are checked before the model is touched.
 
 
+#: what ``op_types: ['default']`` leaving layers out means for a filter pruner (the generic advice, "add them to
+#: op_types", would name types these pruners refuse, e.g. Keras SeparableConv2D or Embedding)
+FILTER_SKIP_HINT = ("add them to op_types only if filter pruning takes them (convolutions, depthwise ones "
+                    "included, and Linear / Dense layers); layers of other types keep all their weights (speedup "
+                    "still removes the input channels they lose when the layers feeding them are pruned)")
+
+
 class FilterPrunerArgs:
     """``(model, config_list, optimizer=None, dependency_aware=False, dummy_input=None)``: weight criteria."""
+
+    default_skip_hint = FILTER_SKIP_HINT
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  dependency_aware: bool = False, dummy_input: Any = None) -> None:
@@ -119,6 +128,8 @@ class FilterPrunerArgs:
 class ActivationPrunerArgs:
     """``(model, config_list, optimizer=None, activation='relu', statistics_batch_num=1, dependency_aware=False,
     dummy_input=None)``: activation-rank criteria (APoZ, mean activation)."""
+
+    default_skip_hint = FILTER_SKIP_HINT
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  activation: str = "relu", statistics_batch_num: int = 1, dependency_aware: bool = False,
@@ -132,6 +143,8 @@ class ActivationPrunerArgs:
 class TaylorPrunerArgs:
     """``(model, config_list, optimizer=None, statistics_batch_num=1, dependency_aware=False, dummy_input=None)``:
     the Taylor first-order criterion."""
+
+    default_skip_hint = FILTER_SKIP_HINT
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  statistics_batch_num: int = 1, dependency_aware: bool = False, dummy_input: Any = None) -> None:
