@@ -6,11 +6,15 @@ from __future__ import annotations
 import errno
 import os
 
+import numpy as np
 import pytest
 
-from compressor.core import atomic
+from compressor.cli import main
+from compressor.core import atomic, npz
 from compressor.core.atomic import atomic_path, atomic_paths, temp_path_for
 from compressor.core.errors import ConfigError
+from compressor.core.npz import save_npz
+from compressor.core.packing import pack
 
 
 def _write(path, data: bytes) -> None:
@@ -137,3 +141,51 @@ def test_write_errors_name_the_target(tmp_path):
     with pytest.raises(FileNotFoundError) as info, atomic_paths(a):
         open(tmp_path / "missing.bin", "rb")
     assert info.value.filename == str(tmp_path / "missing.bin")
+
+
+# ---------------------------------------------------------------- .npz names and the CLI's output paths
+SAVEZ_NAMES = {"file": np.arange(3, dtype=np.float32), "allow_pickle": np.ones((2, 2), bool),
+               "args": np.array([7], np.int64), "kwds": np.zeros(0, np.float16), "layer/0.weight": np.eye(2)}
+
+
+def test_save_npz_keeps_names_np_savez_takes_as_its_own_arguments(tmp_path):
+    save_npz(tmp_path / "m.npz", SAVEZ_NAMES)
+    with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
+        assert sorted(data.files) == sorted(SAVEZ_NAMES)
+        for k, v in SAVEZ_NAMES.items():
+            assert data[k].dtype == v.dtype and np.array_equal(data[k], v)
+    with pytest.raises(ValueError, match="pickle"):
+        save_npz(tmp_path / "o.npz", {"o": np.array([object()], dtype=object)})
+
+
+def test_cli_unpack_to_npz_round_trips_every_name(tmp_path, capsys):
+    pack(SAVEZ_NAMES, tmp_path / "m.cmpk")
+    assert main(["unpack", str(tmp_path / "m.cmpk"), str(tmp_path / "out.npz")]) == 0
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as data:
+        assert sorted(data.files) == sorted(SAVEZ_NAMES)
+        assert all(np.array_equal(data[k], v) for k, v in SAVEZ_NAMES.items())
+    assert "5 tensors" in capsys.readouterr().out
+
+
+def test_cli_output_path_problems_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    pack({"w": np.ones(4, np.float32)}, tmp_path / "m.cmpk")
+    (tmp_path / "dir.npz").mkdir()
+    assert main(["unpack", str(tmp_path / "m.cmpk"), str(tmp_path / "dir.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compressor: error: [Errno 21]") and str(tmp_path / "dir.npz") in err
+    assert "Traceback" not in err and ".tmp-" not in err and err.count("\n") == 1
+    long_name = "w" * 236 + ".npz"  # 240 characters: a valid name
+    assert main(["unpack", str(tmp_path / "m.cmpk"), str(tmp_path / long_name)]) == 0
+    assert (tmp_path / long_name).is_file()
+    too_long = "w" * 300 + ".npz"
+    assert main(["unpack", str(tmp_path / "m.cmpk"), str(tmp_path / too_long)]) == 2
+    assert "File name too long" in capsys.readouterr().err
+
+    def read_only(path, arrays):
+        raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+
+    monkeypatch.setattr(npz, "save_npz", read_only)
+    assert main(["unpack", str(tmp_path / "m.cmpk"), str(tmp_path / "ro.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"compressor: error: [Errno 30] Read-only file system: '{tmp_path / 'ro.npz'}'\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["dir.npz", long_name, "m.cmpk"])
