@@ -453,3 +453,30 @@ def test_wrong_type_flags_are_refused():
     with pytest.raises(ConfigError, match="QAT_Quantizer: bn_fold must be True, False or None, got 0"):
         QAT_Quantizer(model, cfg, bn_fold=0)
     assert str(model) == str(before)  # not wrapped
+
+
+def test_a_compressed_file_with_two_values_for_one_tied_tensor_is_refused(tmp_path):
+    from compressor.core.errors import CompressedFileError
+    from compressor.core.packing import pack
+    from compressor.torch.packing import load_compressed
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    before = model.emb.weight.detach().clone()
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    assert sorted(arrays) == ["emb.weight", "head.weight"]
+    arrays["head.weight"][0, 0] += 1.0
+    pack(arrays, tmp_path / "m.cmpk")
+    with pytest.raises(CompressedFileError, match="'emb.weight' and 'head.weight' are one tied tensor"):
+        load_compressed(model, tmp_path / "m.cmpk")
+    assert torch.equal(model.emb.weight, before)
+    arrays["head.weight"] = arrays["emb.weight"]
+    pack(arrays, tmp_path / "m.cmpk")
+    load_compressed(model, tmp_path / "m.cmpk")
+    assert model.head.weight is model.emb.weight
