@@ -276,6 +276,7 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .core.atomic import atomic_path
+    from .core.npz import save_npz
     from .core.packing import unpack
 
     suffix = os.path.splitext(args.output)[1].lower()
@@ -288,23 +289,23 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
         arrays = load_compressed_tensors(args.packed)  # checked completely before the output is touched
         with atomic_path(args.output) as tmp:
             if suffix == ".npz":
-                with open(tmp, "wb") as f:
-                    np.savez(f, **arrays)
+                save_npz(tmp, arrays)  # not np.savez(**arrays): a tensor named 'file' would break it
             else:
                 write_safetensors(tmp, arrays)
         print(f"{args.packed} -> {args.output}: {len(arrays)} tensors")
         return 0
     arrays = unpack(args.packed)
     if suffix == ".npz":
-        with atomic_path(args.output) as tmp, open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+        with atomic_path(args.output) as tmp:
+            save_npz(tmp, arrays)
     elif suffix in (".pt", ".pth"):
         try:
             import torch
         except ImportError:
             raise BackendNotAvailable("writing a .pt file needs torch (pip install 'compressor[torch]')") from None
         with atomic_path(args.output) as tmp:
-            torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in arrays.items()}, tmp)
+            with open(tmp, "wb") as f:  # a file object: a failed write surfaces as an OSError, not torch's text
+                torch.save({k: torch.from_numpy(np.array(v, order="C")) for k, v in arrays.items()}, f)
     elif suffix == ".keras":
         if args.model is None:
             raise ConfigError("unpacking to .keras needs --model ARCH.keras (a .keras file of the same model whose "
@@ -426,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ModelError, BackendNotAvailable, FileNotFoundError, CompressedFileError) as e:
+    except (ConfigError, ModelError, BackendNotAvailable, OSError, CompressedFileError) as e:
+        # OSError: an output that is a directory, a read-only or full file system, a name too long
         print(f"compressor: error: {_one_line(e)}", file=sys.stderr)
         return BAD_INPUT
 

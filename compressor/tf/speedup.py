@@ -335,6 +335,9 @@ def speedup_model(model_or_pruner: Any, masks: Any = None, strict: bool = True,
 
     Returns the model, or ``(model, SpeedupReport)`` with ``return_report=True``.
     """
+    for flag, value in (("strict", strict), ("return_report", return_report)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"speedup_model: {flag} must be True or False, got {value!r}")
     model, mask_dict = _resolve(model_or_pruner, masks)
     walkable(model)  # subclassed models fail here, before anything is copied
     if not is_graph_model(model):  # pragma: no cover - walkable raised

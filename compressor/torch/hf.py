@@ -20,6 +20,10 @@ backend call it, never this module.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import re
+import shutil
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.atomic import atomic_path
 from ..core.errors import ModelError
 from .families import ModelFamily
 from .modules import innermost_module, is_wrapper, named_wrappers
@@ -188,8 +193,38 @@ def _save_pretrained(model: nn.Module, original: Any, save_directory: Any, *args
                       f"those activations in float). quantizer.export_model(calibration_path=..., "
                       f"onnx_path=...) keeps it", UserWarning, stacklevel=3)
     state = compressed_state_dict(model)
-    with _plain_modules(model):
-        return original(model, save_directory, *args, state_dict=state, **kwargs)
+    target = os.fspath(save_directory)
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise NotADirectoryError(errno.ENOTDIR, "save_pretrained needs a directory; this is a file", target)
+    if kwargs.get("push_to_hub"):  # the repository is named after the target folder, not the temporary one
+        kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(target)))
+    # all or nothing: written into a sibling temporary folder, swapped in when complete (core.atomic)
+    with atomic_path(target) as tmp:
+        os.mkdir(tmp)
+        _copy_kept_files(target, tmp)
+        with _plain_modules(model):
+            result = original(model, tmp, *args, state_dict=state, **kwargs)
+    return result
+
+
+# what save_pretrained (re)writes or deletes itself: config, generation config, weights, shards, shard index
+_REWRITTEN = re.compile(r"(config|generation_config)\.json|(pytorch_|tf_|flax_)?model(-\d{5}-of-\d{5})?"
+                        r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
+
+
+def _copy_kept_files(folder: str, tmp: str) -> None:
+    """Copy what else the existing checkpoint folder holds (tokenizer files, a README, training arguments)
+    into the temporary folder, so the swap keeps them as writing in place would."""
+    if not os.path.isdir(folder):
+        return
+    for entry in os.scandir(folder):
+        if _REWRITTEN.fullmatch(entry.name):
+            continue
+        dst = os.path.join(tmp, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst, symlinks=True)
+        else:
+            shutil.copy2(entry.path, dst, follow_symlinks=False)
 
 
 def _resize_token_embeddings(model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:

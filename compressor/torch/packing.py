@@ -69,5 +69,20 @@ def load_compressed(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         if want is None or arr.dtype.newbyteorder("=") != want.newbyteorder("="):
             raise CompressedFileError(f"{where}: {key!r} is {arr.dtype}, the model's is {have.dtype}")
         state[key] = torch.from_numpy(np.array(arr, dtype=want, order="C"))  # (keeps 0-d arrays 0-d)
+    _check_ties(target, state, where)
     model.load_state_dict(state, strict=True)
     return model
+
+
+def _check_ties(target: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
+    """Keys the model ties (one tensor under two names: an LM head and its embedding) must hold one value in
+    the file too; otherwise which one the model got would depend on the load order."""
+    first: dict[tuple, str] = {}
+    for key, have in target.items():
+        if have.numel() == 0:
+            continue
+        tie = (have.untyped_storage().data_ptr(), have.storage_offset(), tuple(have.shape), tuple(have.stride()))
+        other = first.setdefault(tie, key)
+        if other != key and not torch.equal(state[other], state[key]):
+            raise CompressedFileError(f"{where}: {other!r} and {key!r} are one tied tensor in the model but hold "
+                                      f"different values in the file")

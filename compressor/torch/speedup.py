@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -242,6 +243,7 @@ def _apply_masks(model: nn.Module, masks: dict[str, dict[str, torch.Tensor]]) ->
         except AttributeError:
             raise ConfigError(f"masks name layer {name!r}, which the model does not have") from None
         for pname, mask in entry.items():
+            mask = _binary_mask(mask, f"{name}.{pname}")
             param = getattr(module, pname, None)
             if not torch.is_tensor(param) or tuple(param.shape) != tuple(mask.shape):
                 raise ConfigError(f"mask {name}.{pname} of shape {tuple(mask.shape)} does not fit the model")
@@ -250,8 +252,25 @@ def _apply_masks(model: nn.Module, masks: dict[str, dict[str, torch.Tensor]]) ->
     with torch.no_grad():
         for name, pname, param, mask in todo:
             backup[(name, pname)] = param.detach().clone()
-            param.mul_(mask.to(param.device, dtype=param.dtype))
+            param.masked_fill_(~mask.to(param.device), 0)
     return backup
+
+
+def _binary_mask(mask: Any, where: str) -> torch.Tensor:
+    """``mask`` (a torch tensor or numpy array, bool or 0/1 numbers) as a CPU bool tensor; anything else is
+    a ConfigError naming the mask (a mask scaling weights by 0.5 is no mask)."""
+    if isinstance(mask, np.ndarray):
+        if mask.dtype == object or not (mask.dtype == bool or np.issubdtype(mask.dtype, np.number)):
+            raise ConfigError(f"mask {where}: dtype {mask.dtype} is not bool or numeric")
+        mask = torch.from_numpy(np.ascontiguousarray(mask))
+    elif not torch.is_tensor(mask):
+        raise ConfigError(f"mask {where}: a mask must be a torch tensor or a numpy array, got {type(mask).__name__}")
+    mask = mask.detach().cpu()
+    if mask.dtype != torch.bool:
+        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ConfigError(f"mask {where}: values must be 0 / 1 (or bool); got values other than 0 and 1")
+        mask = mask != 0
+    return mask
 
 
 def _restore(model: nn.Module, backup: dict[tuple[str, str], torch.Tensor]) -> None:
@@ -278,6 +297,8 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
     """
     from .pruning.export import pruner_wrappers, unwrapped_model
 
+    if not isinstance(strict, bool):
+        raise ConfigError(f"speedup_model: strict must be True or False, got {strict!r}")
     if isinstance(model_or_pruner, nn.Module):
         model = model_or_pruner
         if pruner_wrappers(model):

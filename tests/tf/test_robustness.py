@@ -275,3 +275,61 @@ def test_slim_on_fresh_batchnorms_keeps_every_layer_and_warns():
     assert np.abs(out - out[0]).max() > 0  # not disconnected
     with pytest.raises(ConfigError, match="max_layer_sparsity"):
         SlimPruner(conv_bn_stack(), [{"sparsity": 0.5, "op_types": ["BatchNormalization"]}], max_layer_sparsity=-1)
+
+
+# ---------------------------------------------------------------- issue 29: one transaction per export
+def test_pruner_export_with_a_later_target_a_directory_changes_no_file(tmp_path):
+    pruner = LevelPruner(cnn(), [{"sparsity": 0.5, "op_types": ["Conv2D", "Dense"]}])
+    pruner.compress()
+    (tmp_path / "m.keras").write_bytes(b"old model")
+    (tmp_path / "masks.npz").write_bytes(b"old masks")
+    (tmp_path / "m.tflite").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        pruner.export_model(str(tmp_path / "m.keras"), str(tmp_path / "masks.npz"), tflite_path=str(tmp_path / "m.tflite"))
+    assert info.value.filename == str(tmp_path / "m.tflite")
+    assert (tmp_path / "m.keras").read_bytes() == b"old model" and (tmp_path / "masks.npz").read_bytes() == b"old masks"
+    assert _listing(tmp_path) == ["m.keras", "m.tflite", "masks.npz"]
+    with pytest.raises(ConfigError, match="model_path and compressed_path are the same file"):
+        pruner.export_model(str(tmp_path / "m.keras"), compressed_path=str(tmp_path / "m.keras"))
+    assert (tmp_path / "m.keras").read_bytes() == b"old model"
+
+
+def test_ptq_export_with_tflite_path_a_directory_changes_no_file(tmp_path):
+    from compressor.tf import PtqQuantizer
+
+    model = cnn()
+    q = PtqQuantizer(model, [{"quant_types": ["weight", "input", "output"], "quant_bits": 8, "op_types": ["Conv2D"]}])
+    q.compress()
+    q.calibrate(X, num_batches=1)
+    (tmp_path / "calib.json").write_text("old")
+    (tmp_path / "q.tflite").mkdir()
+    with pytest.raises(IsADirectoryError):
+        q.export_model(calibration_path=str(tmp_path / "calib.json"), tflite_path=str(tmp_path / "q.tflite"))
+    assert (tmp_path / "calib.json").read_text() == "old" and _listing(tmp_path) == ["calib.json", "q.tflite"]
+    with pytest.raises(ConfigError, match="PtqQuantizer: bn_fold must be True or False, got 'no'"):
+        PtqQuantizer(cnn(), [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["Conv2D"]}], bn_fold="no")
+
+
+def test_masks_of_layers_named_like_np_savez_arguments_round_trip(tmp_path):
+    from compressor.tf.pruning.export import load_masks
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(4, name="file")(inp)
+    h = keras.layers.Dense(4, name="allow_pickle")(h)
+    model = keras.Model(inp, keras.layers.Dense(2, name="args")(h))
+    pruner = LevelPruner(model, [{"sparsity": 0.5, "op_types": ["Dense"]}])
+    pruner.compress()
+    pruner.export_model(mask_path=str(tmp_path / "masks.npz"))
+    masks = load_masks(str(tmp_path / "masks.npz"))
+    assert sorted(masks) == ["allow_pickle", "args", "file"]
+    for w in pruner.get_modules_wrapper():
+        np.testing.assert_array_equal(masks[w.name]["weight"], w.weight_mask.numpy())
+        assert int((~masks[w.name]["weight"]).sum()) == w.weight_mask.numpy().size // 2
+
+
+def test_speedup_strict_of_the_wrong_type_is_refused():
+    from compressor.tf import speedup_model
+
+    with pytest.raises(ConfigError, match="speedup_model: strict must be True or False, got 'no'"):
+        speedup_model(cnn(), strict="no")

@@ -376,3 +376,45 @@ def test_multihead_attention_out_proj_quantizer_is_refused_pruner_works():
     model.eval()
     with torch.no_grad():
         assert not torch.equal(model(x), dense)
+
+
+def test_save_pretrained_failing_half_way_keeps_the_old_checkpoint_loadable(tmp_path, monkeypatch):
+    import errno
+
+    import transformers.modeling_utils as mu
+
+    model = bert()
+    quiet(LevelPruner, model, [{"sparsity": 0.5, "op_types": ["default"]}]).compress()
+    x = tokens(2, 7)
+    old = logits(model, x)
+    folder = tmp_path / "ckpt"
+    quiet(model.save_pretrained, folder)
+    (folder / "tokenizer.json").write_text("{}")  # saved beside it by the user: kept by every save
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with torch.no_grad():
+        model.classifier.bias.add_(1.0)  # the next save differs
+    real_save = mu.safe_save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a safetensors file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mu, "safe_save_file", full_disk)
+    with pytest.raises(OSError) as info:
+        quiet(model.save_pretrained, folder)
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, str(folder))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # byte-identical, nothing added
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
+    reloaded = quiet(tr.BertForSequenceClassification.from_pretrained, folder).eval()
+    assert torch.equal(logits(reloaded, x), old)
+    monkeypatch.setattr(mu, "safe_save_file", real_save)
+    quiet(model.save_pretrained, folder)
+    assert (folder / "tokenizer.json").read_text() == "{}"
+    reloaded = quiet(tr.BertForSequenceClassification.from_pretrained, folder).eval()
+    assert torch.equal(logits(reloaded, x), logits(model, x)) and not torch.equal(logits(reloaded, x), old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        quiet(model.save_pretrained, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from compressor.core.errors import ConfigError
 from compressor.torch import LevelPruner, LsqQuantizer, QAT_Quantizer, SlimPruner
 
 X = torch.randn(8, 1, 6, 6, generator=torch.Generator().manual_seed(0))
@@ -325,3 +326,157 @@ def test_export_files_are_not_left_as_temporaries(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
     np.testing.assert_array_equal(torch.load(tmp_path / "sub" / "m.pt", weights_only=True)["0.weight"].numpy(),
                                   model[0].weight.detach().numpy())
+
+
+# ---------------------------------------------------------------- issue 29: one transaction per export
+def _pruned_small():
+    model = small()
+    pruner = LevelPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2d", "Linear"]}])
+    pruner.compress()
+    return pruner
+
+
+def test_pruner_export_with_a_later_target_a_directory_changes_no_file(tmp_path):
+    pruner = _pruned_small()
+    (tmp_path / "model.pt").write_bytes(b"old model")
+    (tmp_path / "mask.pt").write_bytes(b"old masks")
+    (tmp_path / "model.cmpk").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        pruner.export_model(tmp_path / "model.pt", tmp_path / "mask.pt", compressed_path=tmp_path / "model.cmpk")
+    assert info.value.filename == str(tmp_path / "model.cmpk")
+    assert (tmp_path / "model.pt").read_bytes() == b"old model" and (tmp_path / "mask.pt").read_bytes() == b"old masks"
+    assert _listing(tmp_path) == ["mask.pt", "model.cmpk", "model.pt"]
+
+
+def test_quantizer_export_with_a_later_target_a_directory_changes_no_file(tmp_path):
+    quantizer = QAT_Quantizer(small(), [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["Conv2d", "Linear"]}])
+    quantizer.compress()
+    (tmp_path / "q.pt").write_bytes(b"old model")
+    (tmp_path / "calib.pt").mkdir()
+    with pytest.raises(IsADirectoryError):
+        quantizer.export_model(tmp_path / "q.pt", tmp_path / "calib.pt")
+    assert (tmp_path / "q.pt").read_bytes() == b"old model" and _listing(tmp_path) == ["calib.pt", "q.pt"]
+
+
+def test_export_to_the_same_file_twice_is_refused_before_writing(tmp_path):
+    pruner = _pruned_small()
+    (tmp_path / "model.pt").write_bytes(b"old model")
+    (tmp_path / "alias.pt").symlink_to(tmp_path / "model.pt")
+    for mask_path in (tmp_path / "model.pt", tmp_path / "alias.pt"):
+        with pytest.raises(ConfigError, match="model_path and mask_path are the same file"):
+            pruner.export_model(tmp_path / "model.pt", mask_path)
+    quantizer = QAT_Quantizer(small(), [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["Conv2d"]}])
+    quantizer.compress()
+    with pytest.raises(ConfigError, match="model_path and calibration_path are the same file"):
+        quantizer.export_model(tmp_path / "model.pt", str(tmp_path / "model.pt"))
+    assert (tmp_path / "model.pt").read_bytes() == b"old model" and _listing(tmp_path) == ["alias.pt", "model.pt"]
+
+
+
+
+def test_a_full_disk_is_an_oserror_naming_the_target_and_keeps_the_old_file(tmp_path):
+    # the file-size limit makes write() fail half way (EFBIG), as a full disk does (ENOSPC): torch's writer
+    # would report "[enforce fail at inline_container.cc]" with a temporary name
+    import subprocess
+    import sys
+
+    script = f"""
+import errno, os, resource, signal
+import torch
+from torch import nn
+from compressor.torch import LevelPruner
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+pruner = LevelPruner(model, [{{"sparsity": 0.5, "op_types": ["Linear"]}}])
+pruner.compress()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    pruner.export_model({str(tmp_path / 'model.pt')!r}, {str(tmp_path / 'mask.pt')!r})
+except OSError as e:
+    print(type(e).__name__, e.errno == errno.EFBIG, e.filename, str(e))
+"""
+    (tmp_path / "model.pt").write_bytes(b"old model")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split(" ")[:3] == ["OSError", "True", str(tmp_path / "model.pt")], out.stdout
+    assert "inline_container" not in out.stdout and ".tmp-" not in out.stdout
+    assert (tmp_path / "model.pt").read_bytes() == b"old model" and _listing(tmp_path) == ["model.pt"]
+
+
+# ---------------------------------------------------------------- issue 29: speedup masks=, flag types
+def _masked_reference(model, masks):
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, entry in masks.items():
+            for pname, m in entry.items():
+                getattr(ref.get_submodule(name), pname).mul_(torch.as_tensor(np.asarray(m), dtype=torch.float32))
+    return ref
+
+
+def test_speedup_masks_mixed_tensor_and_numpy_and_checked_before_any_change():
+    from compressor.torch import speedup_model
+
+    model = small()
+    keep = torch.tensor([True, False, True, False])
+    masks = {"0": {"weight": keep.view(4, 1, 1, 1).expand(4, 1, 3, 3).numpy().copy(), "bias": keep},
+             "3": {"weight": np.ones((3, 36), np.int64)}}
+    x = torch.randn(2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _masked_reference(model, masks).eval()(x)
+    before = copy.deepcopy(model.state_dict())
+    bad_cases = [({"0": {"weight": np.full((4, 1, 3, 3), 0.5, np.float32)}}, "values must be 0 / 1"),
+                 ({"0": {"bias": keep}, "3": {"weight": [[1] * 36] * 3}}, "must be a torch tensor or a numpy array"),
+                 ({"0": {"bias": keep}, "3": {"weight": np.ones((3, 35), bool)}}, r"mask 3.weight of shape \(3, 35\)"),
+                 ({"0": {"bias": keep}, "3": {"weight": np.array([["1"] * 36] * 3)}}, "is not bool or numeric")]
+    for bad, message in bad_cases:
+        with pytest.raises(ConfigError, match=message):
+            speedup_model(model, x, masks=bad)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the first layer too
+    with pytest.raises(ConfigError, match="strict must be True or False, got 'no'"):
+        speedup_model(model, x, masks=masks, strict="no")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    speedup_model(model, x, masks=masks)
+    assert model[0].out_channels == 2 and model[3].in_features == 18
+    torch.testing.assert_close(model.eval()(x), expected)
+
+
+def test_wrong_type_flags_are_refused():
+    from compressor.torch import PtqQuantizer
+
+    model = small()
+    before = copy.deepcopy(model)
+    cfg = [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["Conv2d"]}]
+    with pytest.raises(ConfigError, match="PtqQuantizer: bn_fold must be True or False, got 'no'"):
+        PtqQuantizer(model, cfg, bn_fold="no")
+    with pytest.raises(ConfigError, match="QAT_Quantizer: bn_fold must be True, False or None, got 0"):
+        QAT_Quantizer(model, cfg, bn_fold=0)
+    assert str(model) == str(before)  # not wrapped
+
+
+def test_a_compressed_file_with_two_values_for_one_tied_tensor_is_refused(tmp_path):
+    from compressor.core.errors import CompressedFileError
+    from compressor.core.packing import pack
+    from compressor.torch.packing import load_compressed
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    before = model.emb.weight.detach().clone()
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    assert sorted(arrays) == ["emb.weight", "head.weight"]
+    arrays["head.weight"][0, 0] += 1.0
+    pack(arrays, tmp_path / "m.cmpk")
+    with pytest.raises(CompressedFileError, match="'emb.weight' and 'head.weight' are one tied tensor"):
+        load_compressed(model, tmp_path / "m.cmpk")
+    assert torch.equal(model.emb.weight, before)
+    arrays["head.weight"] = arrays["emb.weight"]
+    pack(arrays, tmp_path / "m.cmpk")
+    load_compressed(model, tmp_path / "m.cmpk")
+    assert model.head.weight is model.emb.weight

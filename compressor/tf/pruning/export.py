@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from ...core.atomic import atomic_path, atomic_paths
 from ...core.errors import ConfigError
+from ...core.npz import save_npz
 from .. import layout
 from ..compressor import iter_layers
 
@@ -52,8 +53,8 @@ def save_masks(pruner: Any, mask_path: str) -> None:
         arrays[w.name] = w.weight_mask.numpy()
         if w.bias_mask is not None:
             arrays[w.name + BIAS_SUFFIX] = w.bias_mask.numpy()
-    with atomic_path(mask_path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+    with atomic_path(mask_path) as tmp:
+        save_npz(tmp, arrays)  # not np.savez(**arrays): a layer named 'file' or 'allow_pickle' would break it
 
 
 def load_masks(mask_path: str) -> dict[str, dict[str, np.ndarray]]:
@@ -112,7 +113,8 @@ def export_pruned_model(pruner: Any, model_path: str | None = None, mask_path: s
     if model_path is not None and not os.fspath(model_path).endswith(".keras"):
         raise ConfigError(f"model_path must end with '.keras' (Keras 3 format), got {model_path!r}")
     # all or nothing: every artifact goes to a temporary path, moved into place when all are written
-    with atomic_paths(model_path, mask_path, saved_model_path, tflite_path, compressed_path) as (
+    with atomic_paths(model_path, mask_path, saved_model_path, tflite_path, compressed_path, names=(
+            "model_path", "mask_path", "saved_model_path", "tflite_path", "compressed_path")) as (
             tmp_model, tmp_masks, tmp_saved, tmp_tflite, tmp_packed):
         if tmp_masks is not None:
             save_masks(pruner, tmp_masks)

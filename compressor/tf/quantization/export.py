@@ -99,7 +99,8 @@ def export_model(quantizer: Any, model_path: str | os.PathLike | None = None,
     calibration = {w.name: quantizer.calibration(w) for w in wrappers}
     originals = [(w.weight, tf.identity(w.weight)) for w, _ in exported]
     # all or nothing: every artifact goes to a temporary path, moved into place when all are written
-    with atomic_paths(model_path, calibration_path, tflite_path) as (tmp_model, tmp_calib, tmp_tflite):
+    with atomic_paths(model_path, calibration_path, tflite_path, names=("model_path", "calibration_path", "tflite_path")
+                      ) as (tmp_model, tmp_calib, tmp_tflite):
         quantizer._unwrap_model()
         try:
             for w, value in exported:

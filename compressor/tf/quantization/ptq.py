@@ -444,7 +444,8 @@ class PtqQuantizer(QAT_Quantizer):
                                   "batches were not kept, e.g. after load_calibration_config); pass "
                                   "representative_dataset")
         # all or nothing: temporary paths, moved into place when every artifact is written
-        with atomic_paths(model_path, calibration_path, tflite_path) as (tmp_model, tmp_calib, tmp_tflite):
+        with atomic_paths(model_path, calibration_path, tflite_path, names=(
+                "model_path", "calibration_path", "tflite_path")) as (tmp_model, tmp_calib, tmp_tflite):
             calibration = super().export_model(tmp_model, tmp_calib, None, None, input_shape)
             if tmp_tflite is not None:
                 self._verbose = verbose

@@ -113,18 +113,27 @@ def export_pruned_model(pruner: Any, model_path: str | os.PathLike, mask_path: s
         if device is None:
             device = next(iter(model.parameters()), torch.empty(0)).device
         args, kwargs = model_inputs(dummy_input, input_shape, device)
-    with atomic_paths(model_path, mask_path, onnx_path, compressed_path) as (tmp_model, tmp_masks, tmp_onnx,
-                                                                             tmp_packed):  # all or nothing
+    with atomic_paths(model_path, mask_path, onnx_path, compressed_path, names=(
+            "model_path", "mask_path", "onnx_path", "compressed_path")) as (
+            tmp_model, tmp_masks, tmp_onnx, tmp_packed):  # all or nothing (one transaction, core.atomic)
         state = unwrapped_state_dict(model)
-        torch.save(state, tmp_model)
+        save_file(state, tmp_model)
         if tmp_packed is not None:
             from ..packing import save_compressed
 
             save_compressed(state, tmp_packed)
         if tmp_masks is not None:
-            torch.save(masks_of(model), tmp_masks)
+            save_file(masks_of(model), tmp_masks)
         if tmp_onnx is not None:
             export_onnx(unwrapped_model(model), tmp_onnx, args, kwargs, device, **onnx_kwargs)
+
+
+def save_file(obj: Any, path: str) -> None:
+    """``torch.save`` through a file object: a failed write (full disk) then carries the system error, which
+    :mod:`compressor.core.atomic` reports as an OSError naming the target (a path gives torch's own
+    ``inline_container.cc`` RuntimeError without it)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def export_onnx(model: nn.Module, onnx_path: str | os.PathLike, args: tuple, kwargs: dict[str, Any] | None = None,

@@ -41,6 +41,7 @@ from ...core.calibration import (
     loadable_keys,
 )
 from ...core.errors import ConfigError
+from ..pruning.export import save_file
 from ..slots import slot_state_entries
 from .fakequant import onnx_qdq
 from .wrapper import QuantizerModuleWrapper, quant_axis
@@ -138,10 +139,11 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
         with torch.no_grad():
             calibration = {w.name: quantizer.calibration(w) for w in wrappers}
         # all or nothing: temporary files moved into place once every artifact is written
-        with atomic_paths(model_path, calibration_path, onnx_path) as (tmp_model, tmp_calib, tmp_onnx):
-            torch.save(state, tmp_model)
+        with atomic_paths(model_path, calibration_path, onnx_path, names=("model_path", "calibration_path",
+                                                                          "onnx_path")) as (tmp_model, tmp_calib, tmp_onnx):
+            save_file(state, tmp_model)
             if tmp_calib is not None:
-                torch.save(calibration, tmp_calib)
+                save_file(calibration, tmp_calib)
             if tmp_onnx is not None:
                 if fmt == "int8":
                     from .onnx_qdq import export_int8_onnx

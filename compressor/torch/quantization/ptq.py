@@ -148,8 +148,9 @@ class PtqQuantizer(QAT_Quantizer):
             from ..onnx_io import model_inputs
 
             example = model_inputs(dummy_input, what="PtqQuantizer")
-        if not isinstance(share_ranges, bool):
-            raise ConfigError(f"PtqQuantizer: share_ranges must be True or False, got {share_ranges!r}")
+        for flag, value in (("share_ranges", share_ranges), ("bn_fold", bn_fold)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"PtqQuantizer: {flag} must be True or False, got {value!r}")
         # the three graph features need torch.fx; a model it cannot trace (most Hugging Face models) gets ONE
         # warning, and only for the features the model has modules for (no BatchNorm2d: nothing to fold)
         types = {type(m) for m in model.modules()}

@@ -61,6 +61,8 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
         if not isinstance(fuse_relu, bool):
             raise ConfigError(f"{type(self).__name__}: fuse_relu must be True or False, got {fuse_relu!r}")
+        if bn_fold is not None and not isinstance(bn_fold, bool):
+            raise ConfigError(f"{type(self).__name__}: bn_fold must be True, False or None, got {bn_fold!r}")
         self.ema_decay = float(ema_decay)
         fold = bn_fold if bn_fold is not None else dummy_input is not None
         example = None
