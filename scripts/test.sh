@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the whole test matrix (core, torch, tf, parity) from a fresh machine: bootstraps tox + tox-uv in
+# Run the whole test matrix (core, torch, tf, parity, docs) from a fresh machine: bootstraps tox + tox-uv in
 # .venv-tox, then runs tox. Extra arguments go to tox (e.g. `scripts/test.sh -e core`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,9 @@ def _axis(axis):
 
 
 class TfOps:
+    """The ``ArrayOps`` protocol of ``compressor.core`` on TensorFlow tensors / variables: the numpy-like operations the shared
+    algorithm math (masks, quantization, schedules) is written against. Use the module-level ``ops``."""
+
     name = "tf"
 
     def shape(self, x):
@@ -193,3 +196,4 @@ class TfOps:
 
 
 ops = TfOps()
+"""The ``TfOps`` instance to pass as ``ops`` to core math (``calc_mask`` helpers, quantization functions)."""

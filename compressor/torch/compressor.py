@@ -311,7 +311,7 @@ def _refuse_distributed_wrapper(model: nn.Module, what: str) -> None:
         raise ModelError(
             f"{what}: the model is wrapped in {kind}; compress the plain model first, then wrap it "
             f"(model = {what}(model, config_list, optimizer).compress(); model = {kind}(model, ...)). "
-            f"See README 'Distributed training'"
+            f"See docs/guides/distributed.md"
         )
 
 

@@ -36,6 +36,12 @@ def install(optimizer: torch.optim.Optimizer, compressor: Any) -> bool:
         return False
 
     def _after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if any(g.get("fused") for g in opt.param_groups):
+            # fused kernels (AdamW(fused=True), the transformers.Trainer default) update the parameters
+            # without bumping their version counters, which is how wrappers see that weights moved
+            stale = getattr(compressor, "mark_weights_stale", None)
+            if stale is not None:
+                stale()
         compressor.step()
 
     handle = optimizer.register_step_post_hook(_after_step)

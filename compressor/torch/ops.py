@@ -14,6 +14,9 @@ def _axis(axis):
 
 
 class TorchOps:
+    """The ``ArrayOps`` protocol of ``compressor.core`` on torch tensors: the numpy-like operations the shared
+    algorithm math (masks, quantization, schedules) is written against. Use the module-level ``ops``."""
+
     name = "torch"
 
     def shape(self, x):
@@ -160,3 +163,4 @@ class TorchOps:
 
 
 ops = TorchOps()
+"""The ``TorchOps`` instance to pass as ``ops`` to core math (``calc_mask`` helpers, quantization functions)."""

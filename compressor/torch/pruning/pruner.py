@@ -104,6 +104,13 @@ class TorchPruner(Compressor):
         self.update_mask()
         return self.bound_model
 
+    def mark_weights_stale(self) -> None:
+        """Make the next :meth:`apply_masks` re-mask every layer: the optimizer hook calls it after a fused
+        optimizer step, whose kernels move the weights without bumping the version counters that
+        :meth:`apply_masks` reads to find the layers that moved."""
+        for w in self._wrappers:
+            object.__setattr__(w, "_seen", None)
+
     def step(self) -> None:
         """After ``optimizer.step()``: update masks, then zero the pruned weights the step moved."""
         self.update_mask()
@@ -174,7 +181,7 @@ def check_not_sharded(tensors: list[torch.Tensor], what: str) -> None:
         raise ModelError(
             f"{what}: the pruned weights are sharded (FSDP / DTensor); pruners need whole weights and full-size "
             f"masks, so they do not work under FSDP. Prune with DDP (or on one device), export, then train the "
-            f"pruned model with FSDP. See README 'Distributed training'"
+            f"pruned model with FSDP. See docs/guides/distributed.md"
         )
 
 
