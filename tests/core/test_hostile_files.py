@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from compressor.core import packing as K
-from compressor.core.errors import CompressedFileError, ConfigError
+from compressor.core.errors import CompressedFileError, ConfigError, ModelError
 
 FUZZ_CASES = int(os.environ.get("COMPRESSOR_FUZZ_CASES", "300"))
 
@@ -225,22 +225,23 @@ def mutations(data: bytes, rng: random.Random):
 
 
 def fuzz_in_subprocess(target: str, cases: int, mem_mb: int = 256, timeout: float = 120) -> dict:
-    """Run ``target`` ('module:function', called with the number of cases, returning a dict) in a fresh
-    Python whose address space is capped (RLIMIT_AS) at what it uses after the imports + ``mem_mb``: a
-    reader that allocates past the cap gets a MemoryError (reported as an unexpected error), one that
-    crashes the interpreter kills only the subprocess."""
+    """Run ``target`` ('module:function', called as ``function(cases, limit)`` and returning a JSON-able dict)
+    in a fresh Python. The function prepares its inputs, then calls ``limit()``, which caps the address
+    space (RLIMIT_AS) at what the process uses then + ``mem_mb``: a reader that allocates past the cap
+    gets a MemoryError (reported as an unexpected error); one that crashes the interpreter kills only the
+    subprocess (the test then fails with its exit code)."""
     import subprocess
     import sys
 
     module, fn = target.split(":")
     code = (
-        "import json, resource, sys\n"
-        f"from {module} import {fn} as run, prepare\n"
-        "state = prepare()\n"
-        "vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize:')) * 1024\n"
-        f"cap = vm + {mem_mb} * 2**20\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
-        f"print(json.dumps(run(state, {cases})))\n"
+        "import json, resource\n"
+        f"from {module} import {fn} as run\n"
+        "def limit():\n"
+        "    vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize:')) * 1024\n"
+        f"    cap = vm + {mem_mb} * 2**20\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+        f"print(json.dumps(run({cases}, limit)))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
@@ -277,13 +278,9 @@ def fuzz_loop(reader, make_case, cases: int, allowed: tuple[type, ...]) -> dict:
     return {"kinds": kinds, "unexpected": unexpected[:10], "worst_s": worst, "worst_s_per_mb": worst_mb_s}
 
 
-def prepare() -> dict:
+def fuzz_cmpk(cases: int, limit) -> dict:
     files, raw = legit_files()
-    return {"files": files, "raw": raw}
-
-
-def fuzz_cmpk(state: dict, cases: int) -> dict:
-    files, raw = state["files"], state["raw"]
+    limit()
     return fuzz_loop(lambda d: K.unpack_bytes(d, "'fuzz.cmpk'", 4 * raw), lambda rng: mutations(rng.choice(files), rng),
                      cases, (CompressedFileError,))
 
@@ -297,3 +294,40 @@ def test_fuzz_cmpk_reader_bounded():
     assert res["unexpected"] == [], res
     assert res["kinds"].get("CompressedFileError", 0) > FUZZ_CASES // 2, res
     assert res["worst_s"] < 1.0, res
+
+
+# ---------------------------------------------------------------------------------------------- fuzz .tflite
+def tflite_mutations(data: bytes, rng: random.Random) -> bytes:
+    kind = rng.randrange(3)
+    if kind == 0:
+        return data[:rng.randrange(len(data))]
+    out = bytearray(data)
+    for _ in range(rng.randrange(1, 8)):
+        at = rng.randrange(len(out) - 4)
+        if kind == 1:
+            out[at] = rng.randrange(256)
+        else:  # a 32-bit offset or length set to something hostile
+            out[at:at + 4] = struct.pack("<I", rng.choice([0, 1, 0x7FFFFFFF, 0xFFFFFFFF, len(data), rng.randrange(1 << 32)]))
+    return bytes(out)
+
+
+def fuzz_tflite(cases: int, limit) -> dict:
+    """(the TFLite reader is pure Python: tests/tf makes the files, this runs in the fuzz subprocess)"""
+    import os
+    import tempfile
+
+    from compressor.report import read_weights as rw
+
+    files = []
+    for k in ("FLOAT", "INT8"):
+        with open(os.environ["H24_TFLITE_" + k], "rb") as f:
+            files.append(f.read())
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.tflite")
+
+    def read(data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+        rw(path)
+
+    limit()
+    return fuzz_loop(read, lambda rng: tflite_mutations(rng.choice(files), rng), cases, (ModelError,))
