@@ -118,14 +118,14 @@ def _from_state_dict(sd: dict[str, Any], path: str) -> tuple[list[tuple[str, np.
 
 def load_keras(path: str) -> Any:
     """A ``.keras`` file as a Keras model (not compiled); BackendNotAvailable / ModelError otherwise."""
-    try:
-        import keras
-    except ImportError:
-        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
     import zipfile
 
     if os.path.isfile(path) and not zipfile.is_zipfile(path):
         raise ModelError(f"{path!r} is not a .keras archive: not a zip file (save one with model.save('m.keras'))")
+    try:
+        import keras
+    except ImportError:
+        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
     try:
         return keras.saving.load_model(path, compile=False)
     except Exception as e:  # noqa: BLE001 - any Keras load failure is bad input
@@ -172,8 +172,18 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
         raise BackendNotAvailable(f"reading {path!r} needs onnx (pip install 'compressor[onnx]')") from None
     try:
         model = onnx.load(path)
-    except Exception as e:  # protobuf decode errors
-        raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    except Exception as e:  # protobuf decode errors, missing external data
+        raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0][:200] if str(e) else e!r})") from None
+    try:
+        return _onnx_rows(model, numpy_helper)
+    except (IndexError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        # a crafted or damaged graph: a node without its inputs, an initializer whose data do not fit its dims
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path!r} is not a valid ONNX model ({type(e).__name__}: {first}); check it with "
+                         f"onnx.checker.check_model") from None
+
+
+def _onnx_rows(model: Any, numpy_helper: Any) -> list[tuple[str, np.ndarray]]:
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     for node in g.node:  # constants count as initializers
@@ -203,7 +213,7 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
             name, arr = src, numpy_helper.to_array(inits[src])
         else:
             continue  # an activation x activation MatMul
-        if arr.ndim < 2 or name in seen:
+        if arr.ndim < 2 or name in seen or arr.dtype.kind not in "biuf":  # (string / complex tensors: no weights)
             continue
         seen.add(name)
         for suffix in (".weight_quantized", ".weight"):

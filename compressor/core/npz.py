@@ -33,7 +33,8 @@ def load_npz(path: str | os.PathLike, what: str = "mask file", error: type[Excep
     if not os.path.isfile(p):
         raise error(f"{what} {p!r} does not exist")
     if not zipfile.is_zipfile(p):
-        raise error(f"{what} {p!r} is not a .npz archive (not a zip file); write one with np.savez or export_model")
+        raise error(f"cannot read {p!r} as a .npz archive (the {what} is not a zip file; write one with np.savez "
+                    f"or export_model)")
     cap = decoded_cap(os.path.getsize(p), max_bytes)
     try:
         with zipfile.ZipFile(p) as z:
@@ -41,8 +42,8 @@ def load_npz(path: str | os.PathLike, what: str = "mask file", error: type[Excep
             for info in z.infolist():
                 name = info.filename[:-4] if info.filename.endswith(".npy") else None
                 if name is None:
-                    raise error(f"{what} {p!r} is not a .npz archive of arrays: member {info.filename[:80]!r} is not "
-                                f"a .npy file")
+                    raise error(f"cannot read {p!r} as a .npz archive (the {what}'s member {info.filename[:80]!r} is "
+                                f"not a .npy file)")
                 with z.open(info) as f:
                     version = np.lib.format.read_magic(f)
                     if version == (1, 0):
@@ -69,5 +70,5 @@ def load_npz(path: str | os.PathLike, what: str = "mask file", error: type[Excep
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, NotImplementedError, RuntimeError,
             SyntaxError) as e:  # corrupted members, unsupported compression, bad .npy headers
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise error(f"cannot read {what} {p!r} as a .npz archive ({first})") from None
+        raise error(f"cannot read {p!r} as a .npz archive ({what}: {first})") from None
 

@@ -331,3 +331,79 @@ def fuzz_tflite(cases: int, limit) -> dict:
 
     limit()
     return fuzz_loop(read, lambda rng: tflite_mutations(rng.choice(files), rng), cases, (ModelError,))
+
+
+# ---------------------------------------------------------------------------------------------- fuzz .onnx
+def onnx_model():
+    """A small ONNX graph as the exports write them: a float Conv weight and an int8 QDQ Gemm weight (zero
+    point 3; its first row is all zero codes)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    codes = rng.integers(4, 100, (5, 16)).astype(np.int8)
+    codes[0] = 3
+    inits = [numpy_helper.from_array(w, "conv.weight"), numpy_helper.from_array(codes, "fc.weight_quantized"),
+             numpy_helper.from_array(np.array(0.1, np.float32), "fc.scale"),
+             numpy_helper.from_array(np.array(3, np.int8), "fc.zp")]
+    nodes = [helper.make_node("Conv", ["x", "conv.weight"], ["c"]), helper.make_node("Flatten", ["c"], ["f"]),
+             helper.make_node("DequantizeLinear", ["fc.weight_quantized", "fc.scale", "fc.zp"], ["fc.w"]),
+             helper.make_node("Gemm", ["f", "fc.w"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def onnx_mutations(model, rng: random.Random) -> bytes:
+    """Truncated / byte-flipped serialisations, and graphs edited through the proto API (inputs dropped,
+    dims and raw data changed, attributes and op types swapped)."""
+    kind = rng.randrange(3)
+    if kind < 2:
+        data = bytearray(model.SerializeToString())
+        if kind == 0:
+            return bytes(data[:rng.randrange(len(data))])
+        for _ in range(rng.randrange(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data)
+    m = type(model)()
+    m.CopyFrom(model)
+    for _ in range(rng.randrange(1, 4)):
+        what = rng.randrange(5)
+        if what == 0:
+            node = rng.choice(m.graph.node)
+            del node.input[rng.randrange(len(node.input) + 1):]
+        elif what == 1:
+            init = rng.choice(m.graph.initializer)
+            del init.dims[:]
+            init.dims.extend(rng.choice([[], [0], [1 << 40], [2, 3], [5, 16], [-1, 4], [1 << 31, 1 << 31]]))
+        elif what == 2:
+            init = rng.choice(m.graph.initializer)
+            init.raw_data = init.raw_data[:rng.randrange(len(init.raw_data) + 1)]
+            init.data_type = rng.choice([1, 2, 3, 6, 7, 8, 10, 11, 16, init.data_type])
+        elif what == 3:
+            node = rng.choice(m.graph.node)
+            node.op_type = rng.choice(["Conv", "Gemm", "MatMul", "DequantizeLinear", "Constant", "Relu"])
+        else:
+            attr = m.graph.node[2].attribute.add()
+            attr.name, attr.type, attr.i = "axis", 2, rng.choice([-3, 0, 1, 7, 1 << 40])
+    return m.SerializeToString()
+
+
+def fuzz_onnx(cases: int, limit) -> dict:
+    import tempfile
+
+    from compressor.report import read_weights
+
+    model = onnx_model()
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.onnx")
+
+    def read(data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+        read_weights(path)
+
+    limit()
+    return fuzz_loop(read, lambda rng: onnx_mutations(model, rng), cases, (ModelError,))

@@ -134,7 +134,7 @@ def test_bad_mask_files_get_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"missing\.npz.*does not exist"):
         load_masks(str(tmp_path / "missing.npz"))
     (tmp_path / "garbage.npz").write_bytes(b"not a zip at all")
-    with pytest.raises(ConfigError, match=r"garbage\.npz.*not a \.npz archive"):
+    with pytest.raises(ConfigError, match=r"garbage\.npz\' as a \.npz archive \(the mask file is not a zip file"):
         load_masks(str(tmp_path / "garbage.npz"))
     np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object))
     import zipfile
