@@ -208,14 +208,6 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
         raise ValueError(f"{n} symbols cannot fit in {total_bits} bits")
     if np.any(np.diff(offsets) < 0) or offsets[-1] > total_bits:
         raise ValueError("bad Huffman block offsets")
-    codes = _canonical_codes(lengths)
-    dec_sym = np.zeros(1 << _MAX_LEN, np.uint8)
-    dec_len = np.zeros(1 << _MAX_LEN, np.int64)
-    for s in used:
-        L = int(lengths[s])
-        lo = int(codes[s]) << (_MAX_LEN - L)
-        dec_sym[lo:lo + (1 << (_MAX_LEN - L))] = s
-        dec_len[lo:lo + (1 << (_MAX_LEN - L))] = L
     minl, maxl = int(lengths[used].min()), int(lengths.max())
     sizes = np.diff(np.concatenate([offsets, [total_bits]]))
     counts = np.full(nblocks, bsize, np.int64)
@@ -223,27 +215,38 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
     # every block's bits must hold its symbols' codes (the last one up to 7 padding bits more)
     if np.any(sizes < counts * minl) or np.any(sizes[:-1] > counts[:-1] * maxl) or sizes[-1] > counts[-1] * maxl + 7:
         raise ValueError("Huffman block offsets do not fit the code lengths")
+    # decoding tables indexed by the next maxl bits (2**maxl entries: 256 for 8-bit codes, at most 32768)
+    codes = _canonical_codes(lengths)
+    dec_sym = np.zeros(1 << maxl, np.uint8)
+    dec_len = np.zeros(1 << maxl, np.int64)
+    for s in used:
+        L = int(lengths[s])
+        lo = int(codes[s]) << (maxl - L)
+        dec_sym[lo:lo + (1 << (maxl - L))] = s
+        dec_len[lo:lo + (1 << (maxl - L))] = L
+    nbytes = total_bits // 8
     if nblocks <= 16:  # few blocks: one Python step per symbol is faster than a numpy step per block row
         return _huffman_scalar(bytes(data[pos:]) + bytes(4), offsets.tolist(), counts.tolist(), total_bits,
-                               dec_sym, dec_len, n)
-    buf = np.zeros(total_bits // 8 + 4, np.uint8)  # the bits (1 byte each: no int64 copy of the stream)
-    buf[:total_bits // 8] = np.frombuffer(data, np.uint8, total_bits // 8, pos)
+                               dec_sym, dec_len, maxl, n)
+    # the 24 bits starting at every byte (4 bytes per stream byte): one gather per symbol position
+    buf = np.zeros(nbytes + 3, np.uint32)
+    buf[:nbytes] = np.frombuffer(data, np.uint8, nbytes, pos)
+    words = (buf[:-2] << 16) | (buf[1:-1] << 8) | buf[2:]
+    del buf
     out = np.empty((nblocks, bsize), np.uint8)
     p = offsets.copy()
     last = n - (nblocks - 1) * bsize  # symbols in the last block
+    shift, mask = 24 - maxl, (1 << maxl) - 1
     for i in range(bsize if nblocks > 1 else last):
         sel = slice(None) if i < last else slice(0, nblocks - 1)
         q = p[sel]
-        byte = np.minimum(q >> 3, buf.size - 3)  # a damaged stream may run past its end: caught below
-        word = (buf[byte].astype(np.int64) << 16) | (buf[byte + 1].astype(np.int64) << 8) | buf[byte + 2]
-        window = (word >> (24 - _MAX_LEN - (q & 7))) & ((1 << _MAX_LEN) - 1)
+        word = words[np.minimum(q >> 3, nbytes)].astype(np.int64)  # a damaged stream may run past its end: caught below
+        window = (word >> (shift - (q & 7))) & mask
         L = dec_len[window]
         if not L.all():
             raise ValueError("invalid Huffman code in stream")
         out[sel, i] = dec_sym[window]
         p[sel] = q + L
-        if p[-1] > total_bits:
-            raise ValueError("Huffman stream runs past its end")
     ends = np.concatenate([offsets[1:], [p[-1]]])
     if not np.array_equal(p, ends) or p[-1] > total_bits or total_bits - p[-1] >= 8:
         raise ValueError("Huffman blocks do not decode to their recorded lengths")
@@ -251,11 +254,11 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
 
 
 def _huffman_scalar(buf: bytes, offsets: list[int], counts: list[int], total_bits: int, dec_sym: np.ndarray,
-                    dec_len: np.ndarray, n: int) -> np.ndarray:
+                    dec_len: np.ndarray, maxl: int, n: int) -> np.ndarray:
     """:func:`huffman_decode`'s symbol loop one symbol at a time (``buf``: the bits + 4 zero bytes)."""
     sym, ln = dec_sym.tolist(), dec_len.tolist()
     out = bytearray(n)
-    shift, mask, k = 24 - _MAX_LEN, (1 << _MAX_LEN) - 1, 0
+    shift, mask, k = 24 - maxl, (1 << maxl) - 1, 0
     ends = offsets[1:] + [None]
     for start, count, end in zip(offsets, counts, ends):
         p = start

@@ -407,3 +407,52 @@ def fuzz_onnx(cases: int, limit) -> dict:
 
     limit()
     return fuzz_loop(read, lambda rng: onnx_mutations(model, rng), cases, (ModelError,))
+
+
+# ---------------------------------------------------------------------------------------------- HF checkpoints
+def safetensors_bytes(header: dict | bytes, data: bytes = b"") -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_hostile_safetensors_headers_are_checkpoint_errors(tmp_path):
+    from compressor.core.compressed_tensors import SAFETENSORS_MAX_HEADER, CheckpointError, read_safetensors
+
+    path = tmp_path / "model.safetensors"
+    cases = {
+        "nested too deeply": safetensors_bytes(b"[" * 100_000 + b"]" * 100_000),
+        "malformed header entry": safetensors_bytes({"w": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}},
+                                                    bytes(8)),
+        "dtype 'X' is not supported": safetensors_bytes({"w": {"dtype": "X", "shape": [1], "data_offsets": [0, 4]}},
+                                                        bytes(4)),
+        r"does not match F32 \[1099511627776\]": safetensors_bytes(
+            {"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 4]}}, bytes(4)),
+        "not a JSON object": safetensors_bytes(b"[1]"),
+    }
+    for match, data in cases.items():
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=match):
+            read_safetensors(path)
+    # a header length past the cap, in a (sparse) file long enough to hold it: refused before reading it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", SAFETENSORS_MAX_HEADER + 1))
+        f.truncate(SAFETENSORS_MAX_HEADER + 64)
+    err, dt, peak = measured(read_safetensors, path)
+    assert isinstance(err, CheckpointError) and "more than the 100,000,000 allowed" in str(err) and peak < 1 << 20
+
+
+def test_checkpoint_index_cannot_name_files_outside_the_folder(tmp_path):
+    from compressor.core.compressed_tensors import CheckpointError, load_compressed_tensors
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"not \.safetensors files inside the checkpoint folder: \['\.\./outside"):
+        load_compressed_tensors(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text("[" * 100_000)
+    with pytest.raises(CheckpointError, match="config.json.*nested too deeply"):
+        load_compressed_tensors(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="config.json.*not a JSON object"):
+        load_compressed_tensors(tmp_path / "ckpt")
