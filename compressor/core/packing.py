@@ -751,7 +751,8 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
     file that is not one is refused without being read whole."""
     p = os.fspath(path)
     if not os.path.isfile(p):
-        raise CompressedFileError(f"compressed file {p!r} does not exist")
+        what = "is a directory, not a file" if os.path.isdir(p) else "does not exist"
+        raise CompressedFileError(f"compressed file {p!r} {what}")
     try:
         with open(p, "rb") as f:
             size = os.fstat(f.fileno()).st_size

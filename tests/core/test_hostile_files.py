@@ -456,3 +456,67 @@ def test_checkpoint_index_cannot_name_files_outside_the_folder(tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text("[]")
     with pytest.raises(CheckpointError, match="config.json.*not a JSON object"):
         load_compressed_tensors(tmp_path / "ckpt")
+
+
+# ---------------------------------------------------------------------------------------------- fuzz .npz, safetensors
+def npz_mutations(data: bytes, rng: random.Random) -> bytes:
+    out = bytearray(data)
+    if rng.random() < 0.3:
+        return bytes(out[:rng.randrange(len(out))])
+    for _ in range(rng.randrange(1, 6)):
+        at = rng.randrange(len(out))
+        if rng.random() < 0.5:
+            out[at] = rng.randrange(256)
+        else:  # digits in the .npy headers' shapes (stored uncompressed by np.savez)
+            digits = [i for i, c in enumerate(out) if 48 <= c <= 57]
+            out[rng.choice(digits)] = rng.choice(b"0123456789")
+    return bytes(out)
+
+
+def fuzz_npz(cases: int, limit) -> dict:
+    import io
+    import tempfile
+
+    from compressor.core.npz import load_npz
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(0)
+    np.savez(buf, fc=rng.random((16, 8)) > 0.5, **{"fc:bias": np.ones(16, bool), "conv": np.zeros((4, 3, 3, 3), bool)})
+    data = buf.getvalue()
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.npz")
+
+    def read(d: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(d)
+        load_npz(path, "mask file", ConfigError, max_bytes=1 << 20)
+
+    limit()
+    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (ConfigError,))
+
+
+def fuzz_safetensors(cases: int, limit) -> dict:
+    import tempfile
+
+    from compressor.core.compressed_tensors import CheckpointError, read_safetensors, write_safetensors
+
+    folder = tempfile.mkdtemp()
+    path = os.path.join(folder, "m.safetensors")
+    write_safetensors(path, {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(4, np.int8)})
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def read(d: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(d)
+        read_safetensors(path)
+
+    limit()
+    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (CheckpointError,))
+
+
+@pytest.mark.parametrize("reader", ["fuzz_npz", "fuzz_safetensors"])
+def test_fuzz_npz_and_safetensors_readers(reader):
+    res = fuzz_in_subprocess(f"tests.core.test_hostile_files:{reader}", FUZZ_CASES, mem_mb=64)
+    assert res["unexpected"] == [], res
+    assert sum(v for k, v in res["kinds"].items() if k != "ok") > FUZZ_CASES // 3, res
+    assert res["worst_s"] < 1.0, res
