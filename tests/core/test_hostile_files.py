@@ -143,7 +143,7 @@ def test_crafted_huffman_stream_fails_in_milliseconds():
     ok += struct.pack(f"<{blocks - 1}I", *[bsize * i for i in range(1, blocks)]) + bytes(600)
     t0 = time.perf_counter()
     assert np.array_equal(K.huffman_decode(ok, n), np.zeros(n, np.uint8))
-    with pytest.raises(ValueError, match="invalid Huffman code"):  # lengths 1 and 2: code '11' is unused
+    with pytest.raises(ValueError, match="invalid Huffman code|do not decode"):  # lengths 1 and 2: "11" is no code
         K.huffman_decode(ok[:6] + bytes([0x12]) + ok[7:-1] + b"\xff", n - 4)
     assert time.perf_counter() - t0 < 0.1
 
