@@ -520,3 +520,23 @@ def test_fuzz_npz_and_safetensors_readers(reader):
     assert res["unexpected"] == [], res
     assert sum(v for k, v in res["kinds"].items() if k != "ok") > FUZZ_CASES // 3, res
     assert res["worst_s"] < 1.0, res
+
+
+def test_huffman_both_decoders_round_trip(monkeypatch):
+    """The linear decoder has two paths (pointer doubling over bits, numpy steps over block rows): both must
+    give back every stream exactly; the cost model picks the rows for many blocks of long codes."""
+    used = []
+    for fn in ("_huffman_chains", "_huffman_rows"):
+        orig = getattr(K, fn)
+        monkeypatch.setattr(K, fn, lambda *a, _f=orig, _n=fn: used.append(_n) or _f(*a))
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 1000, 4097, 70_000, 400_000):
+        for dist in ("uniform", "skewed", "two"):
+            if dist == "uniform":
+                sym = rng.integers(0, 256, n, dtype=np.uint8)
+            elif dist == "skewed":
+                sym = np.minimum(rng.geometric(0.3, n), 255).astype(np.uint8)
+            else:
+                sym = (rng.random(n) < 0.01).astype(np.uint8)
+            assert np.array_equal(K.huffman_decode(K.huffman_encode(sym), n), sym), (n, dist)
+    assert set(used) == {"_huffman_chains", "_huffman_rows"}
