@@ -310,16 +310,11 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
         if args.model is None:
             raise ConfigError("unpacking to .keras needs --model ARCH.keras (a .keras file of the same model whose "
                               "architecture receives the weights)")
-        try:
-            import keras
-        except ImportError:
-            raise BackendNotAvailable("writing a .keras file needs tensorflow (pip install 'compressor[tf]')") from None
+        from .report import load_keras
+
+        model = load_keras(args.model)  # ModelError (missing, not a .keras archive) / BackendNotAvailable
         from .tf.packing import load_compressed
 
-        try:
-            model = keras.saving.load_model(args.model, compile=False)
-        except Exception as e:  # noqa: BLE001
-            raise ModelError(f"cannot load {args.model!r} as a Keras model ({_one_line(e)[:200]})") from None
         load_compressed(model, args.packed)
         with atomic_path(args.output) as tmp:
             model.save(tmp)

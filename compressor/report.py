@@ -11,7 +11,7 @@ Reads, without needing the model's Python class:
 * deployable artifacts, read as the runtime gets them: ONNX (``.onnx``; an integer QDQ export's int8 weight
   codes appear as int8 rows (also when stored as uint8 + 128), its float weights as float rows) and TFLite flatbuffers (``.tflite``; the
   weight operand of every CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED / BATCH_MATMUL op, int8 in a
-  full-integer model). Zero codes (code == zero point) count as pruned weights.
+  full-integer model; read by a bounds-checked flatbuffer reader, without TensorFlow). Zero codes (code == zero point) count as pruned weights.
 
 File sizes (``--artifact``): the model file and any exported artifacts side by side, in bytes and as a
 ratio to the model file, so one report shows sparsity, bits, params, MACs and size together.
@@ -118,6 +118,10 @@ def _from_state_dict(sd: dict[str, Any], path: str) -> tuple[list[tuple[str, np.
 
 def load_keras(path: str) -> Any:
     """A ``.keras`` file as a Keras model (not compiled); BackendNotAvailable / ModelError otherwise."""
+    import zipfile
+
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        raise ModelError(f"{path!r} is not a .keras archive: not a zip file (save one with model.save('m.keras'))")
     try:
         import keras
     except ImportError:
@@ -152,12 +156,10 @@ def _read_keras(path: str) -> tuple[list[tuple[str, np.ndarray]], dict[str, dict
     return rows, quantized
 
 
-def _read_npz(path: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except Exception as e:
-        raise ModelError(f"cannot read {path!r} as a .npz archive ({e})") from None
+def _read_npz(path: str, what: str = "model file", error: type[Exception] = ModelError) -> dict[str, np.ndarray]:
+    from .core.npz import load_npz
+
+    return load_npz(path, what, error)
 
 
 def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
@@ -170,8 +172,18 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
         raise BackendNotAvailable(f"reading {path!r} needs onnx (pip install 'compressor[onnx]')") from None
     try:
         model = onnx.load(path)
-    except Exception as e:  # protobuf decode errors
-        raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    except Exception as e:  # protobuf decode errors, missing external data
+        raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0][:200] if str(e) else e!r})") from None
+    try:
+        return _onnx_rows(model, numpy_helper)
+    except (IndexError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        # a crafted or damaged graph: a node without its inputs, an initializer whose data do not fit its dims
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path!r} is not a valid ONNX model ({type(e).__name__}: {first}); check it with "
+                         f"onnx.checker.check_model") from None
+
+
+def _onnx_rows(model: Any, numpy_helper: Any) -> list[tuple[str, np.ndarray]]:
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     for node in g.node:  # constants count as initializers
@@ -201,7 +213,7 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
             name, arr = src, numpy_helper.to_array(inits[src])
         else:
             continue  # an activation x activation MatMul
-        if arr.ndim < 2 or name in seen:
+        if arr.ndim < 2 or name in seen or arr.dtype.kind not in "biuf":  # (string / complex tensors: no weights)
             continue
         seen.add(name)
         for suffix in (".weight_quantized", ".weight"):
@@ -212,44 +224,160 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
     return rows
 
 
+#: TFLite schema (tensorflow/lite/schema/schema.fbs): TensorType -> numpy dtype (types without one, e.g.
+#: packed INT4, STRING, RESOURCE, are not reported) and the BuiltinOperator codes whose filter is reported
+_TFLITE_TYPES = {0: "<f4", 1: "<f2", 2: "<i4", 3: "u1", 4: "<i8", 6: "?", 7: "<i2", 9: "i1", 10: "<f8",
+                 12: "<u8", 15: "<u4", 16: "<u2"}
+_TFLITE_WEIGHT_OPS = {3: "CONV_2D", 4: "DEPTHWISE_CONV_2D", 9: "FULLY_CONNECTED", 67: "TRANSPOSE_CONV",
+                      126: "BATCH_MATMUL"}
+#: the most bytes a .tflite file may have for ``compressor report`` (a flatbuffer's own offsets are 32-bit;
+#: larger models keep their buffers after it, addressed by 64-bit offsets, which are read too)
+TFLITE_MAX_BYTES = 1 << 34
+
+
+class _Flatbuffer:
+    """Bounds-checked reads of a flatbuffer (the TFLite file format): every table, vtable, vector and string
+    is checked to lie inside the file before it is read, so a truncated or mutated file raises ModelError
+    instead of crashing (tf.lite.Interpreter segfaults on many such files)."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        self.data, self.size, self.where = data, len(data), where
+
+    def bad(self, why: str) -> ModelError:
+        return ModelError(f"{self.where} is not a valid TFLite model ({why})")
+
+    def num(self, fmt: str, pos: int) -> Any:
+        import struct
+
+        if pos < 0 or pos + struct.calcsize(fmt) > self.size:
+            raise self.bad(f"offset {pos} runs past the end of the {self.size}-byte file")
+        return struct.unpack_from(fmt, self.data, pos)[0]
+
+    def table(self, pos: int) -> tuple[int, int, int, int]:
+        """``(table position, vtable position, vtable bytes, table bytes)``."""
+        vt = pos - self.num("<i", pos)
+        vlen, tlen = self.num("<H", vt), self.num("<H", vt + 2)
+        if vlen < 4 or vlen % 2 or vt + vlen > self.size or tlen < 4 or pos + tlen > self.size:
+            raise self.bad(f"malformed table at byte {pos}")
+        return pos, vt, vlen, tlen
+
+    def field(self, t: tuple[int, int, int, int], i: int) -> int:
+        """Position of field ``i`` of table ``t``, or 0 when it is absent."""
+        pos, vt, vlen, tlen = t
+        if 4 + 2 * i + 2 > vlen:
+            return 0
+        off = self.num("<H", vt + 4 + 2 * i)
+        if off and off + 1 > tlen:
+            raise self.bad(f"field {i} of the table at byte {pos} lies outside it")
+        return pos + off if off else 0
+
+    def scalar(self, t: tuple[int, int, int, int], i: int, fmt: str, default: int = 0) -> int:
+        f = self.field(t, i)
+        return self.num(fmt, f) if f else default
+
+    def ref(self, t: tuple[int, int, int, int], i: int) -> int | None:
+        f = self.field(t, i)
+        return f + self.num("<I", f) if f else None
+
+    def vector(self, t: tuple[int, int, int, int], i: int, itemsize: int) -> tuple[int, int]:
+        """``(first element position, length)`` of a vector field (``(0, 0)`` when absent)."""
+        p = self.ref(t, i)
+        if p is None:
+            return 0, 0
+        n = self.num("<I", p)
+        if p + 4 + n * itemsize > self.size:
+            raise self.bad(f"a vector of {n} elements at byte {p} runs past the end of the file")
+        return p + 4, n
+
+    def array(self, t: tuple[int, int, int, int], i: int, dtype: str) -> np.ndarray:
+        dt = np.dtype(dtype)
+        start, n = self.vector(t, i, dt.itemsize)
+        return np.frombuffer(self.data, dt, n, start) if n else np.zeros(0, dt)
+
+    def tables(self, t: tuple[int, int, int, int], i: int) -> list[int]:
+        start, n = self.vector(t, i, 4)
+        return [start + 4 * k + self.num("<I", start + 4 * k) for k in range(n)]
+
+    def string(self, t: tuple[int, int, int, int], i: int) -> str:
+        start, n = self.vector(t, i, 1)
+        return bytes(self.data[start:start + n]).decode("utf-8", errors="replace")
+
+
 def _read_tflite(path: str) -> list[tuple[str, np.ndarray]]:
     """Weights of a TFLite flatbuffer: the filter operand of every conv / fully-connected / batch-matmul op
-    (raw stored values: int8 codes in an integer model; zero codes are the zero weights, weights being
-    symmetric)."""
-    try:
-        import tensorflow as tf
-    except ImportError:
-        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
-    try:
-        interp = tf.lite.Interpreter(model_path=path)
-        interp.allocate_tensors()
-    except Exception as e:
-        raise ModelError(f"cannot read {path!r} as a TFLite model ({str(e).splitlines()[0] if str(e) else e!r})") from None
-    details = {d["index"]: d for d in interp.get_tensor_details()}
+    of the main subgraph (raw stored values: int8 codes in an integer model; zero codes are the zero
+    weights, weights being symmetric). Read with bounds-checked flatbuffer reads (no TensorFlow needed):
+    a truncated or mutated file is a ModelError, names that are not UTF-8 are shown with U+FFFD."""
+    size = os.path.getsize(path)
+    if size > TFLITE_MAX_BYTES:
+        raise ModelError(f"{path!r} has {size:,} bytes, more than the {TFLITE_MAX_BYTES:,} a .tflite file may have")
+    with open(path, "rb") as f:
+        data = f.read()
+    fb = _Flatbuffer(data, repr(path))
+    if size < 8 or data[4:8] != b"TFL3":
+        raise fb.bad("no 'TFL3' file identifier at byte 4" if size >= 8 else f"{size} bytes")
+    model = fb.table(fb.num("<I", 0))
+    subgraphs = fb.tables(model, 2)
+    if not subgraphs:
+        raise fb.bad("no subgraph")
+    codes = []
+    for oc in map(fb.table, fb.tables(model, 1)):
+        codes.append(max(fb.scalar(oc, 0, "<b"), fb.scalar(oc, 3, "<i")))  # deprecated_builtin_code, builtin_code
+    buffers = fb.tables(model, 4)
+    graph = fb.table(subgraphs[0])
+    tensors = fb.tables(graph, 0)
     rows, seen = [], set()
-    for op in interp._get_ops_details():  # noqa: SLF001 (the only listing of op operands)
-        if op["op_name"] not in ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL",
-                                 "TRANSPOSE_CONV") or len(op["inputs"]) < 2:
+    for op in map(fb.table, fb.tables(graph, 3)):
+        code_index = fb.scalar(op, 0, "<I")
+        if code_index >= len(codes):
+            raise fb.bad(f"an operator uses opcode {code_index}, the model has {len(codes)}")
+        inputs = fb.array(op, 1, "<i4")
+        if codes[code_index] not in _TFLITE_WEIGHT_OPS or inputs.size < 2:
             continue
-        idx = int(op["inputs"][1])  # the filter (TRANSPOSE_CONV: output_shape, filter, input)
+        idx = int(inputs[1])  # the filter (TRANSPOSE_CONV: output_shape, filter, input)
         if idx < 0 or idx in seen:
             continue
-        try:
-            arr = np.array(interp.get_tensor(idx))
-        except ValueError:
+        if idx >= len(tensors):
+            raise fb.bad(f"an operator reads tensor {idx}, the subgraph has {len(tensors)}")
+        t = fb.table(tensors[idx])
+        dtype = _TFLITE_TYPES.get(fb.scalar(t, 1, "<b"))
+        buf_index = fb.scalar(t, 2, "<I")
+        if dtype is None or fb.field(t, 6) or buf_index == 0:  # no numpy type, sparse, or not a constant
+            continue
+        if buf_index >= len(buffers):
+            raise fb.bad(f"tensor {idx} uses buffer {buf_index}, the model has {len(buffers)}")
+        buf = fb.table(buffers[buf_index])
+        start, nbytes = fb.vector(buf, 0, 1)
+        offset, length = fb.scalar(buf, 1, "<Q"), fb.scalar(buf, 2, "<Q")
+        if offset > 1:  # a large model's buffer stored after the flatbuffer
+            if offset + length > size:
+                raise fb.bad(f"buffer {buf_index} runs past the end of the file")
+            start, nbytes = offset, length
+        if not nbytes:
             continue  # not a constant (activation operand)
+        shape = [int(d) for d in fb.array(t, 0, "<i4")]
+        name = fb.string(t, 3) or f"tensor_{idx}"
+        item = np.dtype(dtype).itemsize
+        if any(d < 0 for d in shape) or math.prod(shape) * item != nbytes:
+            raise fb.bad(f"tensor {name!r} has shape {shape} of {dtype}, its buffer {nbytes} bytes")
+        arr = np.frombuffer(data, dtype, nbytes // item, start).reshape(shape)
         if arr.ndim < 2:
             continue
         seen.add(idx)
-        q = details[idx].get("quantization_parameters", {})
-        zp = np.asarray(q.get("zero_points", ()))
+        q = fb.ref(t, 4)
+        zp = np.zeros(0, np.int64)
+        axis = 0
+        if q is not None:
+            qt = fb.table(q)
+            zp, axis = fb.array(qt, 3, "<i8"), fb.scalar(qt, 6, "<i")
         if arr.dtype.kind in "iu" and zp.size and np.any(zp != 0):
-            axis = int(q.get("quantized_dimension", 0))
-            shape = [1] * arr.ndim
+            if not 0 <= axis < arr.ndim or zp.size not in (1, arr.shape[axis]):
+                raise fb.bad(f"tensor {name!r}: {zp.size} zero points along axis {axis} of shape {shape}")
+            shape_zp = [1] * arr.ndim
             if zp.size > 1:
-                shape[axis] = -1
-            arr = arr.astype(np.int32) - zp.astype(np.int32).reshape(shape)
-        rows.append((details[idx]["name"], arr))
+                shape_zp[axis] = -1
+            arr = arr.astype(np.int32) - zp.astype(np.int32).reshape(shape_zp)
+        rows.append((name, arr))
     return rows
 
 
@@ -301,7 +429,7 @@ def read_masks(path: str | os.PathLike) -> dict[str, np.ndarray]:
             raise ConfigError(f"{p!r} is not a mask file (expected {{layer: {{'weight': mask, 'bias': mask}}}})")
         return {k: _to_numpy(v["weight"]).astype(bool) for k, v in raw.items()}
     if suffix == ".npz":
-        return {k: v.astype(bool) for k, v in _read_npz(p).items() if not k.endswith(":bias")}
+        return {k: v.astype(bool) for k, v in _read_npz(p, "mask file", ConfigError).items() if not k.endswith(":bias")}
     raise ConfigError(f"{p!r}: unsupported mask file type {suffix or '(none)'!r}; expected .pt/.pth or .npz")
 
 

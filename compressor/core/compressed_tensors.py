@@ -114,10 +114,15 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], in
         if n <= 0 or 8 + n > size:
             raise CheckpointError(f"{p!r}: truncated or corrupted safetensors file (header of {n} bytes, file "
                                   f"of {size})")
+        if n > SAFETENSORS_MAX_HEADER:
+            raise CheckpointError(f"{p!r}: safetensors header of {n:,} bytes, more than the {SAFETENSORS_MAX_HEADER:,} "
+                                  f"allowed (the safetensors format's own cap)")
         try:
             header = json.loads(f.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{p!r}: corrupted safetensors header ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{p!r}: corrupted safetensors header (nested too deeply)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p!r}: corrupted safetensors header (not a JSON object)")
     start, data = 8 + n, size - 8 - n
@@ -126,10 +131,12 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], in
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (a, b) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+            dtype, shape, (a, b) = info["dtype"], list(info["shape"]), info["data_offsets"]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{p!r}: tensor {name!r}: malformed header entry {info!r}") from None
-        if dtype not in DTYPES:
+            raise CheckpointError(f"{p!r}: tensor {name!r}: malformed header entry {str(info)[:200]}") from None
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{p!r}: tensor {name!r}: dtype {dtype!r} is not supported by this reader "
                                   f"(supported: {sorted(DTYPES)})")
         itemsize = 2 if dtype == "BF16" else np.dtype(DTYPES[dtype]).itemsize
@@ -278,26 +285,50 @@ def _read_config(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CheckpointError(f"{folder!r} is not a checkpoint folder")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{folder!r}: no config.json (a compressed-tensors checkpoint has one)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_path!r}: corrupted config.json ({e})") from None
+    config = _read_json(cfg_path, "config.json")
     qc = config.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path!r}: quantization_config is a {type(qc).__name__}, not an object")
     if qc and qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{cfg_path!r}: quantization_config.quant_method is {qc.get('quant_method')!r}; "
                               f"this reader knows 'compressed-tensors' only")
     return config, qc
 
 
+#: caps on what a checkpoint's files may declare: safetensors' own header cap, and config.json / the index
+SAFETENSORS_MAX_HEADER = 100_000_000
+JSON_MAX_BYTES = 64 << 20
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (at most JSON_MAX_BYTES), or CheckpointError naming the file."""
+    try:
+        size = os.path.getsize(path)
+        if size > JSON_MAX_BYTES:
+            raise CheckpointError(f"{path!r}: {what} of {size:,} bytes, more than the {JSON_MAX_BYTES:,} allowed")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path!r}: corrupted {what} ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path!r}: corrupted {what} (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path!r}: corrupted {what} (not a JSON object)")
+    return data
+
+
 def _files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index!r}: corrupted index ({e})") from None
+        weight_map = _read_json(index, "index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index!r}: corrupted index (no weight_map object)")
+        names = sorted(set(weight_map.values()), key=str)
+        bad = [n for n in names if not (isinstance(n, str) and n.endswith(".safetensors") and os.path.basename(n) == n
+                                        and n not in (".", ".."))]
+        if bad:
+            raise CheckpointError(f"{index!r}: the index names files that are not .safetensors files inside the "
+                                  f"checkpoint folder: {[str(b)[:80] for b in bad[:4]]}")
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not names:

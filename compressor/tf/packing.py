@@ -62,31 +62,34 @@ def save_compressed(model: Any, path: str | os.PathLike, codec: str = "auto") ->
 def load_compressed(model: Any, path: str | os.PathLike) -> Any:
     """Load the compressed file ``path`` into ``model``, a built instance of the model it was exported from.
 
-    Weights are matched by name (``<layer path>/<variable>``). The file is fully decoded and every name,
-    shape and dtype checked first; on any mismatch a :class:`~compressor.core.errors.CompressedFileError`
+    Weights are matched by name (``<layer path>/<variable>``). Every name, shape and dtype in the file's
+    header is checked before any tensor is decoded (the model's weights bound what is decoded), then the
+    whole file is decoded and checked; on any mismatch a :class:`~compressor.core.errors.CompressedFileError`
     is raised and no weight is changed. Returns ``model``.
     """
     variables = _variables(model)
-    arrays = unpack(path)
     where = repr(os.fspath(path))
-    pairs = {name: name for name in variables if name in arrays}
-    missing = [n for n in variables if n not in pairs]
-    unexpected = sorted(set(arrays) - set(pairs.values()))
-    if missing or unexpected:
-        raise CompressedFileError(
-            f"{where} does not fit model {getattr(model, 'name', '?')!r}: no value for {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unknown weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-            f" (load it into a built instance of the model it was exported from)")
-    todo = []
-    for name, v in variables.items():
-        arr = arrays[pairs[name]]
-        shape = tuple(int(d) for d in v.shape)
-        if tuple(arr.shape) != shape:
-            raise CompressedFileError(f"{where}: {pairs[name]!r} has shape {tuple(arr.shape)}, the model's {name!r} is {shape}")
-        want = np.dtype(str(v.dtype))
-        if arr.dtype.newbyteorder("=") != want.newbyteorder("="):
-            raise CompressedFileError(f"{where}: {pairs[name]!r} is {arr.dtype}, the model's {name!r} is {want}")
-        todo.append((v, arr.astype(want, copy=False)))
+    wanted = {name: (tuple(int(d) for d in v.shape), np.dtype(str(v.dtype))) for name, v in variables.items()}
+
+    def fits(declared: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """Refuse a file that does not fit the model from its header alone, before any tensor is decoded."""
+        missing = [n for n in wanted if n not in declared]
+        unexpected = sorted(set(declared) - set(wanted))
+        if missing or unexpected:
+            raise CompressedFileError(
+                f"{where} does not fit model {getattr(model, 'name', '?')!r}: no value for {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unknown weights {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''} (load it into a built instance of the model it was "
+                f"exported from)")
+        for name, (shape, want) in wanted.items():
+            got_shape, got = declared[name]
+            if got_shape != shape:
+                raise CompressedFileError(f"{where}: {name!r} has shape {got_shape}, the model's {name!r} is {shape}")
+            if got.newbyteorder("=") != want.newbyteorder("="):
+                raise CompressedFileError(f"{where}: {name!r} is {got}, the model's {name!r} is {want}")
+
+    arrays = unpack(path, check=fits)
+    todo = [(v, arrays[name].astype(wanted[name][1], copy=False)) for name, v in variables.items()]
     for v, arr in todo:
         v.assign(arr)
     return model

@@ -44,31 +44,43 @@ def save_compressed(state: Mapping[str, Any], path: str | os.PathLike, codec: st
 
 def load_compressed(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load the compressed file ``path`` (``export_model(..., compressed_path=...)``, ``compressor pack``)
-    into ``model``, a plain instance of the model class it was exported from. The file is fully decoded
-    and every key, shape and dtype checked against ``model.state_dict()`` first; on any mismatch a
+    into ``model``, a plain instance of the model class it was exported from. Every key, shape and dtype
+    in the file's header is checked against ``model.state_dict()`` before any tensor is decoded (so the
+    model's own tensors bound what is decoded), then the whole file is decoded and checked; on any mismatch a
     :class:`~compressor.core.errors.CompressedFileError` is raised and the model is left untouched.
     Returns ``model``."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"load_compressed: model must be a torch.nn.Module, got {type(model).__name__}")
-    arrays = unpack(path)
     target = model.state_dict()
     where = repr(os.fspath(path))
-    missing = [k for k in target if k not in arrays]
-    unexpected = [k for k in arrays if k not in target]
-    if missing or unexpected:
-        raise CompressedFileError(
-            f"{where} does not fit {type(model).__name__}: missing keys {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-            f" (load it into a plain instance of the model class it was exported from)")
-    state: dict[str, torch.Tensor] = {}
+    wanted: dict[str, Any] = {}
     for key, have in target.items():
-        arr = arrays[key]
-        if tuple(arr.shape) != tuple(have.shape):
-            raise CompressedFileError(f"{where}: {key!r} has shape {tuple(arr.shape)}, the model's is {tuple(have.shape)}")
-        want = torch.empty(0, dtype=have.dtype).numpy().dtype if have.dtype != torch.bfloat16 else None
-        if want is None or arr.dtype.newbyteorder("=") != want.newbyteorder("="):
-            raise CompressedFileError(f"{where}: {key!r} is {arr.dtype}, the model's is {have.dtype}")
-        state[key] = torch.from_numpy(np.array(arr, dtype=want, order="C"))  # (keeps 0-d arrays 0-d)
+        if have.dtype == torch.bfloat16:
+            raise CompressedFileError(f"{where}: the model's {key!r} is bfloat16, which the compressed format cannot "
+                                      f"hold; load into a float32 instance of the model")
+        wanted[key] = (tuple(have.shape), torch.empty(0, dtype=have.dtype).numpy().dtype)
+
+    def fits(declared: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """Refuse a file that does not fit the model from its header alone, before any tensor is decoded."""
+        missing = [k for k in wanted if k not in declared]
+        unexpected = [k for k in declared if k not in wanted]
+        if missing or unexpected:
+            raise CompressedFileError(
+                f"{where} does not fit {type(model).__name__}: missing keys {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''} (load it into a plain instance of the model class it "
+                f"was exported from)")
+        for key, (shape, want) in wanted.items():
+            got_shape, got = declared[key]
+            if got_shape != shape:
+                raise CompressedFileError(f"{where}: {key!r} has shape {got_shape}, the model's is {shape}")
+            if got.newbyteorder("=") != want.newbyteorder("="):
+                raise CompressedFileError(f"{where}: {key!r} is {got}, the model's is {target[key].dtype}")
+
+    arrays = unpack(path, check=fits)
+    state: dict[str, torch.Tensor] = {}
+    for key, (_, want) in wanted.items():
+        state[key] = torch.from_numpy(np.array(arrays[key], dtype=want, order="C"))  # (keeps 0-d arrays 0-d)
     _check_ties(target, state, where)
     model.load_state_dict(state, strict=True)
     return model

@@ -226,7 +226,9 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------- masks
 def _load_masks(masks: Any) -> dict[str, dict[str, torch.Tensor]]:
     if isinstance(masks, (str, os.PathLike)):
-        masks = torch.load(masks, map_location="cpu", weights_only=True)
+        from .pruning.export import load_mask_file
+
+        masks = load_mask_file(masks)
     if not isinstance(masks, dict) or not all(isinstance(v, dict) for v in masks.values()):
         raise ConfigError("masks must be {layer: {'weight': mask, 'bias': mask}} or the path of such a file "
                           "(export_model(..., mask_path=...))")

@@ -59,13 +59,14 @@ def save_masks(pruner: Any, mask_path: str) -> None:
 
 def load_masks(mask_path: str) -> dict[str, dict[str, np.ndarray]]:
     """``{layer path: {'weight': mask, 'bias': mask}}`` from a mask file (no pickle)."""
+    from ...core.npz import load_npz
+
     out: dict[str, dict[str, np.ndarray]] = {}
-    with np.load(mask_path, allow_pickle=False) as data:
-        for key in data.files:
-            if key.endswith(BIAS_SUFFIX):
-                out.setdefault(key[: -len(BIAS_SUFFIX)], {})["bias"] = data[key].astype(bool)
-            else:
-                out.setdefault(key, {})["weight"] = data[key].astype(bool)
+    for key, value in load_npz(mask_path, "mask file", ConfigError).items():  # checked, never unpickled
+        if key.endswith(BIAS_SUFFIX):
+            out.setdefault(key[: -len(BIAS_SUFFIX)], {})["bias"] = value.astype(bool)
+        else:
+            out.setdefault(key, {})["weight"] = value.astype(bool)
     return out
 
 

@@ -173,10 +173,24 @@ def load_into_wrapped(pruner: Any, state: dict[str, torch.Tensor]) -> None:
         w.apply_masks()
 
 
+def load_mask_file(mask_path: str | os.PathLike, device: Any = None) -> Any:
+    """The content of a torch mask file (``torch.load(..., weights_only=True)``: no arbitrary pickle); a
+    ConfigError naming the file when it is missing or not a torch file."""
+    p = os.fspath(mask_path)
+    if not os.path.isfile(p):
+        raise ConfigError(f"mask file {p!r} does not exist")
+    try:
+        return torch.load(p, map_location=device or "cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling / zip / weights_only refusals: all bad input
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot read mask file {p!r} ({type(e).__name__}: {first}); write one with "
+                          f"pruner.export_model(model_path, mask_path)") from None
+
+
 def apply_compression_results(model: nn.Module, mask_path: str | os.PathLike, device: Any = None) -> nn.Module:
     """Apply a mask file written by ``export_model`` to ``model``: pruning wrappers get the masks, plain
     layers get their pruned weights zeroed in place. Loaded with ``weights_only=True``."""
-    masks = torch.load(mask_path, map_location=device or "cpu", weights_only=True)
+    masks = load_mask_file(mask_path, device)
     if not isinstance(masks, dict):
         raise ConfigError(f"{os.fspath(mask_path)!r} is not a mask file (expected {{layer: {{'weight': mask}}}})")
     for name, entry in masks.items():
