@@ -40,6 +40,14 @@ wrappers, state variables (``<type>_scale``, ``<type>_zero_point``, ``tracked_mi
   quantization parameters): an unrolled bidirectional GRU's int8 file had 85 KB of fused names and 60 KB of
   repeated per-channel parameters around 22 KB of int8 weights, and was larger than the float file.
   ``strip_names=False`` writes the converter's file as it is.
+* ``activation='dynamic'`` (default ``'static'``; the torch backend's option of the same name, onnxruntime's
+  ``quantize_dynamic``): no calibration data. :meth:`PtqQuantizer.calibrate` (no arguments; ``export_model``
+  runs it if needed) folds BN and freezes the weights' per-channel int8 scales; the fake-quant model
+  quantizes each quantized layer's input on every call over its own range, per row of the last axis
+  (per sample for convs), as TFLite's dynamic-range (hybrid) kernels do, and leaves outputs float (an
+  ``'output'`` quant type is not applied). The .tflite is the converter's dynamic-range model: int8 weights
+  (per channel), float input / output and activations, every non-kernel op float. The converter keeps
+  weights of fewer than 1024 elements float: those kernels are reported and listed in ``tflite_float_ops``.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ _NO_DATA = "calibrate with at least one batch"
 _FOLDABLE = ("Dense", "Conv1D", "Conv2D", "Conv3D")
 
 
+#: values of ``PtqQuantizer(activation=...)`` (the torch backend's option of the same name)
+ACTIVATION = ("static", "dynamic")
 #: values of ``export_model(tflite_int8=...)``
 TFLITE_INT8 = ("auto", "kernels", "all")
 #: Keras layers whose TFLite lowering the converter would run in int8 without the fake-quant model simulating
@@ -94,7 +104,9 @@ class PtqQuantizer(QAT_Quantizer):
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  observer: str = "minmax", percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True,
                  ema_decay: float = 0.99, batch_size: int = 32, keep_batches: int = 16,
-                 fuse_relu: bool = True, share_ranges: bool = True) -> None:
+                 fuse_relu: bool = True, share_ranges: bool = True, activation: str = "static") -> None:
+        if activation not in ACTIVATION:
+            raise ConfigError(f"PtqQuantizer: activation must be one of {list(ACTIVATION)}, got {activation!r}")
         if observer not in OBSERVERS:
             raise ConfigError(f"PtqQuantizer: unknown observer {observer!r}; allowed: {sorted(OBSERVERS)}")
         kw: dict[str, Any] = {}
@@ -111,6 +123,8 @@ class PtqQuantizer(QAT_Quantizer):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"PtqQuantizer: {name} must be a positive int, got {v!r}")
         self.observer = observer
+        #: ``'static'`` (calibrated activation ranges, full-integer TFLite) or ``'dynamic'`` (see the module doc)
+        self.activation = activation
         self._observer_kwargs = kw
         self.bn_fold = bn_fold
         self.batch_size = batch_size
@@ -154,7 +168,7 @@ class PtqQuantizer(QAT_Quantizer):
     def shared_inputs(self) -> dict[str, str]:
         """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
         scale and zero point (``share_ranges``; same rule as the torch backend)."""
-        if not self.share_ranges:
+        if not self.share_ranges or self.activation == "dynamic":
             return {}
         by_layer = {id(w.layer): w for w in self.modules_wrapper}
         out = {}
@@ -195,6 +209,10 @@ class PtqQuantizer(QAT_Quantizer):
         return tf.reshape(out, weight.shape) if view is not weight else out
 
     def _activation(self, t: str, x: tf.Tensor, wrapper: QuantizerLayerWrapper) -> tf.Tensor:
+        if self.activation == "dynamic":  # inputs quantized per call, as the runtime does; outputs float
+            if t != "input" or not self._calibrated:
+                return tf.identity(x)
+            return _dynamic_fake_quant(x, wrapper.qat_specs[t], _row_axes(wrapper.layer, x))
         if self._clip_export:  # TFLite export: the converter calibrates on clip(x) and finds our range
             scale = tf.reshape(getattr(wrapper, f"{t}_scale").read_value(), [])
             zp = tf.reshape(getattr(wrapper, f"{t}_zero_point").read_value(), [])
@@ -269,10 +287,11 @@ class PtqQuantizer(QAT_Quantizer):
                                  f"model's expected input shape {expected}")
         return t
 
-    def calibrate(self, data: Any, num_batches: int | None = None) -> PtqQuantizer:
+    def calibrate(self, data: Any = None, num_batches: int | None = None) -> PtqQuantizer:
         """Observe ``data`` (a ``tf.data.Dataset`` of ``x`` or ``(x, y)``, a numpy array batched by
         ``batch_size``, or an iterable of batches), at most ``num_batches`` batches; freeze scales and zero
-        points into the wrappers (and fold BN first with ``bn_fold``). Returns self."""
+        points into the wrappers (and fold BN first with ``bn_fold``). Returns self.
+        ``activation='dynamic'``: no data is needed (nor read): BN is folded and the weights' scales frozen."""
         what = "PtqQuantizer.calibrate"
         if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)
                                         or num_batches < 1):
@@ -280,13 +299,14 @@ class PtqQuantizer(QAT_Quantizer):
         wrappers = [w for w in self.modules_wrapper if w.ready]
         if len(wrappers) != len(self.modules_wrapper):
             raise ConfigError(f"{what}: build the model (call it once) before calibrating")
-        batches = self._batches(data, num_batches)
+        dynamic = self.activation == "dynamic"
+        batches = [] if dynamic else self._batches(data, num_batches)
         fold = self._fold_plan() if self.bn_fold and not self._folded else []
         backup = [(v, tf.identity(v)) for var_vals in fold for v, _ in var_vals]
         observers: dict[tuple[str, str], Observer] = {}
         for w in wrappers:
             for t in w.quant_types:
-                if t != "weight":
+                if t != "weight" and not dynamic:
                     observers[(w.name, t)] = self._activation_observer(w.qat_specs[t])
         samples: list[Any] = []
         writes: list[tuple[Any, Any]] = []
@@ -307,7 +327,7 @@ class PtqQuantizer(QAT_Quantizer):
                 seen += 1
                 if len(samples) < self.keep_batches:  # each input keeps its dtype (token ids stay int32)
                     samples.append(keras.tree.map_structure(lambda t: t.numpy(), x))
-            if seen == 0:
+            if seen == 0 and not dynamic:
                 raise ConfigError(f"{what}: no batch in the data; {_NO_DATA}")
             self._observing = None
             values: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
@@ -318,6 +338,8 @@ class PtqQuantizer(QAT_Quantizer):
                         obs = MinMaxObserver.from_spec(ops, spec)
                         obs.observe(as_channels(tf.convert_to_tensor(w.weight), w.type))
                         rng = None
+                    elif dynamic:  # measured on every call
+                        continue
                     else:
                         obs = observers[(w.name, t)]
                         rng = obs.range()
@@ -327,6 +349,8 @@ class PtqQuantizer(QAT_Quantizer):
                 values[(name, "input")] = values[(src, "output")]
             for w in wrappers:
                 for t in w.quant_types:
+                    if (w.name, t) not in values:
+                        continue
                     s, z, rng = values[(w.name, t)]
                     if rng is not None:
                         writes += [(getattr(w, f"tracked_min_{t}"), rng[0]), (getattr(w, f"tracked_max_{t}"), rng[1]),
@@ -426,18 +450,33 @@ class PtqQuantizer(QAT_Quantizer):
         The TFLite conversion takes tens of seconds on real models: a line before and after it (with the
         time) goes to the ``compressor.tf.ptq`` logger at INFO, and, with ``verbose`` and nobody listening
         to that logger, to stderr.
-        ``representative_dataset`` defaults to the calibration batches kept by :meth:`calibrate`."""
-        self._require_calibrated("export_model")
+        ``representative_dataset`` defaults to the calibration batches kept by :meth:`calibrate`.
+        ``activation='dynamic'``: no calibration needed (``calibrate()`` runs first if it has not), the .tflite is
+        the converter's dynamic-range model (float input / output; ``tflite_int8`` and the representative data
+        do not apply)."""
+        dynamic = self.activation == "dynamic"
+        if not dynamic:
+            self._require_calibrated("export_model")
         for name, t in (("inference_input_type", inference_input_type), ("inference_output_type", inference_output_type)):
             if t not in (tf.int8, tf.float32, tf.uint8):
                 raise ConfigError(f"PtqQuantizer.export_model: {name} must be tf.int8, tf.uint8 or tf.float32, got {t!r}")
+            if dynamic and t != tf.float32:
+                raise ConfigError(f"PtqQuantizer.export_model: {name} must be tf.float32 with activation='dynamic' "
+                                  f"(a dynamic-range .tflite takes and returns float), got {t!r}; "
+                                  f"activation='static' exports int8 input / output")
         if tflite_int8 not in TFLITE_INT8:
             raise ConfigError(f"PtqQuantizer.export_model: tflite_int8 must be one of {list(TFLITE_INT8)}, got "
                               f"{tflite_int8!r}")
+        if dynamic and tflite_int8 != "auto":
+            raise ConfigError(f"PtqQuantizer.export_model: tflite_int8={tflite_int8!r} chooses the int8 ops of a "
+                              f"full-integer .tflite (activation='static'); with activation='dynamic' every weighted "
+                              f"kernel runs int8 on activations quantized at run time: leave tflite_int8 out")
         if not isinstance(strip_names, bool):
             raise ConfigError(f"PtqQuantizer.export_model: strip_names must be True or False, got {strip_names!r}")
         rep = None
-        if tflite_path is not None:
+        if dynamic and not self._calibrated:
+            self.calibrate()
+        if tflite_path is not None and not dynamic:
             rep = representative_dataset if representative_dataset is not None else self._representative()
             if rep is None:
                 raise ConfigError("PtqQuantizer.export_model: no representative data for TFLite (calibration "
@@ -472,7 +511,7 @@ class PtqQuantizer(QAT_Quantizer):
         return gen
 
     def _to_tflite(self, path: str, representative_dataset: Any, in_type: Any, out_type: Any) -> None:
-        if self.observer in CLIPPING_OBSERVERS:
+        if self.observer in CLIPPING_OBSERVERS and self.activation == "static":
             return self._to_tflite_clipped(path, representative_dataset, in_type, out_type)
         wrappers = self.get_modules_wrapper()
         exported = [(w, self.export_weight(w)) for w in wrappers if "weight" in w.quant_types and w.ready]
@@ -482,9 +521,13 @@ class PtqQuantizer(QAT_Quantizer):
             for w, value in exported:
                 w.weight.assign(value)
             with tempfile.TemporaryDirectory() as d:
-                blob, self.tflite_float_ops = _convert(self.bound_model, d, representative_dataset, in_type, out_type,
-                                                       getattr(self, "_verbose", True),
-                                                       getattr(self, "_tflite_int8", "auto"))
+                if self.activation == "dynamic":
+                    blob, self.tflite_float_ops = _convert_dynamic(self.bound_model, d, getattr(self, "_verbose", True),
+                                                                   [w.name.split("/")[0] for w, _ in exported])
+                else:
+                    blob, self.tflite_float_ops = _convert(self.bound_model, d, representative_dataset, in_type,
+                                                           out_type, getattr(self, "_verbose", True),
+                                                           getattr(self, "_tflite_int8", "auto"))
         finally:
             for var, value in originals:
                 var.assign(value)
@@ -580,6 +623,91 @@ def _convert(model: Any, workdir: str, representative_dataset: Any, in_type: Any
                  "simulate. export_model(tflite_int8='all') converts them to int8 too", ops, why)
     _say(verbose, "PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
     return blob, kept
+
+
+def _convert_dynamic(model: Any, workdir: str, verbose: bool, quantized: list[str]) -> tuple[bytes, dict[str, list[str]]]:
+    """Saved model in ``workdir`` -> the converter's dynamic-range TFLite flatbuffer (int8 weights, activations
+    quantized at run time by the hybrid kernels, float everywhere else) and ``{op: [layers]}`` of the weighted
+    kernels of ``quantized`` layers it kept float: the converter leaves weights of fewer than 1024 elements float."""
+    import time
+
+    from ..tflite import convert_recurrent
+
+    t0 = time.perf_counter()
+    _say(verbose, "PtqQuantizer: converting %r to dynamic-range int8 TFLite ...", getattr(model, "name", "model"))
+
+    def converter() -> Any:
+        model.export(workdir, format="tf_saved_model", verbose=False)
+        conv = tf.lite.TFLiteConverter.from_saved_model(workdir)
+        conv.optimizations = [tf.lite.Optimize.DEFAULT]
+        return conv
+
+    blob = convert_recurrent(model, converter, full_integer=False)
+    if blob is None:
+        blob = converter().convert()
+    kept = _float_kernels(blob, quantized, [la.name for la in _all_layers(model)])
+    if kept:
+        _say(verbose, "PtqQuantizer: the dynamic-range TFLite model keeps the weights of %s float (the converter "
+             "quantizes weights of at least 1024 elements)",
+             "; ".join(f"{op} ({', '.join(layers)})" for op, layers in sorted(kept.items())))
+    _say(verbose, "PtqQuantizer: TFLite conversion done in %.1f s (%d bytes)", time.perf_counter() - t0, len(blob))
+    return blob, kept
+
+
+def _float_kernels(blob: bytes, quantized: list[str], layer_names: list[str]) -> dict[str, list[str]]:
+    """``{op: [layers]}``: weighted kernels (an operand constant) of the ``quantized`` layers whose weight is float."""
+    import warnings
+
+    from ..tflite import KERNEL_OPS, _layer_of
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the interpreter's deprecation notice
+        interp = tf.lite.Interpreter(model_content=blob)
+    details = {t["index"]: t for t in interp.get_tensor_details()}
+    ops_ = interp._get_ops_details()
+    variable = {i for op in ops_ for i in op["outputs"]} | {d["index"] for d in interp.get_input_details()}
+    names, wanted = set(layer_names), set(quantized)
+    kept: dict[str, list[str]] = {}
+    for op in ops_:
+        if op["op_name"] not in KERNEL_OPS or op["op_name"] == "GATHER":
+            continue
+        weights = [i for i in op["inputs"][:2] if i >= 0 and i not in variable]
+        if not weights or details[weights[0]]["dtype"] != np.float32:
+            continue
+        layer = _layer_of(details[weights[0]]["name"], names)  # the weight keeps its layer's scope, an output
+        if layer not in wanted:                                    # of the model its signature name
+            layer = _layer_of(details[op["outputs"][0]]["name"], names)
+        if layer in wanted and layer not in kept.setdefault(op["op_name"], []):
+            kept[op["op_name"]].append(layer)
+    return {k: v for k, v in kept.items() if v}
+
+
+def _row_axes(layer: Any, x: Any) -> list[int]:
+    """The axes of ``layer``'s input that one row of its TFLite kernel spans: the contracted axes of an
+    EinsumDense (``'abcd,cde->abe'``: c, d), the last axis of a Dense, every axis but the batch of a conv."""
+    rank = len(x.shape)
+    equation = getattr(layer, "equation", None)
+    if isinstance(equation, str) and "->" in equation and "," in equation:
+        inp, rest = equation.replace(" ", "").split(",", 1)
+        out = rest.split("->")[1]
+        if "." not in inp and len(inp) == rank:
+            axes = [i for i, c in enumerate(inp) if c not in out]
+            if axes:
+                return axes
+    if "Conv" in type(layer).__name__:
+        return list(range(1, rank))
+    return [rank - 1]
+
+
+def _dynamic_fake_quant(x: tf.Tensor, spec: QuantSpec, axes: list[int]) -> tf.Tensor:
+    """``x`` on the grid TFLite's dynamic-range (hybrid) kernels quantize it to at run time: affine over its own
+    min / max (0 included) per row (``axes``: the axes a row spans, see :func:`_row_axes`)."""
+    from ...core import quant as cq
+
+    x = tf.convert_to_tensor(x)
+    lo, hi = tf.reduce_min(x, axis=axes, keepdims=True), tf.reduce_max(x, axis=axes, keepdims=True)
+    scale, zp = cq.qparams(ops, lo, hi, spec.qmin, spec.qmax)
+    return cq.fake_quantize(ops, x, scale, zp, spec.qmin, spec.qmax)
 
 
 def _float_reason(model: Any) -> str | None:
