@@ -48,6 +48,9 @@ __all__ = ["Artifact", "BackendResult", "Schedule", "get_harness", "interleaved_
 
 BACKENDS = ("torch", "tf")
 FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
+#: what each backend's artifact needs besides the framework (torch: the ONNX exporter and onnxruntime; tf: the
+#: TFLite converter and interpreter ship with tensorflow)
+ARTIFACT_NEEDS = {"torch": ("onnx", "onnxruntime"), "tf": ()}
 SPARSITY = 0.8
 LAYERS = ("conv1", "conv2", "fc1", "fc2")
 #: channel sparsity of the structured variant (the classifier fc2 keeps its outputs)
@@ -80,7 +83,7 @@ class Schedule:
 SCHEDULES: dict[tuple[str, bool], Schedule] = {
     ("digits", False): Schedule(dense_epochs=20, prune_epochs=15, agp_end_epoch=8, quant_epochs=4, struct_epochs=5),
     ("digits", True): Schedule(dense_epochs=8, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, struct_epochs=2,
-                               timing_rounds=3, infer_rounds=5, artifact_rounds=5, artifact_calls=5),
+                               timing_rounds=2, infer_rounds=3, artifact_rounds=3, artifact_calls=5),
     ("mnist", False): Schedule(dense_epochs=3, prune_epochs=4, agp_end_epoch=3, quant_epochs=1, struct_epochs=1,
                                batch_size=128),
     ("mnist", True): Schedule(dense_epochs=2, prune_epochs=3, agp_end_epoch=2, quant_epochs=1, struct_epochs=1,
@@ -297,10 +300,17 @@ def summary_line(r: BackendResult) -> str:
     d, s = r.artifacts["dense"], r.artifacts["shipped"]
     pp = 100.0 * (s.accuracy - d.accuracy)
     runtime = s.runtime.split(" (")[0].split(",")[0]
-    return (f"{r.backend}: the shipped int8 {r.artifact_format} file is {d.file_bytes / s.file_bytes:.1f}x smaller, "
+    line = (f"{r.backend}: the shipped int8 {r.artifact_format} file is {d.file_bytes / s.file_bytes:.1f}x smaller, "
             f"{_faster(d.latency_1 / s.latency_1)} at batch 1 and {_faster(d.latency_all / s.latency_all)} on "
             f"{r.n_infer} images ({runtime}), {pp:+.1f} pp accuracy ({_pct(s.accuracy)} vs {_pct(d.accuracy)}), "
             f"compared with the dense float {r.artifact_format} file")
+    st = r.artifacts.get("struct")
+    if st is not None and st.latency_all < s.latency_all / 1.1:
+        # say it when int8 costs speed on this model: tiny layers, where quantize/dequantize and layout
+        # changes outweigh the integer kernels (larger models: benchmarks/RESULTS.md, int8 latency)
+        line += (f"; the structured float file runs {s.latency_all / st.latency_all:.1f}x faster than the int8 one "
+                 f"on {r.n_infer} images: this model's layers are too small for int8 kernels to pay off")
+    return line
 
 
 def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int, calls: int = 1, warmup: int = 1,
@@ -563,9 +573,13 @@ def plot_points(r: BackendResult) -> list[tuple[str, str, int, float | None, flo
     return pts
 
 
-#: marker of each stage in the figure: same shape = same model; hollow = framework, filled = artifact file
+#: marker and legend of each stage in the figure: same shape = same model; hollow = framework, filled = file
 _MARKERS = {"dense": "o", "pruned": "s", "quant": "^", "struct": "D", "file:dense": "o", "file:struct": "D",
             "file:shipped": "*"}
+_LEGEND = {"dense": "dense (framework)", "pruned": f"AGP {SPARSITY:.0%}, masks (framework)",
+           "quant": "QAT int8 simulation (framework, not timed)", "struct": "structured + speedup (framework)",
+           "file:dense": "dense float file", "file:struct": "structured float file",
+           "file:shipped": "structured + PTQ int8 file (shipped)"}
 
 
 def save_plot(results: Sequence[BackendResult], path: str) -> None:
@@ -577,7 +591,7 @@ def save_plot(results: Sequence[BackendResult], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -585,28 +599,30 @@ def save_plot(results: Sequence[BackendResult], path: str) -> None:
     for i, r in enumerate(results):
         color = colors[i % len(colors)]
         handles[r.backend] = Line2D([], [], color=color, marker="s", linestyle="", label=r.backend)
-        for key, label, size, latency, acc in plot_points(r):
+        for key, _, size, latency, acc in plot_points(r):
             filled = key.startswith("file:")
             style = {"marker": _MARKERS[key], "s": 160 if key == "file:shipped" else 60, "edgecolors": color,
                      "facecolors": color if filled else "none", "linewidths": 1.5}
             axes[0].scatter(size / 1024, 100 * acc, **style)
             if latency is not None:
                 axes[1].scatter(latency * 1e3, 100 * acc, **style)
-            if label not in handles:
-                handles[label] = Line2D([], [], color="gray", marker=_MARKERS[key], linestyle="",
-                                        markerfacecolor="gray" if filled else "none", label=label)
+            if key not in handles:
+                handles[key] = Line2D([], [], color="gray", marker=_MARKERS[key], linestyle="",
+                                      markerfacecolor="gray" if filled else "none", label=_LEGEND[key])
     n = results[0].n_infer if results else 0
     for ax, xlabel, title in ((axes[0], "file size (KiB, log scale)", "accuracy vs file size"),
                               (axes[1], f"latency, {n} test images in one call (ms, log scale)",
                                "accuracy vs latency")):
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     fig.legend(handles=list(handles.values()), loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("compressor demo: hollow = framework model, filled = artifact file run in its runtime")
+    runtimes = ", ".join(f"{r.backend}: {r.artifact_format}" for r in results)
+    fig.suptitle(f"compressor demo: hollow = framework model, filled = file run in its runtime ({runtimes})")
     fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -681,6 +697,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.backend not in installed:
             print(f"compressor demo: error: backend {args.backend!r} needs {FRAMEWORK[args.backend]}, which is not "
                   f"installed (pip install 'compressor[{args.backend},demo]')", file=sys.stderr)
+            return 2
+    for b in backends:
+        missing = [m for m in ARTIFACT_NEEDS[b] if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"compressor demo: error: the {b} artifact is an ONNX file run in onnxruntime, which needs "
+                  f"{' and '.join(missing)} (pip install 'compressor[onnx]'); or run another backend with "
+                  f"--backend", file=sys.stderr)
             return 2
     if args.data == "mnist" and not args.data_dir:
         print("compressor demo: error: --data mnist needs --data-dir DIR (the four MNIST IDX files)", file=sys.stderr)

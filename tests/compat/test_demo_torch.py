@@ -182,6 +182,15 @@ def test_summary_line_words():
         "torch: the shipped int8 ONNX file is 12.0x smaller, 3.0x faster at batch 1 and 2.0x slower on 359 "
         "images (onnxruntime 1.0), -0.4 pp accuracy (97.10 % vs 97.50 %), compared with the dense float ONNX file")
     assert "as fast at batch 1 and as fast on" in demo.summary_line(_result(1e-4, 0.97e-4, 1.0, 1.04, 0.5, 0.5))
+    r = _result(3e-4, 1e-4, 0.010, 0.008, 0.9750, 0.9710)
+    r.artifacts["struct"] = demo.Artifact(label="st", path="st", runtime="", runner=None, accuracy=0.97,
+                                          file_bytes=40_000, latency_1=1e-4, latency_all=0.004, ranges={}, int8="")
+    assert demo.summary_line(r).endswith(
+        "1.2x faster on 359 images (onnxruntime 1.0), -0.4 pp accuracy (97.10 % vs 97.50 %), compared with the "
+        "dense float ONNX file; the structured float file runs 2.0x faster than the int8 one on 359 images: this "
+        "model's layers are too small for int8 kernels to pay off")
+    r.artifacts["struct"].latency_all = 0.0075  # within 10 %: not said
+    assert demo.summary_line(r).endswith("compared with the dense float ONNX file")
 
 
 def test_interleaved_times_runs_every_callable_alike():
@@ -211,6 +220,16 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         cli.main(["demo", "--backend", "jax"])
     assert info.value.code == 2
+
+
+def test_missing_onnxruntime_is_one_line_before_any_training(capsys, monkeypatch):
+    real = demo.importlib.util.find_spec
+    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("trained although onnxruntime is missing"))
+    assert cli.main(["demo", "--backend", "torch", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("compressor demo: error: the torch artifact is an ONNX file run in onnxruntime, which needs "
+                   "onnxruntime (pip install 'compressor[onnx]'); or run another backend with --backend\n")
 
 
 def test_structured_speedup_column_is_really_smaller(quick_run):
