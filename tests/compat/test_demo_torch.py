@@ -188,7 +188,7 @@ def test_summary_line_words():
     assert demo.summary_line(r).endswith(
         "1.2x faster on 359 images (onnxruntime 1.0), -0.4 pp accuracy (97.10 % vs 97.50 %), compared with the "
         "dense float ONNX file; the structured float file runs 2.0x faster than the int8 one on 359 images: this "
-        "model's layers are too small for int8 kernels to pay off")
+        "model's layers are too narrow for the runtime's int8 kernels to pay off")
     r.artifacts["struct"].latency_all = 0.0075  # within 10 %: not said
     assert demo.summary_line(r).endswith("compared with the dense float ONNX file")
 
