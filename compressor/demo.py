@@ -596,10 +596,11 @@ def save_plot(results: Sequence[BackendResult], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    handles: dict[str, Any] = {}
+    handles: dict[str, Any] = {}  # the backends' colours first, then the stages' markers
+    for i, r in enumerate(results):
+        handles[r.backend] = Line2D([], [], color=colors[i % len(colors)], marker="s", linestyle="", label=r.backend)
     for i, r in enumerate(results):
         color = colors[i % len(colors)]
-        handles[r.backend] = Line2D([], [], color=color, marker="s", linestyle="", label=r.backend)
         for key, _, size, latency, acc in plot_points(r):
             filled = key.startswith("file:")
             style = {"marker": _MARKERS[key], "s": 160 if key == "file:shipped" else 60, "edgecolors": color,
