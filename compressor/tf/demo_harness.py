@@ -16,7 +16,91 @@ import numpy as np
 
 from .._progress import progress_bar as _progress
 
-__all__ = ["TfHarness"]
+__all__ = ["TfHarness", "TfliteRunner"]
+
+
+@contextlib.contextmanager
+def _native_output_muted() -> Any:
+    """Mute what TensorFlow's converter and TFLite's runtime print (Python ``print`` AND their C++ logging to
+    file descriptors 1 and 2: 'Saved artifact at ...', 'fully_quantize: ...', 'Created TensorFlow Lite XNNPACK
+    delegate'), which would bury the demo's tables. Errors still raise, with their message."""
+    import io
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = []
+    try:
+        for fd in (1, 2):
+            saved.append((fd, os.dup(fd)))
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd, _ in saved:
+            os.dup2(null, fd)
+        os.close(null)
+    except OSError:  # no real descriptors (an embedding host): leave them
+        for fd, keep in saved:
+            os.dup2(keep, fd)
+            os.close(keep)
+        saved = []
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for fd, keep in saved:
+            os.dup2(keep, fd)
+            os.close(keep)
+
+
+class TfliteRunner:
+    """A ``.tflite`` file loaded in ``tf.lite.Interpreter``: what the demo measures its accuracy and latency on.
+
+    One interpreter per batch size (the input resized); ``interpreters`` maps batch size -> the
+    ``tf.lite.Interpreter`` that produced the numbers, ``path`` is the file they loaded. Images
+    ``[N, H, W]`` go in as float32 NHWC (the demo's artifacts take and return float32)."""
+
+    def __init__(self, path: str, threads: int | None = 1):
+        import tensorflow as tf
+
+        self.tf = tf
+        self.path = path
+        self.threads = threads
+        self.interpreters: dict[int, Any] = {}
+        self.runtime = f"TFLite interpreter, TF {tf.__version__} ({threads or 'default'} thread{'s' * (threads != 1)})"
+
+    def interpreter(self, batch: int) -> Any:
+        """The interpreter of input batch ``batch`` (made on first use)."""
+        if batch not in self.interpreters:
+            import warnings
+
+            with warnings.catch_warnings(), _native_output_muted():
+                warnings.simplefilter("ignore")  # tf.lite.Interpreter's deprecation notice (LiteRT)
+                it = self.tf.lite.Interpreter(model_path=self.path, num_threads=self.threads or None)
+                d = it.get_input_details()[0]
+                it.resize_tensor_input(d["index"], [batch, *d["shape"][1:]])
+                it.allocate_tensors()
+                it.invoke()  # the first invoke applies the XNNPACK delegate (and logs that it did)
+            self.interpreters[batch] = it
+        return self.interpreters[batch]
+
+    def feed(self, x: np.ndarray) -> tuple[Any, np.ndarray]:
+        """(interpreter, input) for images ``x`` (prepared once, outside the timed calls)."""
+        return self.interpreter(len(x)), np.ascontiguousarray(x[..., None], dtype=np.float32)
+
+    def run(self, feed: tuple[Any, np.ndarray]) -> np.ndarray:
+        it, x = feed
+        it.set_tensor(it.get_input_details()[0]["index"], x)
+        it.invoke()
+        return it.get_tensor(it.get_output_details()[0]["index"])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Logits of images ``x`` (one invoke)."""
+        return self.run(self.feed(x))
+
+    def int8_evidence(self) -> str:
+        """How many of the file's tensors are int8 (weights and activations of a full-integer model)."""
+        details = self.interpreter(1).get_tensor_details()
+        n8 = sum(np.dtype(d["dtype"]) == np.int8 for d in details)
+        return f"{n8} of {len(details)} tensors int8" if n8 else f"none of {len(details)} tensors int8 (float)"
 
 
 class TfHarness:
@@ -196,6 +280,32 @@ class TfHarness:
         """Save an uncompiled copy as ``.keras`` (no optimizer state); returns the file's bytes."""
         self.copy(model).save(path)
         return os.path.getsize(path)
+
+    # ------------------------------------------------------------------ the shipped artifact (TFLite)
+    artifact_suffix, artifact_format = ".tflite", "TFLite"
+
+    def export_float_artifact(self, model: Any, path: str, x: np.ndarray) -> None:
+        """``model`` as a float TFLite file (``TFLiteConverter.from_keras_model``, no optimisation)."""
+        with self._quiet(), _native_output_muted():
+            blob = self.tf.lite.TFLiteConverter.from_keras_model(model).convert()
+        with open(path, "wb") as f:
+            f.write(blob)
+
+    def ptq(self, model: Any, config_list: list[dict[str, Any]], x: np.ndarray, batch_size: int = 32) -> tuple[Any, Any]:
+        """``PtqQuantizer`` on ``model``, calibrated on images ``x``: (quantizer, fake-quant model)."""
+        q = self.backend.PtqQuantizer(model, config_list)
+        model = q.compress()
+        q.calibrate([self.to_input(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+        return q, model
+
+    def export_int8_artifact(self, quantizer: Any, path: str) -> None:
+        """The calibrated quantizer's full-integer TFLite (int8 kernels, float input/output)."""
+        with _native_output_muted():
+            quantizer.export_model(tflite_path=path, verbose=False)
+
+    def load_artifact(self, path: str, threads: int | None = 1) -> TfliteRunner:
+        """``path`` loaded in ``tf.lite.Interpreter``."""
+        return TfliteRunner(path, threads)
 
     def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
         """Seconds of ``predict_on_batch`` on all of ``x`` per model, interleaved (first round: warm-up,

@@ -16,7 +16,63 @@ import numpy as np
 
 from .._progress import progress_bar as _progress
 
-__all__ = ["TorchHarness"]
+__all__ = ["OnnxRunner", "TorchHarness"]
+
+#: onnxruntime kernels that compute in integers (what an int8 ONNX is fused into)
+INTEGER_KERNELS = frozenset({"QLinearConv", "ConvInteger", "QLinearMatMul", "MatMulInteger", "QGemm",
+                             "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
+
+
+class OnnxRunner:
+    """An ONNX file loaded in onnxruntime (CPU): what the demo measures its accuracy and latency on.
+
+    ``session`` is the ``onnxruntime.InferenceSession`` that produced the numbers, ``path`` the file it
+    loaded. Images ``[N, H, W]`` go in as float32 NCHW."""
+
+    def __init__(self, path: str, threads: int | None = 1):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads or 0
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.path = path
+        self.threads = threads
+        self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        self.runtime = f"onnxruntime {ort.__version__} (CPU, {threads or 'default'} thread{'s' * (threads != 1)})"
+
+    def feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """The session's input for images ``x`` (prepared once, outside the timed calls)."""
+        return {self.input: np.ascontiguousarray(x[:, None], dtype=np.float32)}
+
+    def run(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return self.session.run(None, feed)[0]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Logits of images ``x`` (one call)."""
+        return self.run(self.feed(x))
+
+    def optimized_ops(self) -> dict[str, int]:
+        """Op type -> count in the graph onnxruntime actually runs (its optimised graph, default level)."""
+        import tempfile
+        from collections import Counter
+
+        import onnx
+        import onnxruntime as ort
+
+        with tempfile.TemporaryDirectory() as d:
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+            ort.InferenceSession(self.path, so, providers=["CPUExecutionProvider"])
+            return dict(Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node))
+
+    def int8_evidence(self) -> str:
+        """The integer kernels in the optimised graph (``'none (float kernels)'`` for a float model)."""
+        ops = self.optimized_ops()
+        found = sorted(k for k in ops if k in INTEGER_KERNELS)
+        return ", ".join(f"{k} x{ops[k]}" for k in found) if found else "none (float kernels)"
 
 
 class TorchHarness:
@@ -214,6 +270,36 @@ class TorchHarness:
         """Save the state_dict; returns the file's bytes."""
         self.torch.save(model.state_dict(), path)
         return os.path.getsize(path)
+
+    # ------------------------------------------------------------------ the shipped artifact (ONNX)
+    #: the artifact's suffix and format (the demo's file names)
+    artifact_suffix, artifact_format = ".onnx", "ONNX"
+
+    def export_float_artifact(self, model: Any, path: str, x: np.ndarray) -> None:
+        """``model`` as a float ONNX file (dynamic batch axis; TorchScript exporter), checked in onnxruntime."""
+        from .onnx_io import export_onnx
+
+        model.eval()
+        try:
+            export_onnx(model, path, (self.to_input(x[:1]),), dynamo=False)
+        finally:
+            model.train()
+
+    def ptq(self, model: Any, config_list: list[dict[str, Any]], x: np.ndarray, batch_size: int = 32) -> tuple[Any, Any]:
+        """``PtqQuantizer`` on ``model`` (in place), calibrated on images ``x``: (quantizer, fake-quant model)."""
+        q = self.backend.PtqQuantizer(model, config_list, dummy_input=self.to_input(x[:1]))
+        model = q.compress()
+        q.calibrate([self.to_input(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+        return q, model
+
+    def export_int8_artifact(self, quantizer: Any, path: str) -> None:
+        """The calibrated quantizer's integer ONNX (int8 weight initializers, QDQ activations); its state_dict
+        (quantized weights as floats) goes next to it as ``.pt`` (``export_model`` needs a model path)."""
+        quantizer.export_model(os.path.splitext(path)[0] + ".pt", onnx_path=path)
+
+    def load_artifact(self, path: str, threads: int | None = 1) -> OnnxRunner:
+        """``path`` loaded in onnxruntime."""
+        return OnnxRunner(path, threads)
 
     def infer_times(self, models: Sequence[Any], x: np.ndarray, rounds: int) -> list[list[float]]:
         """Seconds of one eval forward of all of ``x`` (one batch) per model, interleaved round by round
