@@ -310,6 +310,66 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
     return None
 
 
+def _traced_qdq(graph: _Graph) -> dict[str, dict[str, Any]]:
+    """``{DequantizeLinear output: qparams}`` of the per-tensor QuantizeLinear -> DequantizeLinear pairs the
+    exporter already wrote (the quantized joins of :mod:`.joins`)."""
+    made = {o: n for n in graph.g.node for o in n.output}
+    out: dict[str, dict[str, Any]] = {}
+    for n in graph.g.node:
+        q = made.get(n.input[0]) if n.op_type == "DequantizeLinear" and len(n.input) == 3 else None
+        if q is None or q.op_type != "QuantizeLinear":
+            continue
+        s, z = graph.arrays.get(n.input[1]), graph.arrays.get(n.input[2])
+        if s is None or z is None or s.ndim or z.dtype not in (np.uint8, np.int8):
+            continue
+        info = np.iinfo(z.dtype)
+        out[n.output[0]] = {"scale": s.astype(np.float64), "zp": z.astype(np.float64), "qmin": int(info.min),
+                            "qmax": int(info.max), "axis": None, "dtype": np.dtype(z.dtype)}
+    return out
+
+
+def _reduce_mean_to_gap(graph: _Graph, joins: dict[str, dict[str, Any]]) -> int:
+    """``ReduceMean`` over axes (2, 3) whose output a join's QuantizeLinear reads becomes ``GlobalAveragePool``
+    (onnxruntime has no integer ReduceMean, but QLinearGlobalAveragePool), followed, after the join's
+    DequantizeLinear, by a ``Reshape`` to ``[N, C]`` when the mean dropped the axes. Returns the count."""
+    from onnx import helper
+
+    done = 0
+    for node in list(graph.g.node):
+        if node.op_type != "ReduceMean":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axes = attrs.get("axes")
+        if axes is None and len(node.input) > 1:
+            axes = graph.arrays.get(node.input[1])
+        if axes is None or sorted(int(a) % 4 for a in np.asarray(axes).ravel()) != [2, 3]:
+            continue
+        users = graph.consumers(node.output[0])
+        if len(users) != 1 or users[0].op_type != "QuantizeLinear":
+            continue
+        deqs = [d for d in graph.consumers(users[0].output[0]) if d.op_type == "DequantizeLinear"]
+        if len(deqs) != 1 or deqs[0].output[0] not in joins:
+            continue
+        gap = helper.make_node("GlobalAveragePool", [node.input[0]], [node.output[0]])
+        graph.g.node.remove(node)
+        graph.g.node.append(gap)
+        if attrs.get("keepdims", 1) == 0:
+            dq = deqs[0]
+            name = dq.output[0]
+            raw = graph.unique(name + ".nchw")
+            dq.output[0] = raw
+            joins[raw] = joins[name]
+            shape = graph.add_init(name + ".shape", np.array([0, -1], dtype=np.int64))
+            graph.g.node.append(helper.make_node("Reshape", [raw, shape], [name]))
+        done += 1
+    return done
+
+
+def _same_grid(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    return (a is not None and a["axis"] is None and b["axis"] is None and a["dtype"] == b["dtype"]
+            and np.float32(a["scale"]) == np.float32(b["scale"]) and float(a["zp"]) == float(b["zp"]))
+
+
 def _compact_value_names(model: Any) -> None:
     """Short names for the intermediate tensors, no node names and no per-node metadata. The exporters name every value after its
     module path, and each name is stored once per producer and consumer: on a small Hugging Face model that
@@ -408,6 +468,12 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         out_qdq[name] = params[w.name]["output"]
         info["output"] = True
 
+    # 1a. quantized joins (Q -> DQ pairs the exporter wrote, see .joins): their outputs are quantized values
+    # too; a mean over H, W becomes GlobalAveragePool (an integer kernel in onnxruntime)
+    joins = _traced_qdq(graph)
+    _reduce_mean_to_gap(graph, joins)
+    out_qdq.update(joins)
+
     # 1b. values stay on a quantized output's grid through Relu/MaxPool/Flatten/...: repeat its QDQ pair
     # after such ops (exact), so onnxruntime runs them on integers and the next layer sees a DQ input
     for node in list(graph.g.node):  # topological order
@@ -454,6 +520,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if in_qp is None:
             in_qp = out_qdq.get(src)  # already the output of a DequantizeLinear (step 1 / 1b)
             info["input"] = "inherited" if in_qp is not None else False
+        elif _same_grid(out_qdq.get(src), in_qp):
+            info["input"] = "shared"  # already dequantized from this grid: a second Q/DQ pair would be a no-op
         else:
             info["input"] = True
             node.input[0] = graph.qdq(f"{w.name}.input", src, in_qp)
