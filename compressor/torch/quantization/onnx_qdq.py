@@ -481,6 +481,16 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             continue
         qp, name = out_qdq[node.input[0]], node.output[0]
         out_qdq[name] = qp
+        outputs = {o.name for o in graph.g.output}
+        if node.op_type == "Relu" and float(np.min(qp["zp"])) == qp["qmin"] and name not in outputs:
+            # a ReLU of values dequantized from a grid whose zero point is its lowest code changes nothing:
+            # its readers read its input (onnxruntime would keep a DQ -> Q re-quantization for such a ReLU
+            # when a residual add also reads it)
+            for user in graph.consumers(name):
+                user.input[:] = [node.input[0] if i == name else i for i in user.input]
+            out_qdq[node.input[0]] = qp
+            graph.g.node.remove(node)
+            continue
         if any(n.op_type in ("Relu", "MaxPool") for n in graph.consumers(name)):
             continue  # only at the end of a Relu/MaxPool run (ORT fuses DQ -> Relu -> MaxPool -> Q best)
         raw = graph.unique(name + ".float")
