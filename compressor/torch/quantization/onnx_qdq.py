@@ -370,6 +370,80 @@ def _same_grid(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
             and np.float32(a["scale"]) == np.float32(b["scale"]) and float(a["zp"]) == float(b["zp"]))
 
 
+def _dynamic_matmul(graph: _Graph, name: str, node: Any, codes: np.ndarray, scale: np.ndarray, zp: np.ndarray,
+                    axis: int | None, made: set[str]) -> None:
+    """Replace ``node`` (MatMul with the weight as ``[in, out]``, or Gemm) by the graph of onnxruntime's
+    ``quantize_dynamic``: ``DynamicQuantizeLinear(x) -> MatMulInteger(x_q, W_q, x_zp, W_zp) -> Cast(float) ->
+    Mul(x_scale * W_scale)`` (+ the Gemm's bias), which onnxruntime fuses into ``DynamicQuantizeMatMul``."""
+    from onnx import TensorProto, helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Gemm":
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            raise RuntimeError(f"int8 ONNX export (dynamic): layer {name!r}: Gemm with transA/alpha/beta {attrs}")
+        if attrs.get("transB", 0):
+            codes = codes.T
+            axis = None if axis is None else 1 - axis
+    if axis is not None and axis != 1:
+        raise RuntimeError(f"int8 ONNX export (dynamic): layer {name!r}: per-channel weight scales along the input "
+                           f"axis have no MatMulInteger form")
+    x, out = node.input[0], node.output[0]
+    xq, xs, xz = (graph.unique(f"{name}.input_{k}") for k in ("quantized", "scale", "zero_point"))
+    acc, accf, sc = (graph.unique(f"{name}.{k}") for k in ("acc", "acc_float", "out_scale"))
+    w_q = graph.add_init(f"{name}.weight_quantized", np.ascontiguousarray(codes))
+    w_z = graph.add_init(f"{name}.weight_zero_point", zp)
+    w_s = graph.add_init(f"{name}.weight_scale", scale.astype(np.float32))
+    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+    y = graph.unique(f"{name}.matmul") if bias else out
+    new = [helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz]),
+           helper.make_node("MatMulInteger", [xq, w_q, xz, w_z], [acc]),
+           helper.make_node("Cast", [acc], [accf], to=TensorProto.FLOAT),
+           helper.make_node("Mul", [xs, w_s], [sc]),
+           helper.make_node("Mul", [accf, sc], [y])]
+    if bias:
+        new.append(helper.make_node("Add", [y, bias], [out]))
+    graph.g.node.remove(node)
+    graph.new_nodes.extend(new)
+    made.update(o for n in new for o in n.output)
+
+
+#: ops the int8 graph may keep in float (listed in ``quantizer.onnx_float_ops`` after an export)
+FLOAT_REPORTED = {"Softmax", "LayerNormalization", "Erf", "Gelu", "FastGelu", "Tanh", "Sigmoid", "Div", "Sqrt", "Pow",
+                  "ReduceMean", "MatMul", "Gemm", "Conv", "Add", "Mul", "Sub", "AveragePool", "GlobalAveragePool",
+                  "Concat", "Clip", "Pad", "LSTM", "GRU"}
+
+
+def float_ops(model: Any, made: set[str] = frozenset()) -> dict[str, int]:
+    """``{op type: count}`` of the compute ops of an int8 ONNX graph that onnxruntime runs in float: those in
+    :data:`FLOAT_REPORTED` whose output is not quantized (read by a QuantizeLinear) -- Softmax, LayerNorm,
+    GELU (Erf), attention's activation x activation MatMuls, residual adds of float values ... -- other than a
+    MatMul / Gemm / Conv with a dequantized weight (an integer kernel with a float output) and the nodes of
+    the dynamic-quantization pattern."""
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    out: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type not in FLOAT_REPORTED or any(o in made for o in n.output):
+            continue
+        users = readers.get(n.output[0], [])
+        if users and all(u.op_type == "QuantizeLinear" for u in users):
+            continue
+        if n.op_type in ("MatMul", "Gemm", "Conv") and len(n.input) > 1:
+            p = producer.get(n.input[1])
+            if p is not None and p.op_type == "DequantizeLinear":
+                continue
+        if n.op_type == "Concat" and not any(i in producer and producer[i].op_type not in ("Shape", "Unsqueeze",
+                                                                                         "Gather", "Constant")
+                                             for i in n.input):
+            continue  # shape arithmetic
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def _compact_value_names(model: Any) -> None:
     """Short names for the intermediate tensors, no node names and no per-node metadata. The exporters name every value after its
     module path, and each name is stored once per producer and consumer: on a small Hugging Face model that
@@ -415,6 +489,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
 
     wrappers: list[QuantizerModuleWrapper] = [w for w in quantizer.get_modules_wrapper() if integer_kernel_layer(w)]
     params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
+    dynamic = getattr(quantizer, "activation", "static") == "dynamic"
+    made: set[str] = set()  # outputs of the nodes the dynamic rewrite adds
     proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
     model = onnx.load_from_string(proto)
     graph = _Graph(model)
@@ -517,6 +593,11 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         dtype = qp["dtype"]
         if weight_dtype == "uint8" and dtype == np.int8 and not np.any(z) and qp["qmin"] >= -127:
             codes, z, dtype = codes + 128, np.full_like(z, 128), np.dtype(np.uint8)  # same values, u8u8 kernels
+        if dynamic:
+            _dynamic_matmul(graph, w.name, node, codes.astype(dtype), s, z.astype(dtype), axis, made)
+            info.update(weight=f"{dtype.name}{' per-channel' if axis is not None else ''}", input="dynamic",
+                        bias="float" if node.op_type == "MatMul" or len(node.input) < 3 or not node.input[2] else "float")
+            continue
         q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(dtype))
         s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
         z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(dtype))
@@ -557,6 +638,7 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
         raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")
     model.producer_name = "compressor"
+    quantizer.onnx_float_ops = float_ops(model, made)
     _compact_value_names(model)
     onnx.checker.check_model(model)
     with atomic_path(onnx_path) as tmp:  # nothing at onnx_path unless the whole file is written

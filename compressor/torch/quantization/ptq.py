@@ -44,6 +44,12 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   forward on the first calibration batch). ``join_report`` lists every join seen and whether it is integer.
   The join ranges live on the quantizer (not in the model's ``state_dict``): re-run :meth:`calibrate` after
   loading one.
+* ``activation='dynamic'`` (default ``'static'``): onnxruntime's ``quantize_dynamic`` equivalent for Linear /
+  HF Conv1D layers: weights int8 per output channel (frozen at construction: no calibration needed), inputs
+  quantized per batch at run time as ``DynamicQuantizeLinear`` does (uint8, range of the batch including 0:
+  :func:`dynamic_fake_quant`), outputs and biases float. The int8 ONNX graph is ``DynamicQuantizeLinear ->
+  MatMulInteger -> Cast -> Mul`` per layer, which onnxruntime fuses into ``DynamicQuantizeMatMul``. A config
+  quantizing ``'output'`` or a Conv layer is refused (ConfigError).
 
 State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
 saved after calibration restores a calibrated quantizer.
@@ -123,6 +129,20 @@ def int32_bias_forward(wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: d
     return wrapper.forward_with_weight(qw, inputs, kwargs, bias=None if bias is None else int32_bias(wrapper, bias))
 
 
+def dynamic_fake_quant(x: torch.Tensor, qmin: int = 0, qmax: int = 255) -> torch.Tensor:
+    """``x`` on the grid onnxruntime's ``DynamicQuantizeLinear`` picks for it: ``scale = (max(x, 0) - min(x, 0))
+    / (qmax - qmin)``, ``zp = clip(round(qmin - min(x, 0) / scale))``, codes ``clip(round(x / scale) + zp)``
+    (round half to even). Graph ops only; straight-through gradient (the range covers ``x``)."""
+    with torch.no_grad():
+        lo = torch.clamp(x.detach().min(), max=0.0)
+        hi = torch.clamp(x.detach().max(), min=0.0)
+        scale = (hi - lo) / float(qmax - qmin)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zp = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax)
+        y = (torch.clamp(torch.round(x.detach() / scale) + zp, qmin, qmax) - zp) * scale
+    return x + (y - x).detach()
+
+
 def _describe(args: tuple, kwargs: dict[str, Any]) -> str:
     def one(v: Any) -> str:
         return f"shape {tuple(v.shape)}, dtype {v.dtype}" if torch.is_tensor(v) else type(v).__name__
@@ -138,7 +158,14 @@ class PtqQuantizer(QAT_Quantizer):
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], observer: str = "minmax",
                  percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
                  weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None,
-                 fuse_relu: bool = True, share_ranges: bool = True, quantize_joins: bool = True):
+                 fuse_relu: bool = True, share_ranges: bool = True, quantize_joins: bool = True,
+                 activation: str = "static"):
+        if activation not in ("static", "dynamic"):
+            raise ConfigError(f"PtqQuantizer: activation must be 'static' (calibrated ranges) or 'dynamic' (ranges "
+                              f"of each batch at run time), got {activation!r}")
+        self.activation = activation
+        if activation == "dynamic":  # nothing to fold, fuse or share: inputs are quantized per batch
+            bn_fold, fuse_relu, share_ranges, quantize_joins = False, False, False, False
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
                 raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
@@ -197,12 +224,48 @@ class PtqQuantizer(QAT_Quantizer):
                           f"warning", ConfigWarning, stacklevel=2)
         super().__init__(model, config_list, optimizer, dummy_input=dummy_input, bn_fold=bool(bn_fold),
                          fuse_relu=fuse_relu)
+        if activation == "dynamic":
+            self._freeze_dynamic()
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
         what = type(self).__name__
         return {t: resolve_spec(config, t, layer, name, default_dtype=PTQ_DEFAULTS[t][0],
                                 default_scheme=PTQ_DEFAULTS[t][1], what=what) for t in config["quant_types"]}
+
+    def validate_layer(self, layer_info: Any, module: nn.Module, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, module, config)
+        if getattr(self, "activation", "static") != "dynamic":
+            return
+        from ..layout import is_hf_conv1d
+
+        types = config.get("quant_types", [])
+        if sorted(types) != ["input", "weight"]:
+            raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r}: quant_types {types!r}; "
+                              f"dynamic quantization takes ['input', 'weight'] (inputs are quantized per batch at run "
+                              f"time, outputs stay float)")
+        if not (isinstance(module, nn.Linear) or is_hf_conv1d(module)):
+            raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r} is a "
+                              f"{type(module).__name__}; dynamic quantization takes Linear and Hugging Face Conv1D "
+                              f"layers (onnxruntime's DynamicQuantizeMatMul); use activation='static' for others")
+
+    def _freeze_dynamic(self) -> None:
+        """Weight scales from the weights (no data needed); activation scales are computed per batch."""
+        plan = []
+        for w in self._wrappers:
+            for t, spec in w.qat_specs.items():
+                buf = w._buffers
+                if t == "weight":
+                    obs = self.make_observer(spec, self.weight_observer)
+                    obs.observe(self.float_weight(w))
+                    scale, zp = obs.qparams()
+                    plan += [(buf["weight_scale"], scale), (buf["weight_zero_point"], zp)]
+                plan.append((buf[f"{t}_observed"], torch.ones((), dtype=torch.bool)))
+        with torch.no_grad():
+            for target, value in plan:
+                target.copy_(value)
+        for w in self._wrappers:
+            w.frozen = True
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
         super().init_wrapper(wrapper)
@@ -211,7 +274,7 @@ class PtqQuantizer(QAT_Quantizer):
                                     torch.zeros((), dtype=torch.bool, device=wrapper.weight_scale.device))
         specs = wrapper.qat_specs
         if ("input" in specs and "weight" in specs and specs["input"].channels is None
-                and wrapper._fn in ("conv", "linear")):  # the layers whose bias the int8 export makes int32
+                and wrapper._fn in ("conv", "linear") and self.activation == "static"):  # the layers whose bias the int8 export makes int32
             wrapper.weight_forward = int32_bias_forward
 
     # ------------------------------------------------------------------ state
@@ -252,6 +315,8 @@ class PtqQuantizer(QAT_Quantizer):
         if not wrapper.quant_active:
             return x
         spec = wrapper.qat_specs[t]
+        if self.activation == "dynamic":
+            return dynamic_fake_quant(x, spec.qmin, spec.qmax)
         buf = wrapper._buffers
         scale, zp = buf[f"{t}_scale"], buf[f"{t}_zero_point"]
         out = fake_quant(x, scale, zp, spec.qmin, spec.qmax, spec.axis)
