@@ -243,9 +243,9 @@ def folded_forward(wrapper: Any, inputs: tuple, kwargs: dict[str, Any]) -> torch
 #: modules / functions / methods through which values on a quantization grid stay on that grid
 _GRID_MODULES = (nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
                  nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity)
-_GRID_FUNCTIONS = (*_RELU_FUNCTIONS, torch.flatten, torch.reshape, torch.nn.functional.max_pool1d,
+_GRID_FUNCTIONS = (*_RELU_FUNCTIONS, torch.flatten, torch.reshape, torch.nn.functional.pad, torch.nn.functional.max_pool1d,
                    torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d)
-_GRID_METHODS = ("relu", "relu_", "view", "reshape", "flatten", "contiguous")
+_GRID_METHODS = ("relu", "relu_", "view", "reshape", "flatten", "contiguous", "pad")  # pad: zeros are on every grid
 
 
 def _grid_preserving(node: Any, modules: dict[str, nn.Module]) -> bool:

@@ -310,6 +310,71 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
     return None
 
 
+def _constant_value(graph: _Graph, name: str, made: dict[str, Any], limit: int = 32) -> np.ndarray | None:
+    """The value of tensor ``name`` when it is computed from initializers only (the TorchScript exporter leaves
+    e.g. a Pad's pads as Cast(Reshape(Slice(...))) of constants), evaluated with onnx's reference evaluator."""
+    if name in graph.arrays:
+        return graph.arrays[name]
+    nodes, todo, seen = [], [name], set()
+    while todo:
+        t = todo.pop()
+        if t in graph.arrays or t in seen or t == "":
+            continue
+        seen.add(t)
+        n = made.get(t)
+        if n is None or len(nodes) >= limit:
+            return None
+        nodes.append(n)
+        todo.extend(n.input)
+    try:
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+
+        uniq = list({id(n): n for n in nodes}.values())
+        used = {i for n in uniq for i in n.input}
+        g = helper.make_graph(uniq[::-1], "const", [], [helper.make_tensor_value_info(name, 0, None)],
+                              [graph.inits[i] for i in used if i in graph.inits])
+        m = helper.make_model(g, opset_imports=list(graph.model.opset_import))
+        return np.asarray(ReferenceEvaluator(m).run(None, {})[0])
+    except Exception:  # noqa: BLE001  (anything the evaluator cannot run: not folded)
+        return None
+
+
+def _fold_pads(graph: _Graph, convs: list[Any]) -> int:
+    """Move a constant-zero spatial ``Pad`` whose only reader is a 2-D ``Conv`` into the conv's ``pads``."""
+    from onnx import helper
+
+    made = {o: n for n in graph.g.node for o in n.output}
+    outputs = {o.name for o in graph.g.output}
+    done = 0
+    for conv in convs:
+        pad = made.get(conv.input[0])
+        if pad is None or pad.op_type != "Pad" or pad.output[0] in outputs or len(graph.consumers(pad.output[0])) != 1:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in pad.attribute}
+        cattrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+        mode = attrs.get("mode", b"constant")
+        pads = attrs.get("pads") if "pads" in attrs else (
+            _constant_value(graph, pad.input[1], made) if len(pad.input) > 1 else None)
+        value = graph.arrays.get(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(())
+        if (mode not in (b"constant", "constant") or pads is None or value is None or np.any(value != 0)
+                or (len(pad.input) > 3 and pad.input[3]) or cattrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
+            continue
+        pads = [int(v) for v in np.asarray(pads).ravel()]
+        if len(pads) != 8 or any(pads[i] for i in (0, 1, 4, 5)) or min(pads) < 0:
+            continue
+        old = list(cattrs.get("pads", [0, 0, 0, 0]))
+        new = [old[0] + pads[2], old[1] + pads[3], old[2] + pads[6], old[3] + pads[7]]
+        for a in list(conv.attribute):
+            if a.name == "pads":
+                conv.attribute.remove(a)
+        conv.attribute.append(helper.make_attribute("pads", new))
+        conv.input[0] = pad.input[0]
+        graph.g.node.remove(pad)
+        done += 1
+    return done
+
+
 def _traced_qdq(graph: _Graph) -> dict[str, dict[str, Any]]:
     """``{DequantizeLinear output: qparams}`` of the per-tensor QuantizeLinear -> DequantizeLinear pairs the
     exporter already wrote (the quantized joins of :mod:`.joins`)."""
@@ -515,6 +580,10 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if axis is not None and transposed:
             axis = 1 - axis
         layers.append((w, node, init, transposed, axis))
+
+    # 0. a zero Pad feeding only a Conv becomes the Conv's own padding (QLinearConv pads with the zero point),
+    # so no float Pad is left between the producer's DequantizeLinear and the conv (HF's TF-style padding)
+    _fold_pads(graph, [node for _, node, *_ in layers if node.op_type == "Conv"])
 
     # 1. outputs (so the input propagation below can find them)
     out_qdq: dict[str, dict[str, Any]] = {}  # dequantized activation tensor -> its qparams
