@@ -45,7 +45,7 @@ _KIND_BY_NAME = {
 #: ops through which values keep their grid (first tensor input = data)
 _GRID_NAMES = {"relu", "relu_", "max_pool1d", "max_pool2d", "max_pool3d", "_max_pool1d", "_max_pool2d",
                "_max_pool3d", "max_pool2d_with_indices", "flatten", "reshape", "view", "contiguous", "squeeze",
-               "unsqueeze", "adaptive_max_pool2d", "_adaptive_max_pool2d", "pad"}
+               "unsqueeze", "adaptive_max_pool2d", "_adaptive_max_pool2d", "pad", "relu6", "hardtanh"}
 
 
 def _name(func: Any) -> str:

@@ -375,6 +375,24 @@ def _fold_pads(graph: _Graph, convs: list[Any]) -> int:
     return done
 
 
+def _noop_activation(graph: _Graph, node: Any, qp: dict[str, Any]) -> bool:
+    """Whether ``node`` (Relu, or Clip with constant bounds) leaves every value of grid ``qp`` unchanged."""
+    lo = (qp["qmin"] - float(np.max(qp["zp"]))) * float(np.max(qp["scale"]))
+    hi = (qp["qmax"] - float(np.min(qp["zp"]))) * float(np.max(qp["scale"]))
+    if node.op_type == "Relu":
+        return lo >= 0.0
+    if node.op_type != "Clip":
+        return False
+    bounds = [graph.arrays.get(i) if i else None for i in list(node.input[1:3]) + [""] * (3 - len(node.input))]
+    cmin = -np.inf if bounds[0] is None else float(bounds[0])
+    cmax = np.inf if bounds[1] is None else float(bounds[1])
+    if len(node.input) > 1 and node.input[1] and bounds[0] is None:
+        return False
+    if len(node.input) > 2 and node.input[2] and bounds[1] is None:
+        return False
+    return cmin <= lo and cmax >= hi * (1 - 1e-6)
+
+
 def _traced_qdq(graph: _Graph) -> dict[str, dict[str, Any]]:
     """``{DequantizeLinear output: qparams}`` of the per-tensor QuantizeLinear -> DequantizeLinear pairs the
     exporter already wrote (the quantized joins of :mod:`.joins`)."""
@@ -600,9 +618,10 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             # o_proj / down_proj have no bias and feed one), after which this layer's output grid is wrong
             if len(users) == 1 and users[0].op_type == "Add" and any(i in graph.arrays for i in users[0].input):
                 end = users[0]
-        if getattr(w, "fused_relu", False):  # the wrapper's own relu: quantize after it (DQ-Conv-Relu-Q fuses)
+        fused = getattr(w, "fused_relu", False)
+        if fused:  # the wrapper's own relu / relu6: quantize after it (DQ-Conv-Relu-Q / -Clip-Q fuse)
             users = graph.consumers(end.output[0])
-            if len(users) != 1 or users[0].op_type != "Relu":
+            if len(users) != 1 or users[0].op_type != ("Clip" if fused == "relu6" else "Relu"):
                 raise RuntimeError(f"int8 ONNX export: layer {w.name!r} fuses a ReLU, but the exported graph has "
                                    f"{[n.op_type for n in users]} after it")
             end = users[0]
@@ -622,12 +641,13 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     # 1b. values stay on a quantized output's grid through Relu/MaxPool/Flatten/...: repeat its QDQ pair
     # after such ops (exact), so onnxruntime runs them on integers and the next layer sees a DQ input
     for node in list(graph.g.node):  # topological order
-        if node.op_type not in GRID_PRESERVING or not node.input or node.input[0] not in out_qdq:
-            continue
+        if not node.input or node.input[0] not in out_qdq or not (
+                node.op_type in GRID_PRESERVING or _noop_activation(graph, node, out_qdq[node.input[0]])):
+            continue  # (a Clip counts only where it changes no value of the grid: a ReLU6 after a fused ReLU6)
         qp, name = out_qdq[node.input[0]], node.output[0]
         out_qdq[name] = qp
         outputs = {o.name for o in graph.g.output}
-        if node.op_type == "Relu" and float(np.min(qp["zp"])) == qp["qmin"] and name not in outputs:
+        if _noop_activation(graph, node, qp) and name not in outputs:
             # a ReLU of values dequantized from a grid whose zero point is its lowest code changes nothing:
             # its readers read its input (onnxruntime would keep a DQ -> Q re-quantization for such a ReLU
             # when a residual add also reads it)
