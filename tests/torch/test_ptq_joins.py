@@ -165,3 +165,35 @@ def test_join_with_a_parameter_input_stays_float() -> None:
     assert q.join_report == [{"kind": "add", "scope": "", "integer": False,
                               "reason": "an input is not on a quantization grid (a float tensor or a parameter)"}]
     assert q._joins is None
+
+
+class MobileBlock(nn.Module):
+    """MobileNetV2-style: TF 'same' padding as an explicit F.pad, ReLU6, a stride-2 depthwise conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = nn.Conv2d(3, 16, 1)
+        self.dw = nn.Conv2d(16, 16, 3, stride=2, groups=16)
+        self.project = nn.Conv2d(16, 8, 1)
+        self.act = nn.ReLU6()
+        self.fc = nn.Linear(8 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.expand(x))
+        x = self.act(self.dw(nn.functional.pad(x, (0, 1, 0, 1))))
+        return self.fc(torch.flatten(self.project(x), 1))
+
+
+def test_relu6_and_zero_pad_fold_into_integer_convs(tmp_path) -> None:
+    q, fake, out, ops = _export(MobileBlock(), tmp_path)
+    assert {w.name: w.fused_relu for w in q.get_modules_wrapper()} == {
+        "expand": "relu6", "dw": "relu6", "project": False, "fc": False}
+    # no float Pad (moved into the depthwise conv's pads) and no Clip (the ReLU6 range) left
+    assert ops == {"QuantizeLinear": 1, "QLinearConv": 3, "Flatten": 1, "QGemm": 1, "DequantizeLinear": 1}
+    opt = onnx.load(os.path.join(tmp_path, "m.opt.onnx"))
+    pads = [list(a.ints) for n in opt.graph.node if n.op_type == "QLinearConv" for a in n.attribute if a.name == "pads"]
+    assert [0, 0, 1, 1] in pads
+    scale = float(q.get_modules_wrapper()[0].output_scale)
+    assert float(q.get_modules_wrapper()[0].output_zero_point) == 0 and 255 * scale <= 6.0 + 1e-5
+    step = float(q.get_modules_wrapper()[-1].output_scale)
+    assert np.abs(out - fake).max() <= step * 1.01
