@@ -96,8 +96,13 @@ def data(kind: str, n: int, seed: int) -> np.ndarray:
 
 
 def export_all(name: str, tmp: str, weights: str) -> tuple[dict[str, str], dict[str, np.ndarray], np.ndarray]:
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     model, kind = build(name)
