@@ -40,7 +40,8 @@ from compressor.demo import TorchHarness  # noqa: E402
 from compressor.torch import PtqQuantizer  # noqa: E402
 from examples.models_torch import lenet_5  # noqa: E402
 
-INTEGER_OPS = {"QLinearConv", "ConvInteger", "QLinearMatMul", "MatMulInteger", "QGemm", "MatMulIntegerToFloat"}
+INTEGER_OPS = {"QLinearConv", "ConvInteger", "QLinearMatMul", "MatMulInteger", "QGemm", "MatMulIntegerToFloat", "QLinearAdd",
+               "QLinearMul", "QLinearConcat", "QLinearAveragePool", "QLinearGlobalAveragePool", "DynamicQuantizeMatMul"}
 MODELS = {
     "digits-cnn": (lambda: TorchHarness().build_cnn((8, 8), 10), (1, 8, 8)),
     "lenet5": (lambda: lenet_5(10, 28), (1, 28, 28)),

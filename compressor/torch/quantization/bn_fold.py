@@ -111,16 +111,34 @@ def _is_relu(node: Any, modules: dict[str, nn.Module]) -> bool:
     return node.op == "call_method" and node.target in ("relu", "relu_")
 
 
+_RELU6_FUNCTIONS = (torch.nn.functional.relu6,)
+
+
+def _is_relu6(node: Any, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        return type(m) is nn.ReLU6 or (type(m) is nn.Hardtanh and (m.min_val, m.max_val) == (0.0, 6.0))
+    return node.op == "call_function" and node.target in _RELU6_FUNCTIONS
+
+
 def find_relu_followers(model: nn.Module, folded: bool, example: tuple | None = None) -> set[str]:
     """Names of the modules whose output feeds only a ReLU (``nn.ReLU``, ``torch.relu``, ``F.relu``,
     ``.relu()``). With ``folded``, a Conv2d -> BatchNorm2d pair counts by the BN's output (the folded
     wrapper runs the BN itself)."""
+    return {k for k, v in find_fused_activations(model, folded, example).items() if v is True}
+
+
+def find_fused_activations(model: nn.Module, folded: bool, example: tuple | None = None) -> dict[str, Any]:
+    """``{module: True}`` for the modules whose output feeds only a ReLU (see :func:`find_relu_followers`),
+    ``{module: 'relu6'}`` for those feeding only a ReLU6 (``nn.ReLU6``, ``F.relu6``, ``nn.Hardtanh(0, 6)``):
+    their output range is observed after the activation, so it starts at 0 (and ends by 6) and onnxruntime
+    drops the Relu / Clip between the integer kernels."""
     graph = _trace(model, "fuse_relu", "use fuse_relu=False", example)
     modules = dict(model.named_modules())
     pairs = _pairs(graph, modules) if folded else {}
     if _is_flow(graph):
         return _flow_relu_followers(graph, modules, pairs)
-    found = set()
+    found: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op != "call_module":
             continue
@@ -128,14 +146,16 @@ def find_relu_followers(model: nn.Module, folded: bool, example: tuple | None = 
         if node.target in pairs and len(users) == 1:
             users = list(users[0].users)
         if len(users) == 1 and _is_relu(users[0], modules):
-            found.add(node.target)
+            found[node.target] = True
+        elif len(users) == 1 and _is_relu6(users[0], modules):
+            found[node.target] = "relu6"
     return found
 
 
-def _flow_relu_followers(flow: Any, modules: dict[str, nn.Module], pairs: dict[str, str]) -> set[str]:
+def _flow_relu_followers(flow: Any, modules: dict[str, nn.Module], pairs: dict[str, str]) -> dict[str, Any]:
     from .dataflow import only_reader
 
-    found = set()
+    found: dict[str, Any] = {}
     for name in modules:
         if not name:
             continue
@@ -143,10 +163,15 @@ def _flow_relu_followers(flow: Any, modules: dict[str, nn.Module], pairs: dict[s
         if reader is None:
             continue
         if reader.module is not None:
-            if type(modules.get(reader.module)) is nn.ReLU:
-                found.add(name)
+            m = modules.get(reader.module)
+            if type(m) is nn.ReLU:
+                found[name] = True
+            elif type(m) is nn.ReLU6 or (type(m) is nn.Hardtanh and (m.min_val, m.max_val) == (0.0, 6.0)):
+                found[name] = "relu6"
         elif reader.func in _RELU_FUNCTIONS or reader.func in (torch.Tensor.relu, torch.Tensor.relu_):
-            found.add(name)
+            found[name] = True
+        elif reader.func in _RELU6_FUNCTIONS:
+            found[name] = "relu6"
     return found
 
 
@@ -243,9 +268,9 @@ def folded_forward(wrapper: Any, inputs: tuple, kwargs: dict[str, Any]) -> torch
 #: modules / functions / methods through which values on a quantization grid stay on that grid
 _GRID_MODULES = (nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
                  nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity)
-_GRID_FUNCTIONS = (*_RELU_FUNCTIONS, torch.flatten, torch.reshape, torch.nn.functional.max_pool1d,
+_GRID_FUNCTIONS = (*_RELU_FUNCTIONS, torch.flatten, torch.reshape, torch.nn.functional.pad, torch.nn.functional.max_pool1d,
                    torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d)
-_GRID_METHODS = ("relu", "relu_", "view", "reshape", "flatten", "contiguous")
+_GRID_METHODS = ("relu", "relu_", "view", "reshape", "flatten", "contiguous", "pad")  # pad: zeros are on every grid
 
 
 def _grid_preserving(node: Any, modules: dict[str, nn.Module]) -> bool:

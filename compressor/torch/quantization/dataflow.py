@@ -46,6 +46,7 @@ class Call:
     func: Any = None
     inputs: list[tuple[int, int]] = field(default_factory=list)
     outputs: list[tuple[int, int]] = field(default_factory=list)
+    kind: str | None = None  # what ``record_flow(classify=...)`` said about a function call
 
     def chain(self) -> list[Call]:
         out, c = [], self
@@ -73,9 +74,10 @@ class Flow:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, flow: Flow):
+    def __init__(self, flow: Flow, classify: Any = None):
         super().__init__()
         self.flow = flow
+        self.classify = classify
         self.stack: list[Call] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -85,6 +87,8 @@ class _Recorder(TorchFunctionMode):
         outs = _leaves(out)
         if outs:  # metadata reads (shape, dim, dtype, ...) return no tensor: not a use of the values
             call = Call(self.stack[-1] if self.stack else None, func=func, inputs=ins, outputs=[_key(t) for t in outs])
+            if self.classify is not None:
+                call.kind = self.classify(func, args, kwargs)
             self.flow.funcs.append(call)
             self.flow._keep.extend((args, kwargs, outs))
             for k in call.outputs:
@@ -92,10 +96,11 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
-def record_flow(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Flow:
-    """Run ``model(*args, **kwargs)`` once (eval mode, no gradients; train/eval modes restored) and record it."""
+def record_flow(model: nn.Module, args: tuple, kwargs: dict[str, Any], classify: Any = None) -> Flow:
+    """Run ``model(*args, **kwargs)`` once (eval mode, no gradients; train/eval modes restored) and record it;
+    ``classify(func, args, kwargs)``, when given, sets each function call's ``kind``."""
     flow = Flow()
-    recorder = _Recorder(flow)
+    recorder = _Recorder(flow, classify)
     names = {m: n for n, m in model.named_modules()}
     handles = []
 

@@ -263,8 +263,9 @@ def export_forward(quantizer: Any, wrapper: QuantizerModuleWrapper, inputs: tupl
     else:
         out = wrapper.module(*inputs, **kwargs)
     if wrapper._q_output:
-        if getattr(wrapper, "fused_relu", False):
-            out = torch.relu(out)
+        fused = getattr(wrapper, "fused_relu", False)
+        if fused:
+            out = torch.clamp(out, 0.0, 6.0) if fused == "relu6" else torch.relu(out)
         out = activation("output", out)
     return out
 

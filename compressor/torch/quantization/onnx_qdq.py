@@ -310,6 +310,223 @@ def _find_weight(graph: _Graph, weight: np.ndarray, taken: set[str]) -> tuple[st
     return None
 
 
+def _constant_value(graph: _Graph, name: str, made: dict[str, Any], limit: int = 32) -> np.ndarray | None:
+    """The value of tensor ``name`` when it is computed from initializers only (the TorchScript exporter leaves
+    e.g. a Pad's pads as Cast(Reshape(Slice(...))) of constants), evaluated with onnx's reference evaluator."""
+    if name in graph.arrays:
+        return graph.arrays[name]
+    nodes, todo, seen = [], [name], set()
+    while todo:
+        t = todo.pop()
+        if t in graph.arrays or t in seen or t == "":
+            continue
+        seen.add(t)
+        n = made.get(t)
+        if n is None or len(nodes) >= limit:
+            return None
+        nodes.append(n)
+        todo.extend(n.input)
+    try:
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+
+        uniq = list({id(n): n for n in nodes}.values())
+        used = {i for n in uniq for i in n.input}
+        g = helper.make_graph(uniq[::-1], "const", [], [helper.make_tensor_value_info(name, 0, None)],
+                              [graph.inits[i] for i in used if i in graph.inits])
+        m = helper.make_model(g, opset_imports=list(graph.model.opset_import))
+        return np.asarray(ReferenceEvaluator(m).run(None, {})[0])
+    except Exception:  # noqa: BLE001  (anything the evaluator cannot run: not folded)
+        return None
+
+
+def _fold_pads(graph: _Graph, convs: list[Any]) -> int:
+    """Move a constant-zero spatial ``Pad`` whose only reader is a 2-D ``Conv`` into the conv's ``pads``."""
+    from onnx import helper
+
+    made = {o: n for n in graph.g.node for o in n.output}
+    outputs = {o.name for o in graph.g.output}
+    done = 0
+    for conv in convs:
+        pad = made.get(conv.input[0])
+        if pad is None or pad.op_type != "Pad" or pad.output[0] in outputs or len(graph.consumers(pad.output[0])) != 1:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in pad.attribute}
+        cattrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+        mode = attrs.get("mode", b"constant")
+        pads = attrs.get("pads") if "pads" in attrs else (
+            _constant_value(graph, pad.input[1], made) if len(pad.input) > 1 else None)
+        value = graph.arrays.get(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(())
+        if (mode not in (b"constant", "constant") or pads is None or value is None or np.any(value != 0)
+                or (len(pad.input) > 3 and pad.input[3]) or cattrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
+            continue
+        pads = [int(v) for v in np.asarray(pads).ravel()]
+        if len(pads) != 8 or any(pads[i] for i in (0, 1, 4, 5)) or min(pads) < 0:
+            continue
+        old = list(cattrs.get("pads", [0, 0, 0, 0]))
+        new = [old[0] + pads[2], old[1] + pads[3], old[2] + pads[6], old[3] + pads[7]]
+        for a in list(conv.attribute):
+            if a.name == "pads":
+                conv.attribute.remove(a)
+        conv.attribute.append(helper.make_attribute("pads", new))
+        conv.input[0] = pad.input[0]
+        graph.g.node.remove(pad)
+        done += 1
+    return done
+
+
+def _noop_activation(graph: _Graph, node: Any, qp: dict[str, Any]) -> bool:
+    """Whether ``node`` (Relu, or Clip with constant bounds) leaves every value of grid ``qp`` unchanged."""
+    lo = (qp["qmin"] - float(np.max(qp["zp"]))) * float(np.max(qp["scale"]))
+    hi = (qp["qmax"] - float(np.min(qp["zp"]))) * float(np.max(qp["scale"]))
+    if node.op_type == "Relu":
+        return lo >= 0.0
+    if node.op_type != "Clip":
+        return False
+    bounds = [graph.arrays.get(i) if i else None for i in list(node.input[1:3]) + [""] * (3 - len(node.input))]
+    cmin = -np.inf if bounds[0] is None else float(bounds[0])
+    cmax = np.inf if bounds[1] is None else float(bounds[1])
+    if len(node.input) > 1 and node.input[1] and bounds[0] is None:
+        return False
+    if len(node.input) > 2 and node.input[2] and bounds[1] is None:
+        return False
+    return cmin <= lo and cmax >= hi * (1 - 1e-6)
+
+
+def _traced_qdq(graph: _Graph) -> dict[str, dict[str, Any]]:
+    """``{DequantizeLinear output: qparams}`` of the per-tensor QuantizeLinear -> DequantizeLinear pairs the
+    exporter already wrote (the quantized joins of :mod:`.joins`)."""
+    made = {o: n for n in graph.g.node for o in n.output}
+    out: dict[str, dict[str, Any]] = {}
+    for n in graph.g.node:
+        q = made.get(n.input[0]) if n.op_type == "DequantizeLinear" and len(n.input) == 3 else None
+        if q is None or q.op_type != "QuantizeLinear":
+            continue
+        s, z = graph.arrays.get(n.input[1]), graph.arrays.get(n.input[2])
+        if s is None or z is None or s.ndim or z.dtype not in (np.uint8, np.int8):
+            continue
+        info = np.iinfo(z.dtype)
+        out[n.output[0]] = {"scale": s.astype(np.float64), "zp": z.astype(np.float64), "qmin": int(info.min),
+                            "qmax": int(info.max), "axis": None, "dtype": np.dtype(z.dtype)}
+    return out
+
+
+def _reduce_mean_to_gap(graph: _Graph, joins: dict[str, dict[str, Any]]) -> int:
+    """``ReduceMean`` over axes (2, 3) whose output a join's QuantizeLinear reads becomes ``GlobalAveragePool``
+    (onnxruntime has no integer ReduceMean, but QLinearGlobalAveragePool), followed, after the join's
+    DequantizeLinear, by a ``Reshape`` to ``[N, C]`` when the mean dropped the axes. Returns the count."""
+    from onnx import helper
+
+    done = 0
+    for node in list(graph.g.node):
+        if node.op_type != "ReduceMean":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axes = attrs.get("axes")
+        if axes is None and len(node.input) > 1:
+            axes = graph.arrays.get(node.input[1])
+        if axes is None or sorted(int(a) % 4 for a in np.asarray(axes).ravel()) != [2, 3]:
+            continue
+        users = graph.consumers(node.output[0])
+        if len(users) != 1 or users[0].op_type != "QuantizeLinear":
+            continue
+        deqs = [d for d in graph.consumers(users[0].output[0]) if d.op_type == "DequantizeLinear"]
+        if len(deqs) != 1 or deqs[0].output[0] not in joins:
+            continue
+        gap = helper.make_node("GlobalAveragePool", [node.input[0]], [node.output[0]])
+        graph.g.node.remove(node)
+        graph.g.node.append(gap)
+        if attrs.get("keepdims", 1) == 0:
+            dq = deqs[0]
+            name = dq.output[0]
+            raw = graph.unique(name + ".nchw")
+            dq.output[0] = raw
+            joins[raw] = joins[name]
+            shape = graph.add_init(name + ".shape", np.array([0, -1], dtype=np.int64))
+            graph.g.node.append(helper.make_node("Reshape", [raw, shape], [name]))
+        done += 1
+    return done
+
+
+def _same_grid(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    return (a is not None and a["axis"] is None and b["axis"] is None and a["dtype"] == b["dtype"]
+            and np.float32(a["scale"]) == np.float32(b["scale"]) and float(a["zp"]) == float(b["zp"]))
+
+
+def _dynamic_matmul(graph: _Graph, name: str, node: Any, codes: np.ndarray, scale: np.ndarray, zp: np.ndarray,
+                    axis: int | None, made: set[str]) -> None:
+    """Replace ``node`` (MatMul with the weight as ``[in, out]``, or Gemm) by the graph of onnxruntime's
+    ``quantize_dynamic``: ``DynamicQuantizeLinear(x) -> MatMulInteger(x_q, W_q, x_zp, W_zp) -> Cast(float) ->
+    Mul(x_scale * W_scale)`` (+ the Gemm's bias), which onnxruntime fuses into ``DynamicQuantizeMatMul``."""
+    from onnx import TensorProto, helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Gemm":
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            raise RuntimeError(f"int8 ONNX export (dynamic): layer {name!r}: Gemm with transA/alpha/beta {attrs}")
+        if attrs.get("transB", 0):
+            codes = codes.T
+            axis = None if axis is None else 1 - axis
+    if axis is not None and axis != 1:
+        raise RuntimeError(f"int8 ONNX export (dynamic): layer {name!r}: per-channel weight scales along the input "
+                           f"axis have no MatMulInteger form")
+    x, out = node.input[0], node.output[0]
+    xq, xs, xz = (graph.unique(f"{name}.input_{k}") for k in ("quantized", "scale", "zero_point"))
+    acc, accf, sc = (graph.unique(f"{name}.{k}") for k in ("acc", "acc_float", "out_scale"))
+    w_q = graph.add_init(f"{name}.weight_quantized", np.ascontiguousarray(codes))
+    w_z = graph.add_init(f"{name}.weight_zero_point", zp)
+    w_s = graph.add_init(f"{name}.weight_scale", scale.astype(np.float32))
+    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+    y = graph.unique(f"{name}.matmul") if bias else out
+    new = [helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz]),
+           helper.make_node("MatMulInteger", [xq, w_q, xz, w_z], [acc]),
+           helper.make_node("Cast", [acc], [accf], to=TensorProto.FLOAT),
+           helper.make_node("Mul", [xs, w_s], [sc]),
+           helper.make_node("Mul", [accf, sc], [y])]
+    if bias:
+        new.append(helper.make_node("Add", [y, bias], [out]))
+    graph.g.node.remove(node)
+    graph.new_nodes.extend(new)
+    made.update(o for n in new for o in n.output)
+
+
+#: ops the int8 graph may keep in float (listed in ``quantizer.onnx_float_ops`` after an export)
+FLOAT_REPORTED = {"Softmax", "LayerNormalization", "Erf", "Gelu", "FastGelu", "Tanh", "Sigmoid", "Div", "Sqrt", "Pow",
+                  "ReduceMean", "MatMul", "Gemm", "Conv", "Add", "Mul", "Sub", "AveragePool", "GlobalAveragePool",
+                  "Concat", "Clip", "Pad", "LSTM", "GRU"}
+
+
+def float_ops(model: Any, made: set[str] = frozenset()) -> dict[str, int]:
+    """``{op type: count}`` of the compute ops of an int8 ONNX graph that onnxruntime runs in float: those in
+    :data:`FLOAT_REPORTED` whose output is not quantized (read by a QuantizeLinear) -- Softmax, LayerNorm,
+    GELU (Erf), attention's activation x activation MatMuls, residual adds of float values ... -- other than a
+    MatMul / Gemm / Conv with a dequantized weight (an integer kernel with a float output) and the nodes of
+    the dynamic-quantization pattern."""
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    out: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type not in FLOAT_REPORTED or any(o in made for o in n.output):
+            continue
+        users = readers.get(n.output[0], [])
+        if users and all(u.op_type == "QuantizeLinear" for u in users):
+            continue
+        if n.op_type in ("MatMul", "Gemm", "Conv") and len(n.input) > 1:
+            p = producer.get(n.input[1])
+            if p is not None and p.op_type == "DequantizeLinear":
+                continue
+        if n.op_type == "Concat" and not any(i in producer and producer[i].op_type not in ("Shape", "Unsqueeze",
+                                                                                         "Gather", "Constant")
+                                             for i in n.input):
+            continue  # shape arithmetic
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def _compact_value_names(model: Any) -> None:
     """Short names for the intermediate tensors, no node names and no per-node metadata. The exporters name every value after its
     module path, and each name is stored once per producer and consumer: on a small Hugging Face model that
@@ -355,6 +572,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
 
     wrappers: list[QuantizerModuleWrapper] = [w for w in quantizer.get_modules_wrapper() if integer_kernel_layer(w)]
     params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
+    dynamic = getattr(quantizer, "activation", "static") == "dynamic"
+    made: set[str] = set()  # outputs of the nodes the dynamic rewrite adds
     proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
     model = onnx.load_from_string(proto)
     graph = _Graph(model)
@@ -380,6 +599,10 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             axis = 1 - axis
         layers.append((w, node, init, transposed, axis))
 
+    # 0. a zero Pad feeding only a Conv becomes the Conv's own padding (QLinearConv pads with the zero point),
+    # so no float Pad is left between the producer's DequantizeLinear and the conv (HF's TF-style padding)
+    _fold_pads(graph, [node for _, node, *_ in layers if node.op_type == "Conv"])
+
     # 1. outputs (so the input propagation below can find them)
     out_qdq: dict[str, dict[str, Any]] = {}  # dequantized activation tensor -> its qparams
     for w, node, *_ in layers:
@@ -395,9 +618,10 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
             # o_proj / down_proj have no bias and feed one), after which this layer's output grid is wrong
             if len(users) == 1 and users[0].op_type == "Add" and any(i in graph.arrays for i in users[0].input):
                 end = users[0]
-        if getattr(w, "fused_relu", False):  # the wrapper's own relu: quantize after it (DQ-Conv-Relu-Q fuses)
+        fused = getattr(w, "fused_relu", False)
+        if fused:  # the wrapper's own relu / relu6: quantize after it (DQ-Conv-Relu-Q / -Clip-Q fuse)
             users = graph.consumers(end.output[0])
-            if len(users) != 1 or users[0].op_type != "Relu":
+            if len(users) != 1 or users[0].op_type != ("Clip" if fused == "relu6" else "Relu"):
                 raise RuntimeError(f"int8 ONNX export: layer {w.name!r} fuses a ReLU, but the exported graph has "
                                    f"{[n.op_type for n in users]} after it")
             end = users[0]
@@ -408,13 +632,30 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         out_qdq[name] = params[w.name]["output"]
         info["output"] = True
 
+    # 1a. quantized joins (Q -> DQ pairs the exporter wrote, see .joins): their outputs are quantized values
+    # too; a mean over H, W becomes GlobalAveragePool (an integer kernel in onnxruntime)
+    joins = _traced_qdq(graph)
+    _reduce_mean_to_gap(graph, joins)
+    out_qdq.update(joins)
+
     # 1b. values stay on a quantized output's grid through Relu/MaxPool/Flatten/...: repeat its QDQ pair
     # after such ops (exact), so onnxruntime runs them on integers and the next layer sees a DQ input
     for node in list(graph.g.node):  # topological order
-        if node.op_type not in GRID_PRESERVING or not node.input or node.input[0] not in out_qdq:
-            continue
+        if not node.input or node.input[0] not in out_qdq or not (
+                node.op_type in GRID_PRESERVING or _noop_activation(graph, node, out_qdq[node.input[0]])):
+            continue  # (a Clip counts only where it changes no value of the grid: a ReLU6 after a fused ReLU6)
         qp, name = out_qdq[node.input[0]], node.output[0]
         out_qdq[name] = qp
+        outputs = {o.name for o in graph.g.output}
+        if _noop_activation(graph, node, qp) and name not in outputs:
+            # a ReLU of values dequantized from a grid whose zero point is its lowest code changes nothing:
+            # its readers read its input (onnxruntime would keep a DQ -> Q re-quantization for such a ReLU
+            # when a residual add also reads it)
+            for user in graph.consumers(name):
+                user.input[:] = [node.input[0] if i == name else i for i in user.input]
+            out_qdq[node.input[0]] = qp
+            graph.g.node.remove(node)
+            continue
         if any(n.op_type in ("Relu", "MaxPool") for n in graph.consumers(name)):
             continue  # only at the end of a Relu/MaxPool run (ORT fuses DQ -> Relu -> MaxPool -> Q best)
         raw = graph.unique(name + ".float")
@@ -441,6 +682,11 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         dtype = qp["dtype"]
         if weight_dtype == "uint8" and dtype == np.int8 and not np.any(z) and qp["qmin"] >= -127:
             codes, z, dtype = codes + 128, np.full_like(z, 128), np.dtype(np.uint8)  # same values, u8u8 kernels
+        if dynamic:
+            _dynamic_matmul(graph, w.name, node, codes.astype(dtype), s, z.astype(dtype), axis, made)
+            info.update(weight=f"{dtype.name}{' per-channel' if axis is not None else ''}", input="dynamic",
+                        bias="float" if node.op_type == "MatMul" or len(node.input) < 3 or not node.input[2] else "float")
+            continue
         q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(dtype))
         s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
         z_name = graph.add_init(f"{w.name}.weight_zero_point", z.astype(dtype))
@@ -454,6 +700,8 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
         if in_qp is None:
             in_qp = out_qdq.get(src)  # already the output of a DequantizeLinear (step 1 / 1b)
             info["input"] = "inherited" if in_qp is not None else False
+        elif _same_grid(out_qdq.get(src), in_qp):
+            info["input"] = "shared"  # already dequantized from this grid: a second Q/DQ pair would be a no-op
         else:
             info["input"] = True
             node.input[0] = graph.qdq(f"{w.name}.input", src, in_qp)
@@ -479,6 +727,7 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
         raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")
     model.producer_name = "compressor"
+    quantizer.onnx_float_ops = float_ops(model, made)
     _compact_value_names(model)
     onnx.checker.check_model(model)
     with atomic_path(onnx_path) as tmp:  # nothing at onnx_path unless the whole file is written

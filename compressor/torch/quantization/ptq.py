@@ -35,6 +35,21 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   point (one grid per tensor, as onnxruntime and TFLite quantize), so it is not quantized twice; in the
   int8 ONNX graph the two Q/DQ pairs then cancel and e.g. a max-pool runs on uint8 between two
   QLinearConv. Same rule on the Keras backend.
+* ``quantize_joins=True`` (default): residual adds, products, concatenations, average / global average pooling
+  (``adaptive_avg_pool2d(x, 1)``, ``x.mean((2, 3))``) whose inputs are all quantized outputs get an output
+  range of their own (observed after the ReLU that is their only reader; an average pool reuses its input's),
+  so the int8 ONNX graph runs them as QLinearAdd / QLinearMul / QLinearConcat / QLinearAveragePool /
+  QLinearGlobalAveragePool, as onnxruntime's ``quantize_static`` does; layers reading such an output share its
+  grid. The rule is :mod:`compressor.core.quant_joins`; the mechanism :mod:`.joins` (planned from one recorded
+  forward on the first calibration batch). ``join_report`` lists every join seen and whether it is integer.
+  The join ranges live on the quantizer (not in the model's ``state_dict``): re-run :meth:`calibrate` after
+  loading one.
+* ``activation='dynamic'`` (default ``'static'``): onnxruntime's ``quantize_dynamic`` equivalent for Linear /
+  HF Conv1D layers: weights int8 per output channel (frozen at construction: no calibration needed), inputs
+  quantized per batch at run time as ``DynamicQuantizeLinear`` does (uint8, range of the batch including 0:
+  :func:`dynamic_fake_quant`), outputs and biases float. The int8 ONNX graph is ``DynamicQuantizeLinear ->
+  MatMulInteger -> Cast -> Mul`` per layer, which onnxruntime fuses into ``DynamicQuantizeMatMul``. A config
+  quantizing ``'output'`` or a Conv layer is refused (ConfigError).
 
 State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
 saved after calibration restores a calibrated quantizer.
@@ -114,6 +129,20 @@ def int32_bias_forward(wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: d
     return wrapper.forward_with_weight(qw, inputs, kwargs, bias=None if bias is None else int32_bias(wrapper, bias))
 
 
+def dynamic_fake_quant(x: torch.Tensor, qmin: int = 0, qmax: int = 255) -> torch.Tensor:
+    """``x`` on the grid onnxruntime's ``DynamicQuantizeLinear`` picks for it: ``scale = (max(x, 0) - min(x, 0))
+    / (qmax - qmin)``, ``zp = clip(round(qmin - min(x, 0) / scale))``, codes ``clip(round(x / scale) + zp)``
+    (round half to even). Graph ops only; straight-through gradient (the range covers ``x``)."""
+    with torch.no_grad():
+        lo = torch.clamp(x.detach().min(), max=0.0)
+        hi = torch.clamp(x.detach().max(), min=0.0)
+        scale = (hi - lo) / float(qmax - qmin)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zp = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax)
+        y = (torch.clamp(torch.round(x.detach() / scale) + zp, qmin, qmax) - zp) * scale
+    return x + (y - x).detach()
+
+
 def _describe(args: tuple, kwargs: dict[str, Any]) -> str:
     def one(v: Any) -> str:
         return f"shape {tuple(v.shape)}, dtype {v.dtype}" if torch.is_tensor(v) else type(v).__name__
@@ -129,7 +158,14 @@ class PtqQuantizer(QAT_Quantizer):
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], observer: str = "minmax",
                  percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
                  weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None,
-                 fuse_relu: bool = True, share_ranges: bool = True):
+                 fuse_relu: bool = True, share_ranges: bool = True, quantize_joins: bool = True,
+                 activation: str = "static"):
+        if activation not in ("static", "dynamic"):
+            raise ConfigError(f"PtqQuantizer: activation must be 'static' (calibrated ranges) or 'dynamic' (ranges "
+                              f"of each batch at run time), got {activation!r}")
+        self.activation = activation
+        if activation == "dynamic":  # nothing to fold, fuse or share: inputs are quantized per batch
+            bn_fold, fuse_relu, share_ranges, quantize_joins = False, False, False, False
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
                 raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
@@ -148,9 +184,14 @@ class PtqQuantizer(QAT_Quantizer):
             from ..onnx_io import model_inputs
 
             example = model_inputs(dummy_input, what="PtqQuantizer")
-        for flag, value in (("share_ranges", share_ranges), ("bn_fold", bn_fold)):
+        for flag, value in (("share_ranges", share_ranges), ("bn_fold", bn_fold),
+                            ("quantize_joins", quantize_joins)):
             if not isinstance(value, bool):
                 raise ConfigError(f"PtqQuantizer: {flag} must be True or False, got {value!r}")
+        self.quantize_joins = quantize_joins
+        self._joins: Any = None  # the JoinRunner of the last calibration (see .joins)
+        self._join_inputs: dict[str, int] = {}
+        self.join_report: list[dict[str, Any]] = []
         # the three graph features need torch.fx; a model it cannot trace (most Hugging Face models) gets ONE
         # warning, and only for the features the model has modules for (no BatchNorm2d: nothing to fold)
         types = {type(m) for m in model.modules()}
@@ -183,12 +224,48 @@ class PtqQuantizer(QAT_Quantizer):
                           f"warning", ConfigWarning, stacklevel=2)
         super().__init__(model, config_list, optimizer, dummy_input=dummy_input, bn_fold=bool(bn_fold),
                          fuse_relu=fuse_relu)
+        if activation == "dynamic":
+            self._freeze_dynamic()
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
         what = type(self).__name__
         return {t: resolve_spec(config, t, layer, name, default_dtype=PTQ_DEFAULTS[t][0],
                                 default_scheme=PTQ_DEFAULTS[t][1], what=what) for t in config["quant_types"]}
+
+    def validate_layer(self, layer_info: Any, module: nn.Module, config: dict[str, Any]) -> None:
+        super().validate_layer(layer_info, module, config)
+        if getattr(self, "activation", "static") != "dynamic":
+            return
+        from ..layout import is_hf_conv1d
+
+        types = config.get("quant_types", [])
+        if sorted(types) != ["input", "weight"]:
+            raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r}: quant_types {types!r}; "
+                              f"dynamic quantization takes ['input', 'weight'] (inputs are quantized per batch at run "
+                              f"time, outputs stay float)")
+        if not (isinstance(module, nn.Linear) or is_hf_conv1d(module)):
+            raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r} is a "
+                              f"{type(module).__name__}; dynamic quantization takes Linear and Hugging Face Conv1D "
+                              f"layers (onnxruntime's DynamicQuantizeMatMul); use activation='static' for others")
+
+    def _freeze_dynamic(self) -> None:
+        """Weight scales from the weights (no data needed); activation scales are computed per batch."""
+        plan = []
+        for w in self._wrappers:
+            for t, spec in w.qat_specs.items():
+                buf = w._buffers
+                if t == "weight":
+                    obs = self.make_observer(spec, self.weight_observer)
+                    obs.observe(self.float_weight(w))
+                    scale, zp = obs.qparams()
+                    plan += [(buf["weight_scale"], scale), (buf["weight_zero_point"], zp)]
+                plan.append((buf[f"{t}_observed"], torch.ones((), dtype=torch.bool)))
+        with torch.no_grad():
+            for target, value in plan:
+                target.copy_(value)
+        for w in self._wrappers:
+            w.frozen = True
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
         super().init_wrapper(wrapper)
@@ -197,7 +274,7 @@ class PtqQuantizer(QAT_Quantizer):
                                     torch.zeros((), dtype=torch.bool, device=wrapper.weight_scale.device))
         specs = wrapper.qat_specs
         if ("input" in specs and "weight" in specs and specs["input"].channels is None
-                and wrapper._fn in ("conv", "linear")):  # the layers whose bias the int8 export makes int32
+                and wrapper._fn in ("conv", "linear") and self.activation == "static"):  # the layers whose bias the int8 export makes int32
             wrapper.weight_forward = int32_bias_forward
 
     # ------------------------------------------------------------------ state
@@ -238,6 +315,8 @@ class PtqQuantizer(QAT_Quantizer):
         if not wrapper.quant_active:
             return x
         spec = wrapper.qat_specs[t]
+        if self.activation == "dynamic":
+            return dynamic_fake_quant(x, spec.qmin, spec.qmax)
         buf = wrapper._buffers
         scale, zp = buf[f"{t}_scale"], buf[f"{t}_zero_point"]
         out = fake_quant(x, scale, zp, spec.qmin, spec.qmax, spec.axis)
@@ -331,11 +410,15 @@ class PtqQuantizer(QAT_Quantizer):
         self._act_observers = {(w.name, t): self.make_observer(spec, self.observer)
                                for w in wrappers for t, spec in w.qat_specs.items() if t != "weight"}
         seen = 0
+        old_joins = self._joins, self._join_inputs, self.join_report
+        ok = False
         try:
             model.eval()
             self._calibrating = True
             with torch.no_grad():
                 for i, (args, kwargs) in self._batches(data, num_batches, num_samples):
+                    if i == 0 and self.quantize_joins:
+                        self._plan_joins(wrappers, args, kwargs)
                     try:
                         model(*args, **kwargs)
                     except Exception as e:  # noqa: BLE001  (any failure of the user's model on this batch)
@@ -345,19 +428,68 @@ class PtqQuantizer(QAT_Quantizer):
                     seen += 1
             if seen == 0:
                 raise ConfigError(f"PtqQuantizer.calibrate: the data yielded no batch; {_NO_DATA}")
-            plan = self._plan(wrappers)
+            plan, join_qparams = self._plan(wrappers)
+            ok = True
         finally:
             self._calibrating = False
             self._act_observers = {}
             for m, mode in modes.items():
                 m.training = mode
+            if not ok and self._joins is not old_joins[0]:  # failed: the previous calibration's joins stay
+                if self._joins is not None:
+                    self._joins.remove()
+                self._joins, self._join_inputs, self.join_report = old_joins
+                if self._joins is not None:
+                    self._joins.install(model, wrappers)
         with torch.no_grad():
             for target, value in plan:
                 target.copy_(value)
+        if self._joins is not None:
+            self._joins.qparams = join_qparams
         for w in wrappers:
             w.frozen = True
         self.calibration_batches = seen
         return self
+
+    def _plan_joins(self, wrappers: list[QuantizerModuleWrapper], args: tuple, kwargs: dict[str, Any]) -> None:
+        """Record one float forward on the first calibration batch and plan the quantized joins (see .joins)."""
+        from .dataflow import record_flow
+        from .joins import JoinRunner, call_kind, plan_joins, wrapper_input_sites
+
+        if self._joins is not None:
+            self._joins.remove()
+            self._joins = None
+        self._join_inputs, self.join_report = {}, []
+        specs = [w.qat_specs["output"] for w in wrappers if "output" in w.qat_specs
+                 and w.qat_specs["output"].channels is None]
+        if not specs:
+            return
+        saved = self._act_observers
+        try:
+            with self.float_mode():
+                flow = record_flow(self.bound_model, args, kwargs, classify=call_kind)
+        except Exception:  # noqa: BLE001  (the model fails on this batch: the calibration forward reports it)
+            return
+        self.bound_model.eval()
+        self._act_observers = saved
+        names = {w.name for w in wrappers}
+        spec = specs[0]
+        outs = {w.name for w in wrappers if "output" in w.qat_specs and w.qat_specs["output"].channels is None
+                and (w.qat_specs["output"].qmin, w.qat_specs["output"].qmax) == (spec.qmin, spec.qmax)}
+        sites, self.join_report = plan_joins(flow, names, outs)
+        if not sites:
+            return
+        runner = JoinRunner(self, sites, spec)
+        for s in sites:
+            if s.output == "own":
+                self._act_observers[runner.observer_key(s)] = self.make_observer(spec, self.observer)
+        by_name = {w.name: w for w in wrappers}
+        for name, index in wrapper_input_sites(flow, sites, names).items():
+            a = by_name[name].qat_specs.get("input")
+            if a is not None and a.channels is None and (a.qmin, a.qmax) == (spec.qmin, spec.qmax):
+                self._join_inputs[name] = index
+        runner.install(self.bound_model, wrappers)
+        self._joins = runner
 
     def shared_inputs(self) -> dict[str, str]:
         """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
@@ -373,8 +505,9 @@ class PtqQuantizer(QAT_Quantizer):
                 out[name] = src
         return out
 
-    def _plan(self, wrappers: list[QuantizerModuleWrapper]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every ``(buffer, value)`` to write, computed before anything is written."""
+    def _plan(self, wrappers: list[QuantizerModuleWrapper]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
+        """Every ``(buffer, value)`` to write, and the joins' ``{index: (scale, zero point)}``, computed before
+        anything is written."""
         values: dict[tuple[str, str], tuple] = {}  # (layer, type) -> (scale, zp, (min, max) or None)
         for w in wrappers:
             for t, spec in w.qat_specs.items():
@@ -392,6 +525,29 @@ class PtqQuantizer(QAT_Quantizer):
                 values[(w.name, t)] = (scale, zp, rng)
         for name, src in self.shared_inputs().items():  # one grid per tensor
             values[(name, "input")] = values[(src, "output")]
+        joins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self._joins is not None:
+            runner = self._joins
+
+            def join_value(ref: Any) -> tuple:
+                kind, key = ref
+                if kind == "layer":
+                    return values[(key, "output")]
+                site = runner.sites[key]
+                if site.output != "own":
+                    return join_value(site.output)
+                obs = self._act_observers[runner.observer_key(site)]
+                if not obs.calibrated:
+                    raise ModelError(f"PtqQuantizer.calibrate: the {site.kind} in {site.scope or 'the model'!r} was "
+                                     f"not reached on the calibration data, so its range is unknown")
+                return (*obs.qparams(), obs.range())
+
+            for index, site in runner.sites.items():
+                if site.output == "own":
+                    scale, zp, _ = join_value(("site", index))
+                    joins[index] = (scale.detach().clone(), zp.detach().clone())
+            for name, index in self._join_inputs.items():
+                values[(name, "input")] = join_value(("site", index))
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for w in wrappers:
             buf = w._buffers
@@ -405,7 +561,7 @@ class PtqQuantizer(QAT_Quantizer):
                                      f"{tuple(scale.shape)}, expected {tuple(target.shape)}")
                 plan += [(target, scale), (buf[f"{t}_zero_point"], zp),
                          (buf[f"{t}_observed"], torch.ones((), dtype=torch.bool))]
-        return plan
+        return plan, joins
 
     # ------------------------------------------------------------------ export
     def export_model(self, model_path: str, calibration_path: str | None = None, onnx_path: str | None = None,
@@ -419,4 +575,10 @@ class PtqQuantizer(QAT_Quantizer):
         if onnx_path is not None and input_shape is None and "dummy_input" not in onnx_kwargs \
                 and self.dummy_input is not None:
             onnx_kwargs["dummy_input"] = self.dummy_input
-        return super().export_model(model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
+        if self._joins is not None:
+            self._joins.exporting = True
+        try:
+            return super().export_model(model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
+        finally:
+            if self._joins is not None:
+                self._joins.exporting = False

@@ -38,7 +38,7 @@ from ...core import quant as cq
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
 from ..distributed import all_reduce_max, all_reduce_min
-from .bn_fold import BNFolding, find_relu_followers
+from .bn_fold import BNFolding, find_fused_activations
 from .fakequant import fake_quant, observe_minmax, ops
 from .quantizer import TorchQuantizer, builtin_ste
 from .settings import QuantSpec, layer_device, resolve_spec
@@ -72,10 +72,10 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
             example = model_inputs(dummy_input, what=type(self).__name__)
         # finds Conv2d -> BatchNorm2d pairs (model untouched)
         self._bn = BNFolding(model, example) if fold else None
-        relu_followers = find_relu_followers(model, folded=self._bn is not None, example=example) if fuse_relu else set()
+        fused = find_fused_activations(model, folded=self._bn is not None, example=example) if fuse_relu else {}
         super().__init__(model, config_list, optimizer)
-        for w in self._wrappers:
-            w.fused_relu = w.name in relu_followers and "output" in w.quant_types
+        for w in self._wrappers:  # True: a ReLU; 'relu6': a ReLU6 (clamp to [0, 6]) is applied before quantizing
+            w.fused_relu = fused.get(w.name, False) if "output" in w.quant_types else False
         if self._bn is not None:
             self._bn.install(self._wrappers)  # after the wrappers are in place: BN slots become Identity
 

@@ -187,7 +187,7 @@ class QuantizerModuleWrapper(ReadThrough):
             out = self.module(*inputs, **kwargs)
         if self._q_output:
             if self.fused_relu:
-                out = torch.relu(out)
+                out = torch.clamp(out, 0.0, 6.0) if self.fused_relu == "relu6" else torch.relu(out)
             out = q._quantize(QuantType.QUANT_OUTPUT, out, self)
         return out
 
