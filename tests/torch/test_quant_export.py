@@ -224,3 +224,19 @@ def test_onnx_needs_input_shape(tmp_path):
     q = NaiveQuantizer(model, [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["default"]}])
     with pytest.raises(ValueError, match="input_shape"):
         q.export_model(tmp_path / "m.pt", onnx_path=tmp_path / "m.onnx")
+
+
+def test_export_model_without_model_path_writes_only_the_onnx_file(tmp_path):
+    from compressor import ConfigError
+    from compressor.torch import PtqQuantizer
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    q = PtqQuantizer(m, [{"op_types": ["Linear"], "quant_types": ["input", "weight", "output"], "quant_bits": 8}])
+    q.calibrate([torch.randn(8, 4) for _ in range(2)])
+    calib = q.export_model(None, onnx_path=tmp_path / "m.onnx", input_shape=(1, 4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    assert sorted(calib) == ["0", "2"]
+    with pytest.raises(ConfigError, match="nothing to write"):
+        q.export_model(None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

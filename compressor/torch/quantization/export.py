@@ -84,11 +84,14 @@ def _state_entries(quantizer: Any, wrapper: QuantizerModuleWrapper, weight: torc
     return out
 
 
-def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path: str | os.PathLike | None = None,
+def export_model(quantizer: Any, model_path: str | os.PathLike | None, calibration_path: str | os.PathLike | None = None,
                  onnx_path: str | os.PathLike | None = None, input_shape: tuple[int, ...] | None = None,
                  device: torch.device | str | None = None, dummy_input: Any = None,
                  **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
-    """See :meth:`TorchQuantizer.export_model`. The model's train/eval mode is restored afterwards."""
+    """See :meth:`TorchQuantizer.export_model`. The model's train/eval mode is restored afterwards.
+    ``model_path=None`` writes only the other targets (e.g. just the ONNX file); at least one is needed."""
+    if model_path is None and calibration_path is None and onnx_path is None:
+        raise ConfigError("export_model: nothing to write; give model_path, calibration_path or onnx_path")
     if onnx_path is not None and input_shape is None and dummy_input is None:
         raise ValueError("export_model: onnx_path needs input_shape (or dummy_input)")
     fmt = onnx_kwargs.pop("onnx_format", "auto")
@@ -141,7 +144,8 @@ def export_model(quantizer: Any, model_path: str | os.PathLike, calibration_path
         # all or nothing: temporary files moved into place once every artifact is written
         with atomic_paths(model_path, calibration_path, onnx_path, names=("model_path", "calibration_path",
                                                                           "onnx_path")) as (tmp_model, tmp_calib, tmp_onnx):
-            save_file(state, tmp_model)
+            if tmp_model is not None:
+                save_file(state, tmp_model)
             if tmp_calib is not None:
                 save_file(calibration, tmp_calib)
             if tmp_onnx is not None:

@@ -152,7 +152,8 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
         by a one-shot weight quantizer (GPTQ / RTN / AWQ, alone or on a pruner) as a compressed-tensors
         checkpoint folder that ``AutoModelForCausalLM.from_pretrained`` loads (see
         :mod:`compressor.torch.hf_checkpoint`; ``hf_sparse_format`` for pruned float layers); with
-        ``model_path=None`` only that folder is written (returns None)."""
+        ``model_path=None`` only that folder is written (returns None). ``model_path=None`` with ``onnx_path`` /
+        ``calibration_path`` writes only those; with no target at all it is a ``ConfigError``."""
         from .. import families
         from .export import export_model
 
