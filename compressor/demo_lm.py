@@ -34,6 +34,7 @@ This module imports neither framework; the backend parts are :mod:`compressor.to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -42,7 +43,7 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,7 @@ class LmRow:
     decode_s: float | None = None  # median seconds per generated token
     decode_range: tuple[float, float] | None = None
     kernel: str = ""  # what computes the shipped layers
+    file: str = ""  # the file's name (in ``save_dir`` when one was given)
 
 
 @dataclass
@@ -260,8 +262,20 @@ def _decode_prompt(text: TextCorpus, p: LmProfile) -> np.ndarray:
     return text.held_out[: p.decode_tokens].astype(np.int64)
 
 
+@contextlib.contextmanager
+def _workdir(save_dir: str | None, backend: str) -> Iterator[str]:
+    """``save_dir/backend`` (created, kept) or a temporary folder removed afterwards."""
+    if save_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp
+        return
+    path = os.path.join(save_dir, backend)
+    os.makedirs(path, exist_ok=True)
+    yield path
+
+
 def run_backend(backend: str, text: TextCorpus, p: LmProfile, state: dict[str, np.ndarray], seed: int,
-                description: str, only: Sequence[str] | None = None,
+                description: str, only: Sequence[str] | None = None, save_dir: str | None = None,
                 log: Callable[[str], None] = print) -> LmResult:
     """Compress the trained model with every method on ``backend``, ship each one and measure the artifacts."""
     t0 = time.perf_counter()
@@ -270,7 +284,7 @@ def run_backend(backend: str, text: TextCorpus, p: LmProfile, state: dict[str, n
     calib = calibration_windows(text, p, seed)
     res = LmResult(backend, description)
     artifacts = []
-    with h.threads(1), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    with h.threads(1), _workdir(save_dir, backend) as tmp, warnings.catch_warnings():
         # 'default' leaving out the embedding is the intended selection here (said in the description)
         warnings.simplefilter("ignore", DefaultSkipWarning)
         row, art = h.ship_dense(windows, tmp)
@@ -302,7 +316,8 @@ def train(text: TextCorpus, p: LmProfile, seed: int, log: Callable[[str], None] 
 
 
 def run_lm_demo(backends: Sequence[str], quick: bool = False, seed: int = 0, text_dir: str | None = None,
-                only: Sequence[str] | None = None, out: Callable[[str], None] = print) -> list[LmResult]:
+                only: Sequence[str] | None = None, save_dir: str | None = None,
+                out: Callable[[str], None] = print) -> list[LmResult]:
     """Train, compress on every backend of ``backends``, print each table through ``out``; returns the results."""
     p = PROFILES[bool(quick)]
     text = load_corpus(text_dir)
@@ -316,7 +331,7 @@ def run_lm_demo(backends: Sequence[str], quick: bool = False, seed: int = 0, tex
     out(f"trained in {time.perf_counter() - t0:.1f} s")
     results = []
     for b in backends:
-        r = run_backend(b, text, p, state, seed, desc, only=only, log=out)
+        r = run_backend(b, text, p, state, seed, desc, only=only, save_dir=save_dir, log=out)
         out(r.table())
         results.append(r)
     return results
@@ -333,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke test, seconds)")
     p.add_argument("--text-dir", help="train on the *.txt files of this folder (or .tar.gz) instead of the stdlib")
     p.add_argument("--methods", help=f"comma-separated subset of {METHODS} (default: all)")
+    p.add_argument("--save-dir", metavar="DIR", help="keep the shipped files in DIR/<backend>/ (default: a "
+                                                      "temporary folder, removed)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -365,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.text_dir is not None and not os.path.exists(args.text_dir):
         return fail(f"--text-dir {args.text_dir!r} does not exist")
     try:
-        run_lm_demo(backends, args.quick, args.seed, args.text_dir, only)
+        run_lm_demo(backends, args.quick, args.seed, args.text_dir, only, args.save_dir)
     except (FileNotFoundError, DataError) as e:
         return fail(str(e))
     return 0

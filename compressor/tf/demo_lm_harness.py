@@ -224,7 +224,7 @@ class TfLmHarness:
         self.fresh().save(path)
         shipped = keras.saving.load_model(path)
         return LmRow("dense", "dense (float32)", perplexity(shipped, windows), None, os.path.getsize(path),
-                     ".keras file (float32)", kernel="dense: float32 Dense"), shipped
+                     ".keras file (float32)", kernel="dense: float32 Dense", file=os.path.basename(path)), shipped
 
     def run_method(self, method: Any, calib: np.ndarray, windows: np.ndarray, tmp: str) -> tuple[Any, Any]:
         from ..demo_lm import LmRow
@@ -248,14 +248,15 @@ class TfLmHarness:
             shipped = keras.saving.load_model(path)
             return LmRow(method.key, method.label, perplexity(shipped, windows), ppl_model, os.path.getsize(cz),
                          "compressed file (export_model compressed_path: kept values + positions)", seconds,
-                         kernel="pruned: float32 Dense with zeros (.keras)"), shipped
+                         kernel="pruned: float32 Dense with zeros (.keras)", file=os.path.basename(cz)), shipped
         rows = self.backend.to_keras_quantized(compressors[-1])
         model.save(path)
         shipped = keras.saving.load_model(path)
         modes = sorted({str(r["mode"]) for r in rows})
         return LmRow(method.key, method.label, perplexity(shipped, windows), ppl_model, os.path.getsize(path),
                      ".keras file (Keras int4 layers: codes 2 per byte + group scales, the rest float32)", seconds,
-                     kernel=f"{method.label}: Keras's own quantized Dense (mode {', '.join(modes)})"), shipped
+                     kernel=f"{method.label}: Keras's own quantized Dense (mode {', '.join(modes)})",
+                     file=os.path.basename(path)), shipped
 
     def decode_times(self, models: Sequence[Any], prompt: np.ndarray, tokens: int, rounds: int) -> None:
         return None

@@ -136,7 +136,7 @@ class TorchLmHarness:
         model = build_byte_llama(self.config)
         model.load_state_dict(torch.load(path, weights_only=True))
         return LmRow("dense", "dense (float32)", perplexity(model, windows), None, os.path.getsize(path),
-                     "float32 state_dict (torch.save)", kernel="dense: float32 nn.Linear"), model
+                     "float32 state_dict (torch.save)", kernel="dense: float32 nn.Linear", file="dense.pt"), model
 
     def compress(self, method: Any, calib: np.ndarray) -> tuple[nn.Module, list[Any], float]:
         """A fresh copy of the trained model compressed by ``method``'s steps; (model, compressors, seconds)."""
@@ -166,7 +166,7 @@ class TorchLmHarness:
             shipped.load_state_dict(torch.load(pt, weights_only=True))
             return LmRow(method.key, method.label, perplexity(shipped, windows), ppl_model, os.path.getsize(cz),
                          "compressed file (export_model compressed_path: kept values + positions)", seconds,
-                         kernel="pruned: float32 nn.Linear with zeros (export_model state_dict)"), shipped
+                         kernel="pruned: float32 nn.Linear with zeros (export_model state_dict)", file=os.path.basename(cz)), shipped
         pack_weights(model)  # int4 codes, two per byte; bfloat16 compute on PyTorch's int4 CPU kernel
         formats = {n: {"bits": m.bits, "group_size": m.group_size, "signed": m.signed, "bias": m.bias is not None,
                        "awq": m.awq_scales is not None, "compute_dtype": m.compute_dtype, "source": m.source}
@@ -178,7 +178,8 @@ class TorchLmHarness:
         kernels = sorted({m.kernel for m in shipped.modules() if isinstance(m, PackedLinear)})
         return LmRow(method.key, method.label, perplexity(shipped, windows), ppl_model, os.path.getsize(path),
                      "packed state_dict (torch.save; int4 codes 2 per byte + group scales, the rest float32)",
-                     seconds, kernel=f"int4: PackedLinear ({', '.join(kernels)} kernel, bfloat16 compute)"), shipped
+                     seconds, kernel=f"int4: PackedLinear ({', '.join(kernels)} kernel, bfloat16 compute)",
+                     file=os.path.basename(path)), shipped
 
     def decode_times(self, models: Sequence[nn.Module], prompt: np.ndarray, tokens: int,
                      rounds: int) -> list[list[float]]:
