@@ -4,8 +4,8 @@ measured after reloading it.
 
 The port computes what ``LlamaForCausalLM`` (transformers 5.x, eager attention, no cache) computes for the
 demo's config (multi-head attention with rotary embeddings, rotate-half convention; RMSNorm; SiLU-gated MLP;
-untied LM head), with every projection a ``Dense(use_bias=False)`` named as in HF; the decoder layers are
-the list ``decoder_layers`` (``layers_0``, ``layers_1``, ...), which the one-shot compressors find as the
+untied LM head), with every projection a ``Dense(use_bias=False)`` named as in HF, a direct child of its block
+(Keras paths ``layers_0/q_proj/kernel``); the decoder layers are the list ``decoder_layers`` (``layers_0``, ...), which the one-shot compressors find as the
 repeated blocks. (``examples/llm_keras.py`` is the fuller port the reproduction uses; this one is what the
 demo needs, plus saving.) It is registered for Keras serialization and its config records the dtype policy of
 every quantized ``Dense`` (``to_keras_quantized`` turns them into Keras's own ``int4`` layers), so
@@ -73,9 +73,9 @@ class _Block(keras.layers.Layer):
         self.input_layernorm = _RMSNorm(cfg["rms_norm_eps"], name="input_layernorm")
         self.post_attention_layernorm = _RMSNorm(cfg["rms_norm_eps"], name="post_attention_layernorm")
         for n, units in (("q_proj", h), ("k_proj", h), ("v_proj", h), ("o_proj", h)):
-            setattr(self, n, _dense(units, n, f"{p}/self_attn/{n}", policies))
+            setattr(self, n, _dense(units, n, f"{p}/{n}", policies))
         for n, units in (("gate_proj", f), ("up_proj", f), ("down_proj", h)):
-            setattr(self, n, _dense(units, n, f"{p}/mlp/{n}", policies))
+            setattr(self, n, _dense(units, n, f"{p}/{n}", policies))
 
     def _split(self, x: Any) -> Any:
         s = ops.shape(x)
@@ -131,9 +131,9 @@ class ByteLlama(keras.Model):
         out = {"lm_head": self.lm_head}
         for b in self.decoder_layers:
             for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[f"{b.name}/self_attn/{n}"] = getattr(b, n)
+                out[f"{b.name}/{n}"] = getattr(b, n)
             for n in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{b.name}/mlp/{n}"] = getattr(b, n)
+                out[f"{b.name}/{n}"] = getattr(b, n)
         return out
 
     def get_config(self) -> dict[str, Any]:
