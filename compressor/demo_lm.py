@@ -186,6 +186,7 @@ class LmResult:
             out.append("  decode ms/token min-max (interleaved rounds): " + ", ".join(
                 f"{r.label} {1e3 * r.decode_range[0]:.2f}-{1e3 * r.decode_range[1]:.2f}"
                 for r in self.rows if r.decode_range))
+        out.append("  compression time (one-shot, s): " + ", ".join(f"{r.label} {r.compress_s:.1f}" for r in self.rows[1:]))
         out += [f"  {n}" for n in self.notes]
         out.append(f"  {self.backend}: {self.summary()}")
         return "\n".join(out)
@@ -326,7 +327,8 @@ def run_lm_demo(backends: Sequence[str], quick: bool = False, seed: int = 0, tex
     state = train(text, p, seed, log=out)
     n_params = sum(int(v.size) for v in state.values())
     desc = (f"byte-level Llama, {p.layers} layer(s), width {p.hidden}, FFN {p.ffn}, {n_params:,} parameters, "
-            f"{p.steps} AdamW steps of {p.batch} x {p.seq} bytes; {p.calib} calibration windows; perplexity on "
+            f"{p.steps} AdamW steps of {p.batch} x {p.seq} bytes; decoder Linear layers compressed (embedding and "
+            f"lm_head float32), {p.calib} calibration windows; perplexity on "
             f"{min(p.eval_windows, (len(text.held_out) - 1) // p.seq)} held-out windows of {p.seq} bytes")
     out(f"trained in {time.perf_counter() - t0:.1f} s")
     results = []

@@ -175,7 +175,12 @@ class TorchLmHarness:
         torch.save(model.state_dict(), path)
         shipped = _packed_skeleton(build_byte_llama(self.config), formats)
         shipped.load_state_dict(torch.load(path, weights_only=True))
-        kernels = sorted({m.kernel for m in shipped.modules() if isinstance(m, PackedLinear)})
+        packed = [m for m in shipped.modules() if isinstance(m, PackedLinear)]
+        kernels = sorted({m.kernel for m in packed})
+        resident = sum(m.resident_bytes() for m in packed)
+        self.notes.append(f"{method.label}: the {len(packed)} packed Linear layers hold {resident:,} B in memory "
+                          f"(codes in the kernel's layout + scales) vs {4 * sum(m.in_features * m.out_features for m in packed):,} "
+                          f"B as float32")
         return LmRow(method.key, method.label, perplexity(shipped, windows), ppl_model, os.path.getsize(path),
                      "packed state_dict (torch.save; int4 codes 2 per byte + group scales, the rest float32)",
                      seconds, kernel=f"int4: PackedLinear ({', '.join(kernels)} kernel, bfloat16 compute)",

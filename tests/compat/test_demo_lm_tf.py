@@ -64,3 +64,9 @@ def test_pruned_files_hold_the_pattern(run):
                 assert ((w.reshape(n_out, n_in // 4, 4) == 0).sum(-1) >= 2).all()
             else:
                 assert (w == 0).sum() == n_out * n_in // 2
+
+
+def test_keras_harness_does_not_import_torch():
+    from tests.core.test_imports import loaded_after
+
+    assert "torch" not in loaded_after("import compressor.tf.demo_lm_harness")

@@ -93,3 +93,10 @@ def test_cli_dispatch_and_bad_input(capsys):
     assert "compressor demo --lm: error: --methods" in err and "'nope'" in err and "gptq_w4" in err
     assert cli.main(["demo", "--lm", "--text-dir", "/nonexistent/text"]) == 2
     assert "--text-dir '/nonexistent/text' does not exist" in capsys.readouterr().err
+
+
+def test_imports_stay_apart():
+    from tests.core.test_imports import loaded_after
+
+    assert loaded_after("import compressor.demo_lm") == set()
+    assert loaded_after("import compressor.torch.demo_lm_harness") == {"torch"}
