@@ -100,3 +100,18 @@ def test_imports_stay_apart():
 
     assert loaded_after("import compressor.demo_lm") == set()
     assert loaded_after("import compressor.torch.demo_lm_harness") == {"torch"}
+
+
+def test_text_dir_corpus_split(tmp_path):
+    for i in range(12):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(bytes([65 + i]) * (10 + i))
+    (tmp_path / "skip.md").write_bytes(b"not text")
+    c = demo_lm.load_corpus(str(tmp_path))
+    assert c.held_out_files == ("f07.txt",) and len(c.train_files) == 11
+    assert bytes(c.held_out) == b"H" * 17
+    w = demo_lm.held_out_windows(c, seq=4, limit=3)
+    assert w.tolist() == [[72] * 5] * 3
+    std = demo_lm.load_corpus()  # Python's own standard library, every 10th file from index 7 held out
+    names = sorted(std.train_files + std.held_out_files)
+    assert std.held_out_files == tuple(n for i, n in enumerate(names) if i % 10 == 7)
+    assert all(n.endswith(".py") for n in names)
