@@ -86,7 +86,7 @@ class LmProfile:
 
 PROFILES: dict[bool, LmProfile] = {
     False: LmProfile(hidden=128, ffn=384, layers=2, heads=4, seq=128, steps=150, batch=8, lr=3e-3, calib=32,
-                     eval_windows=64, group_size=128, decode_tokens=32, decode_rounds=5),
+                     eval_windows=64, group_size=128, decode_tokens=32, decode_rounds=9),
     True: LmProfile(hidden=64, ffn=128, layers=1, heads=4, seq=64, steps=30, batch=8, lr=3e-3, calib=8,
                     eval_windows=16, group_size=32, decode_tokens=8, decode_rounds=2),
 }
