@@ -686,6 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``compressor demo``; returns the exit code (2 on bad input, one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--lm" in argv:  # the language-model demo (compressor.demo_lm) has its own options
+        from .demo_lm import main as lm_main
+
+        return lm_main([a for a in argv if a != "--lm"])
     args = build_parser().parse_args(argv)
     installed = installed_backends()
     if args.backend == "all":
