@@ -676,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="keep the files (artifacts, framework models) in DIR/<backend>/ "
                                                 "(default: a temporary directory, removed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm", action="store_true",
+                   help="the language-model demo instead: one-shot SparseGPT / Wanda / GPTQ / AWQ on a small byte-level "
+                        "Llama trained offline (its options: compressor demo --lm --help)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per framework (default 1: the demo's model is too small to gain from more; 0 = "
