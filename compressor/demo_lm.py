@@ -51,6 +51,7 @@ import numpy as np
 
 from .core.matching import DefaultSkipWarning
 from .data import DataError, TextCorpus, byte_windows, load_text_corpus
+from .demo_lm_rows import LmRow  # in its own module: the backend harnesses build rows
 
 __all__ = ["LmProfile", "LmRow", "LmResult", "METHODS", "PROFILES", "load_corpus", "run_lm_demo", "main"]
 
@@ -124,23 +125,6 @@ METHODS = [m.key for m in methods(128)]
 
 
 # ---------------------------------------------------------------------------------------------- results
-@dataclass
-class LmRow:
-    """One method on one backend, measured on its shipped artifact (sizes in bytes, times in seconds)."""
-
-    key: str
-    label: str
-    ppl: float  # of the artifact reloaded from its file
-    ppl_model: float | None  # of the compressed model before shipping (masked / fake-quant weights)
-    file_bytes: int  # bytes of the file the row's size is measured on
-    file_what: str  # what that file is
-    compress_s: float = 0.0
-    decode_s: float | None = None  # median seconds per generated token
-    decode_range: tuple[float, float] | None = None
-    kernel: str = ""  # what computes the shipped layers
-    file: str = ""  # the file's name (in ``save_dir`` when one was given)
-
-
 @dataclass
 class LmResult:
     backend: str

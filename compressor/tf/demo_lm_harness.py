@@ -218,7 +218,7 @@ class TfLmHarness:
         return load_hf_weights(build_byte_llama(self.config), self.state)
 
     def ship_dense(self, windows: np.ndarray, tmp: str) -> tuple[Any, Any]:
-        from ..demo_lm import LmRow
+        from ..demo_lm_rows import LmRow
 
         path = os.path.join(tmp, "dense_tf.keras")
         self.fresh().save(path)
@@ -227,7 +227,7 @@ class TfLmHarness:
                      ".keras file (float32)", kernel="dense: float32 Dense", file=os.path.basename(path)), shipped
 
     def run_method(self, method: Any, calib: np.ndarray, windows: np.ndarray, tmp: str) -> tuple[Any, Any]:
-        from ..demo_lm import LmRow
+        from ..demo_lm_rows import LmRow
 
         model = self.fresh()
         t0 = time.perf_counter()

@@ -132,7 +132,7 @@ class TorchLmHarness:
         return model
 
     def ship_dense(self, windows: np.ndarray, tmp: str) -> tuple[Any, nn.Module]:
-        from ..demo_lm import LmRow
+        from ..demo_lm_rows import LmRow
 
         path = os.path.join(tmp, "dense.pt")
         torch.save(self.fresh().state_dict(), path)
@@ -158,7 +158,7 @@ class TorchLmHarness:
         return model, done, time.perf_counter() - t0
 
     def run_method(self, method: Any, calib: np.ndarray, windows: np.ndarray, tmp: str) -> tuple[Any, nn.Module]:
-        from ..demo_lm import LmRow
+        from ..demo_lm_rows import LmRow
 
         model, compressors, seconds = self.compress(method, calib)
         ppl_model = perplexity(model, windows)
