@@ -321,17 +321,27 @@ def _huffman_chains(stream: np.ndarray, offsets: np.ndarray, counts: np.ndarray,
         cnt = counts[b0:b1]
         width = b1 - b0
         rounds = (int(cnt.max()) - 1).bit_length()
-        orbit = np.empty(width << rounds, np.int32)  # row j, column b: block b's j-th symbol (after doubling)
-        orbit[:width] = offsets[b0:b1] - lo
-        spare = np.empty_like(jump)
-        for r in range(rounds):
-            h = width << r
-            np.take(jump, orbit[:h], out=orbit[h:2 * h])
-            if r + 1 < rounds:
-                np.take(jump, jump, out=spare)
-                jump, spare = spare, jump
-        del jump, spare
-        table = orbit.reshape(-1, width)
+        # the map squared `a` times (each a pass over the run's bits), checkpoints every 2**a symbols by a
+        # row loop of the last power (2**(rounds - a) steps over the blocks), then every symbol by doubling
+        # from the checkpoints with the kept powers; `a` minimises the estimated cost (us, as above)
+        a = min(range(rounds + 1), key=lambda a: min(a, rounds - 1) * span * 0.004
+                + ((1 << (rounds - a)) - 1) * (6 + 0.004 * width))
+        powers = [jump]
+        for _ in range(min(a, rounds - 1)):
+            powers.append(powers[-1].take(powers[-1]))
+        del jump
+        q = 1 << (rounds - a)
+        orbit = np.empty((1 << a, q, width), np.int32)  # [t, i, b]: block b's symbol i * 2**a + t
+        rows = orbit[0]
+        rows[0] = offsets[b0:b1] - lo
+        step = powers[a] if q > 1 else None
+        for i in range(1, q):
+            step.take(rows[i - 1], out=rows[i])
+        for r in range(a):
+            powers[r].take(orbit[:1 << r], out=orbit[1 << r:2 << r])
+        del powers, step, rows
+        table = orbit.transpose(1, 0, 2).reshape(-1, width)  # row j, column b: block b's j-th symbol
+        del orbit
         last = table[cnt - 1, np.arange(width)]  # each block's last symbol: where it starts, then where it ends
         final = last + np.take(length, last, mode="clip")  # past the run when it is none or starts no code
         ok = final == ends[b0:b1] - lo
@@ -339,9 +349,9 @@ def _huffman_chains(stream: np.ndarray, offsets: np.ndarray, counts: np.ndarray,
             ok[-1] = final[-1] <= span and span - final[-1] < 8
         if not ok.all():
             raise ValueError("Huffman blocks do not decode to their recorded lengths")
-        # every orbit point before a block's end is a valid code start (else its end would be the absorbing point)
-        keep = np.arange(table.shape[0])[None, :] < cnt[:, None]
-        starts = table.T[keep]
+        # every orbit point before a block's end is a valid code start (else its end would be the absorbing
+        # point); every block but the stream's last holds bsize symbols
+        starts = np.concatenate([table[:cnt[0], :-1].T.reshape(-1), table[:cnt[-1], -1]])
         m = starts.size
         out[k:k + m] = dec_sym[window[starts]]
         k += m
