@@ -39,7 +39,7 @@ a partly loaded model.
 
 Huffman streams are cut into blocks of up to 4096 symbols whose bit offsets are stored (4 bytes each), so
 decoding runs over all blocks at once with numpy (one vectorised table lookup per symbol position of a
-block) instead of one Python step per symbol.
+block, or orbit doubling over the bits: see :func:`huffman_decode`) instead of one Python step per symbol.
 """
 
 from __future__ import annotations
@@ -172,8 +172,9 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
     decode to exactly ``n`` symbols filling every block exactly.
 
     Bounded before any work: every code is at least 1 bit, so ``n`` may not exceed the stream's bits; the
-    block size must be the one the encoder chooses for ``n`` (so the symbol loop runs at most 4096 steps,
-    each vectorised over the blocks). Time is linear in ``n``, memory about ``n`` + the stream's bytes."""
+    block size must be the one the encoder chooses for ``n`` (so a row loop runs at most 4096 steps, each
+    vectorised over the blocks, and the doubling at most 12 passes). Time is linear in the stream's bits
+    (also for 8 symbols per byte), memory about ``n`` + a constant per 2**18 bits."""
     if n == 0:
         return np.zeros(0, np.uint8)
     if len(data) < 6:
@@ -195,7 +196,7 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
     used = np.flatnonzero(lengths)
     if used.size == 0 or lengths.max() > _MAX_LEN:
         raise ValueError("bad Huffman code lengths")
-    if used.size > 1 and sum(2.0 ** -lengths[used]) > 1.0 + 1e-12:
+    if used.size > 1 and np.exp2(-lengths[used].astype(np.float64)).sum() > 1.0 + 1e-12:
         raise ValueError("Huffman code lengths are not a prefix code")
     nblocks = math.ceil(n / bsize)
     odt = np.dtype("<u8" if wide else "<u4")
@@ -215,24 +216,33 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
     # every block's bits must hold its symbols' codes (the last one up to 7 padding bits more)
     if np.any(sizes < counts * minl) or np.any(sizes[:-1] > counts[:-1] * maxl) or sizes[-1] > counts[-1] * maxl + 7:
         raise ValueError("Huffman block offsets do not fit the code lengths")
-    # decoding tables indexed by the next maxl bits (2**maxl entries: 256 for 8-bit codes, at most 32768)
-    codes = _canonical_codes(lengths)
-    dec_sym = np.zeros(1 << maxl, np.uint8)
-    dec_len = np.zeros(1 << maxl, np.int64)
-    for s in used:
-        L = int(lengths[s])
-        lo = int(codes[s]) << (maxl - L)
-        dec_sym[lo:lo + (1 << (maxl - L))] = s
-        dec_len[lo:lo + (1 << (maxl - L))] = L
-    # two ways to decode, both linear; take the cheaper by a cost model measured on CPU (numpy calls ~50 us,
-    # a gathered element ~0.1 us): a numpy step per symbol position of a block row (good with many blocks),
-    # or pointer doubling over every bit position (good with few blocks: no per-row call)
-    rows_cost = (bsize if nblocks > 1 else n) * (50 + 0.12 * nblocks)
-    chains_cost = total_bits * 0.03 * max(1, int(counts.max()).bit_length())
+    dec_sym, dec_len = _decoding_tables(lengths, used, maxl)
+    # two ways to decode, both linear; take the cheaper by a cost model (microseconds, fitted on a loaded
+    # CPU): a numpy step per symbol position of a block row (~21 us + 65 ns per block; good with many blocks
+    # of long codes), or orbit doubling over the bits (~4 ns per bit and pass, ceil(log2(block size)) + 8
+    # passes, whatever the code lengths and however few the blocks). The doubling bounds the worst case: a
+    # crafted stream of 1-bit codes (8 symbols per byte) costs it ~0.1 us per bit, ~0.7 s per MB loaded
+    rows_cost = (bsize if nblocks > 1 else n) * (21 + 0.065 * nblocks)
+    chains_cost = total_bits * 0.004 * ((int(counts.max()) - 1).bit_length() + 8)
     stream = np.frombuffer(data, np.uint8, total_bits // 8, pos)
     if chains_cost < rows_cost:
         return _huffman_chains(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n)
     return _huffman_rows(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, bsize)
+
+
+def _decoding_tables(lengths: np.ndarray, used: np.ndarray, maxl: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symbol and code length (0: no code) for each value of the next ``maxl`` bits (2**maxl entries: 256
+    for 8-bit codes, at most 32768), built without a Python step per symbol: in canonical order (shorter
+    codes first, then by symbol) a code's ``maxl``-bit left-aligned value is the sum of ``2**(maxl - L)``
+    over the codes before it, so each symbol owns the next ``2**(maxl - L)`` entries."""
+    order = used[np.lexsort((used, lengths[used]))]
+    width = np.left_shift(1, maxl - lengths[order])
+    filled = int(width.sum())  # < 2**maxl for an incomplete code: the rest stays "no code"
+    dec_sym = np.zeros(1 << maxl, np.uint8)
+    dec_len = np.zeros(1 << maxl, np.int64)
+    dec_sym[:filled] = np.repeat(order.astype(np.uint8), width)
+    dec_len[:filled] = np.repeat(lengths[order], width)
+    return dec_sym, dec_len
 
 
 def _huffman_rows(stream: np.ndarray, offsets: np.ndarray, total_bits: int, dec_sym: np.ndarray,
@@ -264,7 +274,8 @@ def _huffman_rows(stream: np.ndarray, offsets: np.ndarray, total_bits: int, dec_
     return out.reshape(-1)[:n]
 
 
-_CHUNK_BITS = 1 << 18  # bits decoded per vectorised pass (a constant ~12 MiB of work arrays)
+_CHUNK_BITS = 1 << 18  # bits decoded per vectorised pass (a constant few MiB of work arrays)
+_SHIFTS = np.arange(8, dtype=np.int32)
 
 
 def _huffman_chains(stream: np.ndarray, offsets: np.ndarray, counts: np.ndarray, total_bits: int,
@@ -272,63 +283,77 @@ def _huffman_chains(stream: np.ndarray, offsets: np.ndarray, counts: np.ndarray,
     """:func:`huffman_decode`'s symbol loop without a Python step per symbol or per block row.
 
     For every bit position of a run of whole blocks (at most _CHUNK_BITS bits) the code starting there is
-    looked up at once (its length L; 0 = no code), giving ``next = position + L``; the positions of a
-    block's symbols are that map iterated from the block's offset, found for all symbols together by
-    pointer doubling (log2(block size) passes). A block must end exactly where the next one starts (the
-    last one within 8 bits of the end), and no code may start on an invalid bit pattern. Time is linear
-    in the stream's bits times ~13 numpy passes; memory a constant per chunk."""
+    looked up at once (from one 24-bit word per byte: its length L; 0 = no code), giving the map
+    ``next = position + L``. A block's symbols start at its offset's orbit under that map: all blocks'
+    orbits are grown together by doubling (round r appends the map iterated 2**r times to every orbit
+    point found so far, then squares the map), ceil(log2(block size)) rounds: per round one gather over
+    the bits and one over the orbit points, so the cost is a few numpy passes per bit plus ~2 per symbol,
+    whatever the code lengths (1-bit codes: 8 symbols per byte) and however few the blocks. A block must
+    end exactly where the next one starts (the last one within 8 bits of the end) and no code may start on
+    an invalid bit pattern (the map sends it, and anything past the run, to an absorbing point)."""
     out = np.empty(n, np.uint8)
     nblocks = offsets.size
     ends = np.concatenate([offsets[1:], [total_bits]])
     mask = (1 << maxl) - 1
-    dec_len32 = dec_len.astype(np.int32)
+    shifts = (24 - maxl) - _SHIFTS
+    # no code: a length that sends the map past any run (a run holds at most _CHUNK_BITS + one block's bits)
+    dec_len32 = np.where(dec_len > 0, dec_len, 1 << 30).astype(np.int32)
     k = 0  # symbols written
     b0 = 0
     while b0 < nblocks:
         b1 = b0 + 1 + int(np.searchsorted(ends[b0 + 1:], offsets[b0] + _CHUNK_BITS, side="right"))
         lo, hi = int(offsets[b0]), int(ends[b1 - 1])
         span = hi - lo
-        chunk = np.zeros((hi >> 3) - (lo >> 3) + 4, np.int32)
-        piece = stream[lo >> 3:(hi >> 3) + 1]
-        chunk[:piece.size] = piece
-        rel = np.arange(span, dtype=np.int32)
-        bit = rel + (lo & 7)
-        byte = bit >> 3
-        word = (chunk[byte] << 16) | (chunk[byte + 1] << 8) | chunk[byte + 2]
-        window = (word >> (24 - maxl - (bit & 7))) & mask
-        del bit, byte, word
+        first, stop = lo >> 3, (hi + 7) >> 3  # the bytes holding bits lo..hi-1
+        buf = np.zeros(stop - first + 2, np.int32)
+        piece = stream[first:stop]
+        buf[:piece.size] = piece
+        word = (buf[:-2] << 16) | (buf[1:-1] << 8) | buf[2:]  # the 24 bits from each byte on
+        del buf
+        window = ((word[:, None] >> shifts) & mask).reshape(-1)[lo & 7:(lo & 7) + span]  # next maxl bits, per bit
+        del word
         length = dec_len32[window]
-        # the map: span = the chunk's end (a valid end only), span + 1 = invalid (absorbing)
+        # the map over 0..span+1: span + 1 = invalid (absorbing); a code may end at span, not past it
         jump = np.empty(span + 2, np.int32)
-        jump[:span] = rel + length
-        jump[:span][(length == 0) | (jump[:span] > span)] = span + 1
-        jump[span] = jump[span + 1] = span + 1
+        np.add(np.arange(span, dtype=np.int32), length, out=jump[:span])
+        np.minimum(jump[:span], span + 1, out=jump[:span])
+        jump[span:] = span + 1
         cnt = counts[b0:b1]
-        starts = offsets[b0:b1] - lo
-        # per block: its symbols 0..count-1 and, last, the position after them (j = count)
-        owner = np.repeat(np.arange(b1 - b0), cnt + 1)
-        j = np.arange(owner.size) - np.repeat(np.cumsum(cnt + 1) - (cnt + 1), cnt + 1)
-        pos = starts[owner].astype(np.int32)
-        for r in range(int(cnt.max()).bit_length()):
-            sel = ((j >> r) & 1).astype(bool)
-            pos[sel] = jump[pos[sel]]
-            jump = jump[jump]
+        width = b1 - b0
+        rounds = (int(cnt.max()) - 1).bit_length()
+        # the map squared `a` times (each a pass over the run's bits), checkpoints every 2**a symbols by a
+        # row loop of the last power (2**(rounds - a) steps over the blocks), then every symbol by doubling
+        # from the checkpoints with the kept powers; `a` minimises the estimated cost (us, as above)
+        a = min(range(rounds + 1), key=lambda a: min(a, rounds - 1) * span * 0.004
+                + ((1 << (rounds - a)) - 1) * (6 + 0.004 * width))
+        powers = [jump]
+        for _ in range(min(a, rounds - 1)):
+            powers.append(powers[-1].take(powers[-1]))
         del jump
-        last = np.cumsum(cnt + 1) - 1  # the entries j == count
-        final = pos[last]
-        want = ends[b0:b1] - lo
-        ok = final == want
+        q = 1 << (rounds - a)
+        orbit = np.empty((1 << a, q, width), np.int32)  # [t, i, b]: block b's symbol i * 2**a + t
+        rows = orbit[0]
+        rows[0] = offsets[b0:b1] - lo
+        step = powers[a] if q > 1 else None
+        for i in range(1, q):
+            step.take(rows[i - 1], out=rows[i])
+        for r in range(a):
+            powers[r].take(orbit[:1 << r], out=orbit[1 << r:2 << r])
+        del powers, step, rows
+        table = orbit.transpose(1, 0, 2).reshape(-1, width)  # row j, column b: block b's j-th symbol
+        del orbit
+        last = table[cnt - 1, np.arange(width)]  # each block's last symbol: where it starts, then where it ends
+        final = last + np.take(length, last, mode="clip")  # past the run when it is none or starts no code
+        ok = final == ends[b0:b1] - lo
         if b1 == nblocks:  # the last block ends within 8 bits of the stream's end
             ok[-1] = final[-1] <= span and span - final[-1] < 8
         if not ok.all():
             raise ValueError("Huffman blocks do not decode to their recorded lengths")
-        keep = np.ones(pos.size, bool)
-        keep[last] = False
-        sym_pos = pos[keep]
-        if np.any(sym_pos >= span) or not dec_len[window[sym_pos]].all():
-            raise ValueError("invalid Huffman code in stream")
-        m = sym_pos.size
-        out[k:k + m] = dec_sym[window[sym_pos]]
+        # every orbit point before a block's end is a valid code start (else its end would be the absorbing
+        # point); every block but the stream's last holds bsize symbols
+        starts = np.concatenate([table[:cnt[0], :-1].T.reshape(-1), table[:cnt[-1], -1]])
+        m = starts.size
+        out[k:k + m] = dec_sym[window[starts]]
         k += m
         b0 = b1
     if k != n:

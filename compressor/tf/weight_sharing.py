@@ -126,9 +126,10 @@ class WeightSharingQuantizer(TfQuantizer):
         if kwargs:
             raise ConfigError(f"WeightSharingQuantizer.export_model: unsupported arguments {sorted(kwargs)}; it writes "
                               f"model_path and compressed_path")
-        books = self.codebooks()
         model = self.bound_model
-        with atomic_paths(model_path, compressed_path) as (tmp_model, tmp_packed):
+        # the paths are checked (two the same file: ConfigError naming both arguments) before tie() changes weights
+        with atomic_paths(model_path, compressed_path, names=("model_path", "compressed_path")) as (tmp_model, tmp_packed):
+            books = self.codebooks()
             self._unwrap_model()
             try:
                 if tmp_model is not None:

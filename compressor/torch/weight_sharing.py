@@ -135,15 +135,16 @@ class WeightSharingQuantizer(TorchQuantizer):
         if kwargs:
             raise ConfigError(f"WeightSharingQuantizer.export_model: unsupported arguments {sorted(kwargs)}; it writes "
                               f"model_path (state_dict) and compressed_path")
-        books = self.codebooks()
-        model = self.bound_model
-        training = model.training
-        model.eval()
-        try:
-            state, _ = quantized_state_dict(self)
-        finally:
-            model.train(training)
-        with atomic_paths(model_path, compressed_path) as (tmp_model, tmp_packed):
+        # the paths are checked (two the same file: ConfigError naming both arguments) before tie() changes weights
+        with atomic_paths(model_path, compressed_path, names=("model_path", "compressed_path")) as (tmp_model, tmp_packed):
+            books = self.codebooks()
+            model = self.bound_model
+            training = model.training
+            model.eval()
+            try:
+                state, _ = quantized_state_dict(self)
+            finally:
+                model.train(training)
             if tmp_model is not None:
                 torch.save(state, tmp_model)
             if tmp_packed is not None:

@@ -17,6 +17,8 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from compressor.core import packing as K
 from compressor.core.errors import CompressedFileError, ConfigError, ModelError
@@ -540,3 +542,112 @@ def test_huffman_both_decoders_round_trip(monkeypatch):
                 sym = (rng.random(n) < 0.01).astype(np.uint8)
             assert np.array_equal(K.huffman_decode(K.huffman_encode(sym), n), sym), (n, dist)
     assert set(used) == {"_huffman_chains", "_huffman_rows"}
+
+
+# ---------------------------------------------------------------------------------------------- Huffman time bound
+def one_bit_file(sizes: list[int], corrupt: bool = False) -> bytes:
+    """A .cmpk of one uint8 tensor per size, each a valid Huffman stream of ``size`` bytes of 1-bit codes (8
+    symbols per byte: the most symbols a byte can hold); ``corrupt``: the last stream a one-symbol code (bit 1
+    is no code) whose last byte is 0xff, so the file fails at its very end."""
+    entries, payload = [], b""
+    for i, nbytes in enumerate(sizes):
+        n = 8 * nbytes
+        if corrupt and i == len(sizes) - 1:
+            stream = K.huffman_encode(np.zeros(n, np.uint8))[:-1] + b"\xff"
+        else:
+            stream = K.huffman_encode(np.random.default_rng(i).integers(0, 2, n, dtype=np.uint8))
+        entries.append([f"t{i}", "|u1", [n], "x", [["h", len(stream), n]]])
+        payload += stream
+    return craft({"v": 1, "t": entries}, payload)
+
+
+def test_many_small_one_bit_huffman_streams_decode_in_bounded_time_per_megabyte():
+    # 1-bit codes only (as no encoder writes them for real data): was 2-5 s/MB for streams of 0.6-16 KB
+    sizes = [600, 4096, 16384, 1000, 8000, 2500] * 8
+    good, bad = one_bit_file(sizes), one_bit_file(sizes, corrupt=True)
+    out, _ = K.unpack_bytes(good)
+    for i, nbytes in enumerate(sizes):
+        assert np.array_equal(out[f"t{i}"], np.random.default_rng(i).integers(0, 2, 8 * nbytes, dtype=np.uint8))
+    err, _, peak = measured(K.unpack_bytes, good)  # memory: the tensors (8x the file) + 4x the file + work arrays
+    assert err is None and peak < 12 * len(good) + (8 << 20), peak
+    mb = len(good) / 2**20
+    dt_ok, dt_bad = [], []  # timed without tracemalloc (it slows numpy's allocations several times)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        K.unpack_bytes(good)
+        t1 = time.perf_counter()
+        with pytest.raises(CompressedFileError, match="do not decode to their recorded lengths"):
+            K.unpack_bytes(bad)
+        dt_ok.append(t1 - t0)
+        dt_bad.append(time.perf_counter() - t1)
+    dt_ok, dt_bad = min(dt_ok), min(dt_bad)
+    # stated bound: 1 s/MB; asserted with a 3x margin for a shared CI machine (a quiet CPU: ~0.2-0.4 s/MB)
+    assert dt_ok / mb < 3.0 and dt_bad / mb < 3.0, (dt_ok / mb, dt_bad / mb)
+
+
+def _encode_with(lengths: np.ndarray, sym: np.ndarray, monkeypatch) -> bytes:
+    """Our encoder's stream for ``sym`` under the given code lengths (any prefix code, incomplete included)."""
+    monkeypatch.setattr(K, "_code_lengths", lambda freq: lengths.copy())
+    try:
+        return K.huffman_encode(sym)
+    finally:
+        monkeypatch.undo()
+
+
+def _decode_rows(data: bytes, n: int) -> np.ndarray:
+    """huffman_decode forced onto the row-loop path (the decoder before the doubling one)."""
+    orig = K._huffman_chains
+
+    def rows(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n):
+        return K._huffman_rows(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, int(counts[0]))
+    K._huffman_chains = rows
+    try:
+        return K.huffman_decode(data, n)
+    finally:
+        K._huffman_chains = orig
+
+
+def _decode_chains(data: bytes, n: int) -> np.ndarray:
+    orig = K._huffman_rows
+
+    def chains(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, bsize):
+        counts = np.full(offsets.size, bsize, np.int64)
+        counts[-1] = n - (offsets.size - 1) * bsize
+        return K._huffman_chains(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n)
+    K._huffman_rows = chains
+    try:
+        return K.huffman_decode(data, n)
+    finally:
+        K._huffman_rows = orig
+
+
+def _outcome(decode, data: bytes, n: int):
+    try:
+        return decode(data, n).tobytes()
+    except ValueError:
+        return "ValueError"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 256), st.integers(1, 40_000), st.sampled_from(["uniform", "skewed", "one"]),
+       st.integers(0, 2**32 - 1), st.lists(st.integers(0, 10**9), max_size=3))
+def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, seed, flips):
+    rng = np.random.default_rng(seed)
+    used = np.sort(rng.choice(256, k, replace=False))
+    lengths = np.zeros(256, np.int64)
+    lengths[used] = rng.integers(1, 16, k)
+    while k > 1 and np.exp2(-lengths[used].astype(float)).sum() > 1:  # make it a prefix code (maybe incomplete)
+        lengths[used[np.argmin(lengths[used])]] += 1
+    if dist == "uniform":
+        sym = rng.choice(used, n).astype(np.uint8)
+    elif dist == "skewed":
+        sym = used[np.minimum(rng.geometric(0.5, n) - 1, k - 1)].astype(np.uint8)
+    else:
+        sym = np.full(n, used[np.argmin(lengths[used])], np.uint8)
+    with pytest.MonkeyPatch.context() as mp:
+        data = _encode_with(lengths, sym, mp)
+    assert np.array_equal(_decode_chains(data, n), sym) and np.array_equal(_decode_rows(data, n), sym)
+    bad = bytearray(data)
+    for f in flips:  # damaged streams: both decoders refuse, or both give the same symbols
+        bad[f % len(bad)] ^= 1 << (f % 8)
+    assert _outcome(_decode_chains, bytes(bad), n) == _outcome(_decode_rows, bytes(bad), n)

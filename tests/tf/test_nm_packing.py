@@ -196,3 +196,18 @@ def test_weight_sharing_sums_member_gradients_and_keeps_clusters_tied_through_fi
     unpacked = compressor.unpack(tmp_path / "m.cmpk")
     assert list(unpacked) == list(saved) and all(unpacked[n].tobytes() == saved[n].tobytes() for n in saved)
     assert books["fc1"].size <= 8
+
+
+def test_weight_sharing_export_to_one_file_twice_names_the_arguments(tmp_path):
+    from compressor.tf import WeightSharingQuantizer
+
+    model = sparse_mlp()
+    sharer = WeightSharingQuantizer(model, [{"quant_types": ["weight"], "quant_bits": 2, "op_types": ["Dense"]}])
+    sharer.compress()
+    before = [v.numpy().copy() for v in model.weights]
+    (tmp_path / "m.keras").write_bytes(b"old")
+    with pytest.raises(ConfigError, match=r"model_path and compressed_path are the same file .*m\.keras"):
+        sharer.export_model(str(tmp_path / "m.keras"), compressed_path=str(tmp_path / "m.keras"))
+    assert (tmp_path / "m.keras").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.keras"]
+    after = [v.numpy() for v in model.weights]  # refused before tie() moved any weight to its centroid
+    assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(after, before))

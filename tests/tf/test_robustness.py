@@ -294,6 +294,19 @@ def test_pruner_export_with_a_later_target_a_directory_changes_no_file(tmp_path)
     assert (tmp_path / "m.keras").read_bytes() == b"old model"
 
 
+def test_pruner_export_with_saved_model_path_an_existing_file_changes_no_file(tmp_path):
+    pruner = LevelPruner(cnn(), [{"sparsity": 0.5, "op_types": ["Conv2D", "Dense"]}])
+    pruner.compress()
+    (tmp_path / "m.keras").write_bytes(b"old model")
+    (tmp_path / "masks.npz").write_bytes(b"old masks")
+    (tmp_path / "sm").write_bytes(b"old file")  # a SavedModel is a directory: it cannot replace this file
+    with pytest.raises(NotADirectoryError) as info:
+        pruner.export_model(str(tmp_path / "m.keras"), str(tmp_path / "masks.npz"), saved_model_path=str(tmp_path / "sm"))
+    assert info.value.filename == str(tmp_path / "sm")
+    assert (tmp_path / "m.keras").read_bytes() == b"old model" and (tmp_path / "masks.npz").read_bytes() == b"old masks"
+    assert (tmp_path / "sm").read_bytes() == b"old file" and _listing(tmp_path) == ["m.keras", "masks.npz", "sm"]
+
+
 def test_ptq_export_with_tflite_path_a_directory_changes_no_file(tmp_path):
     from compressor.tf import PtqQuantizer
 

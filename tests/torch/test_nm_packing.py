@@ -241,6 +241,21 @@ def test_weight_sharing_export_stores_a_codebook(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ 2:4 on CUDA
+def test_weight_sharing_export_to_one_file_twice_names_the_arguments(tmp_path):
+    from compressor.torch import WeightSharingQuantizer
+
+    model = sparse_mlp()
+    sharer = WeightSharingQuantizer(model, [{"quant_types": ["weight"], "quant_bits": 2, "op_types": ["Linear"]}])
+    sharer.compress()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (tmp_path / "m.pt").write_bytes(b"old")
+    with pytest.raises(ConfigError, match=r"model_path and compressed_path are the same file .*m\.pt"):
+        sharer.export_model(tmp_path / "m.pt", compressed_path=tmp_path / "m.pt")
+    assert (tmp_path / "m.pt").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+    after = model.state_dict()  # refused before tie() moved any weight to its centroid
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_to_semi_structured_checks_before_converting():
     from compressor.torch import to_semi_structured
     from compressor.torch.semi_structured import is_two_of_four
