@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -357,26 +358,91 @@ def _progress(stream: Any) -> Callable[[str], None]:
     return say
 
 
+class _Spill:
+    """The arrays of the undo copies in an anonymous temporary file (host RAM holds one layer's copy at a time,
+    not a second copy of every compressed weight); arrays are written as they come and read back only by a
+    rollback. Without a usable temporary directory the arrays are kept in memory (copied)."""
+
+    MIN_BYTES = 1 << 16  # smaller arrays (masks of tiny layers, scalars) stay in memory
+
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.failed = False
+
+    def _open(self) -> Any:
+        if self.file is None and not self.failed:
+            try:
+                self.file = tempfile.TemporaryFile(prefix="compressor-undo-")
+            except OSError:
+                self.failed = True
+        return self.file
+
+    def put(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.nbytes < self.MIN_BYTES or obj.dtype.hasobject or self._open() is None:
+                return np.array(obj, copy=True)
+            f = self.file
+            f.seek(0, 2)
+            offset = f.tell()
+            f.write(np.ascontiguousarray(obj).tobytes())
+            return _Spilled(offset, obj.shape, obj.dtype)
+        if type(obj) is dict:
+            return {k: self.put(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.put(v) for v in obj)
+        return obj
+
+    def get(self, obj: Any) -> Any:
+        if isinstance(obj, _Spilled):
+            self.file.seek(obj.offset)
+            n = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
+            return np.frombuffer(self.file.read(n), dtype=obj.dtype).reshape(obj.shape).copy()
+        if type(obj) is dict:
+            return {k: self.get(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.get(v) for v in obj)
+        return obj
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    offset: int
+    shape: tuple
+    dtype: np.dtype
+
+
 class _Undo:
-    """Host copies (numpy / CPU) of what a run changes, taken per layer just before its first change (the
-    backend's optional ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest
-    first, so a run that fails part way leaves the model as it found it."""
+    """Host copies of what a run changes, taken per layer just before its first change (the backend's optional
+    ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest first, so a run that
+    fails part way leaves the model as it found it. The copies' numpy arrays go to a temporary file
+    (:class:`_Spill`): the backup costs disk, not a second copy of the weights in RAM; a snapshot may hand over
+    views of the live arrays, they are written out at once."""
 
     def __init__(self, backend: OneShotBackend):
         self.backend = backend
         self.enabled = callable(getattr(backend, "snapshot", None)) and callable(getattr(backend, "restore", None))
         self.saved: list[tuple[LayerTask, Any]] = []
         self.names: set[str] = set()
+        self.spill = _Spill()
 
     def before(self, task: LayerTask) -> None:
         if self.enabled and task.name not in self.names:
-            self.saved.append((task, self.backend.snapshot(task)))  # type: ignore[attr-defined]
+            self.saved.append((task, self.spill.put(self.backend.snapshot(task))))  # type: ignore[attr-defined]
             self.names.add(task.name)
 
     def rollback(self) -> None:
         for task, saved in reversed(self.saved):
-            self.backend.restore(task, saved)  # type: ignore[attr-defined]
+            self.backend.restore(task, self.spill.get(saved))  # type: ignore[attr-defined]
+        self.close()
+
+    def close(self) -> None:
         self.saved, self.names = [], set()
+        self.spill.close()
 
 
 def _row(task: LayerTask, method: OneShotMethod, result: LayerResult, block: str) -> dict[str, Any]:
@@ -568,13 +634,17 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
     say = _progress(progress)
     undo = _Undo(backend)
     try:
-        return _run(backend, method, batches, say, undo)
+        rows = _run(backend, method, batches, say, undo)
     except BaseException as e:  # KeyboardInterrupt too: the model goes back to what it was
         try:
             undo.rollback()
         except Exception as r:  # noqa: BLE001
             e.add_note(f"(restoring the layers changed before the failure failed too: {type(r).__name__}: {r})")
+        finally:
+            undo.close()
         raise
+    undo.close()
+    return rows
 
 
 def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any], say: Callable[[str], None],

@@ -272,6 +272,18 @@ def _to(v: Any, device: torch.device) -> Any:
     return v
 
 
+_NUMPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+                 torch.int64, torch.bool}
+
+
+def _host(t: torch.Tensor) -> Any:
+    """``t`` on the host: a numpy array (a view of a CPU tensor, no copy) or, for dtypes numpy lacks, a CPU copy."""
+    t = t.detach()
+    if t.dtype in _NUMPY_DTYPES:
+        return t.to("cpu").numpy()
+    return t.to("cpu", copy=True)
+
+
 class TorchOneShotBackend:
     """The torch adapter of :class:`compressor.core.sequential.OneShotBackend` for one compressor."""
 
@@ -534,21 +546,26 @@ class TorchOneShotBackend:
         return outs
 
     # ---- weights
-    def snapshot(self, task: LayerTask) -> dict[str, torch.Tensor]:
-        """CPU copies of what :meth:`write` / :meth:`set_weight` change: the weight and the wrapper's buffers."""
+    def snapshot(self, task: LayerTask) -> dict[str, Any]:
+        """What :meth:`write` / :meth:`set_weight` change: the weight and the wrapper's buffers, as host numpy
+        arrays (views of CPU tensors: core writes them out at once, before anything changes) or, for dtypes
+        numpy lacks (bfloat16), CPU tensor copies."""
         w = task.handle
-        saved = {f"buffer:{n}": b.detach().to("cpu", copy=True) for n, b in w.named_buffers()}
-        saved["weight"] = w.weight.detach().to("cpu", copy=True)
+        saved = {f"buffer:{n}": _host(b) for n, b in w.named_buffers()}
+        saved["weight"] = _host(w.weight)
         return saved
 
-    def restore(self, task: LayerTask, saved: dict[str, torch.Tensor]) -> None:
+    def restore(self, task: LayerTask, saved: dict[str, Any]) -> None:
         w = task.handle
         buffers = dict(w.named_buffers())
+
+        def tensor(v: Any) -> torch.Tensor:
+            return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
         with torch.no_grad():
-            w.weight.copy_(saved["weight"])
+            w.weight.copy_(tensor(saved["weight"]))
             for key, value in saved.items():
                 if key.startswith("buffer:"):
-                    buffers[key[7:]].copy_(value)
+                    buffers[key[7:]].copy_(tensor(value))
 
     def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
         w = task.handle

@@ -377,3 +377,32 @@ def test_quant_range_full_gives_the_signed_int4_grid():
     assert (q.codes == -8).any()  # a row's negative extreme sits on -7.5 and rounds (half to even) to -8
     with pytest.raises(ConfigError, match="quant_range 'wide' is not one of"):
         quant_spec_of({"quant_bits": {"weight": 4}, "quant_range": "wide"}, "t")
+
+
+def test_the_undo_copies_go_to_a_temporary_file_and_come_back_exactly():
+    from compressor.core.sequential import _Spilled, _Undo
+
+    class ViewBackend:  # hands over views of its live arrays, as the torch adapter does
+        def __init__(self):
+            self.w = {"big": np.arange(40_000, dtype=np.float32).reshape(200, 200), "small": np.ones(3)}
+
+        def snapshot(self, task):
+            return {"weight": self.w[task.name], "meta": ("x", 1)}
+
+        def restore(self, task, saved):
+            self.w[task.name][...] = saved["weight"]
+            assert saved["meta"] == ("x", 1)
+
+    be = ViewBackend()
+    undo = _Undo(be)
+    for n in ("big", "small"):
+        undo.before(LayerTask(n, {}, 1, n))
+    assert isinstance(undo.saved[0][1]["weight"], _Spilled)  # 160 kB: on disk, not in memory
+    assert isinstance(undo.saved[1][1]["weight"], np.ndarray)  # tiny: an in-memory copy
+    before = {n: w.copy() for n, w in be.w.items()}
+    for w in be.w.values():
+        w[...] = -7
+    undo.rollback()
+    for n in before:
+        np.testing.assert_array_equal(be.w[n], before[n])
+    assert undo.spill.file is None and undo.saved == []
