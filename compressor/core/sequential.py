@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +165,10 @@ class OneShotBackend(Protocol):
     ``set_weight(task, weight)`` (canonical ``[out, in]``, float weight only) and ``block_output(block,
     inputs) -> [array per input]`` (the block's hidden-state outputs): AWQ's block-output search
     (``awq_search: 'block'``).
+    ``awq_parent(block, tasks) -> module or None``, ``record_calls(block, inputs, modules) -> [calls per
+    module]`` and ``module_output(module, calls) -> [array per call]``: the smallest module of the block holding
+    ``tasks`` (None: the block itself), its call arguments recorded in one run of the block, and its (hidden-state)
+    output on them, real tokens only; AWQ's parent-output search.
     ``advance(block, inputs)``: the block's outputs as :meth:`run_block` without observing, written over
     ``inputs`` in place (the driver no longer needs them: one copy of the activations instead of two)."""
 
@@ -279,9 +284,12 @@ class AwqMethod(OneShotMethod):
     ``awq_search: 'block'`` (default, as AutoAWQ / llmcompressor): the layers of a block that read the very same
     input (q / k / v, gate / up; found by the backend) form one group with ONE ``s`` from their shared input
     statistics (``w_mean`` over their stacked weights); its ``alpha`` minimises the mean squared error of the
-    BLOCK's output on the calibration inputs vs the block before quantization (:func:`run_sequential` asks
-    the backend to run the block with the candidate weights; groups are searched in execution order, the
-    ones before already quantized). A layer alone in its group (o_proj, down_proj) is searched on its own
+    output of the group's PARENT, the smallest module of the block that holds its layers (self_attn for
+    q / k / v, mlp for gate / up, as AutoAWQ / llmcompressor), vs the parent before quantization: the parent's
+    inputs are recorded in one run of the float block, its float output computed once, then ONE parent run per
+    grid point (the backend's ``awq_parent`` / ``record_calls`` / ``module_output``). Where the parent is the
+    block itself (or the backend cannot run a sub-module), the block's output is the loss (groups in execution
+    order, the ones before already quantized). A layer alone in its group (o_proj, down_proj) is searched on its own
     output error ``tr(D H D^T)``, ``D = W - Q(W s) / s`` (exactly ``||X W^T - X W'^T||^2`` from the Gram
     matrix: the reference's loss for a group whose parent module is the layer itself).
     ``awq_search: 'layer'``: every layer alone, on its own output error."""
@@ -350,26 +358,91 @@ def _progress(stream: Any) -> Callable[[str], None]:
     return say
 
 
+class _Spill:
+    """The arrays of the undo copies in an anonymous temporary file (host RAM holds one layer's copy at a time,
+    not a second copy of every compressed weight); arrays are written as they come and read back only by a
+    rollback. Without a usable temporary directory the arrays are kept in memory (copied)."""
+
+    MIN_BYTES = 1 << 16  # smaller arrays (masks of tiny layers, scalars) stay in memory
+
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.failed = False
+
+    def _open(self) -> Any:
+        if self.file is None and not self.failed:
+            try:
+                self.file = tempfile.TemporaryFile(prefix="compressor-undo-")
+            except OSError:
+                self.failed = True
+        return self.file
+
+    def put(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.nbytes < self.MIN_BYTES or obj.dtype.hasobject or self._open() is None:
+                return np.array(obj, copy=True)
+            f = self.file
+            f.seek(0, 2)
+            offset = f.tell()
+            f.write(np.ascontiguousarray(obj).tobytes())
+            return _Spilled(offset, obj.shape, obj.dtype)
+        if type(obj) is dict:
+            return {k: self.put(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.put(v) for v in obj)
+        return obj
+
+    def get(self, obj: Any) -> Any:
+        if isinstance(obj, _Spilled):
+            self.file.seek(obj.offset)
+            n = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
+            return np.frombuffer(self.file.read(n), dtype=obj.dtype).reshape(obj.shape).copy()
+        if type(obj) is dict:
+            return {k: self.get(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.get(v) for v in obj)
+        return obj
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    offset: int
+    shape: tuple
+    dtype: np.dtype
+
+
 class _Undo:
-    """Host copies (numpy / CPU) of what a run changes, taken per layer just before its first change (the
-    backend's optional ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest
-    first, so a run that fails part way leaves the model as it found it."""
+    """Host copies of what a run changes, taken per layer just before its first change (the backend's optional
+    ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest first, so a run that
+    fails part way leaves the model as it found it. The copies' numpy arrays go to a temporary file
+    (:class:`_Spill`): the backup costs disk, not a second copy of the weights in RAM; a snapshot may hand over
+    views of the live arrays, they are written out at once."""
 
     def __init__(self, backend: OneShotBackend):
         self.backend = backend
         self.enabled = callable(getattr(backend, "snapshot", None)) and callable(getattr(backend, "restore", None))
         self.saved: list[tuple[LayerTask, Any]] = []
         self.names: set[str] = set()
+        self.spill = _Spill()
 
     def before(self, task: LayerTask) -> None:
         if self.enabled and task.name not in self.names:
-            self.saved.append((task, self.backend.snapshot(task)))  # type: ignore[attr-defined]
+            self.saved.append((task, self.spill.put(self.backend.snapshot(task))))  # type: ignore[attr-defined]
             self.names.add(task.name)
 
     def rollback(self) -> None:
         for task, saved in reversed(self.saved):
-            self.backend.restore(task, saved)  # type: ignore[attr-defined]
+            self.backend.restore(task, self.spill.get(saved))  # type: ignore[attr-defined]
+        self.close()
+
+    def close(self) -> None:
         self.saved, self.names = [], set()
+        self.spill.close()
 
 
 def _row(task: LayerTask, method: OneShotMethod, result: LayerResult, block: str) -> dict[str, Any]:
@@ -407,31 +480,78 @@ def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list
 
 
 def _output_error(outs: Sequence[Any], ref: Sequence[np.ndarray]) -> float:
-    """Mean squared difference of a block's outputs from the reference ones (float64)."""
+    """Mean squared difference of a block's (or module's) outputs from the reference ones, accumulated in float64
+    over chunks of rows (no float64 copy of a whole output: the outputs may be float32)."""
     total, n = 0.0, 0
     for o, r in zip(outs, ref):
-        d = np.asarray(o, dtype=np.float64) - r
-        total += float(np.sum(d * d))
-        n += d.size
+        o = np.asarray(o)
+        r = np.asarray(r)
+        if o.shape != r.shape:
+            raise ModelError(f"AWQ: an output of shape {o.shape} differs from its reference's {r.shape} (the "
+                             f"module must compute the same shapes on every run)")
+        last = o.shape[-1] if o.ndim else 1
+        o2, r2 = o.reshape(-1, last), r.reshape(-1, last)
+        step = max(1, (1 << 16) // max(last, 1))
+        for i in range(0, o2.shape[0], step):
+            d = o2[i:i + step].astype(np.float64) - r2[i:i + step]
+            total += float(np.einsum("ij,ij->", d, d))
+        n += o.size
     return total / max(n, 1)
+
+
+def _awq_parents(backend: OneShotBackend, block: Any, inputs: list[Any], groups: list[list[LayerTask]]
+                 ) -> list[tuple[Any, Any] | None]:
+    """Per group: ``(module, its recorded calls)`` of the smallest module of the block that holds the group's layers
+    (self_attn for q / k / v, mlp for gate / up): AWQ's loss is that module's output, as AutoAWQ / llmcompressor
+    take it; recorded in ONE run of the float block. ``None``: the block itself (no such module, or a backend
+    without ``awq_parent`` / ``record_calls`` / ``module_output``)."""
+    parent_of = getattr(backend, "awq_parent", None)
+    record = getattr(backend, "record_calls", None)
+    if parent_of is None or record is None or getattr(backend, "module_output", None) is None:
+        return [None] * len(groups)
+    parents = [parent_of(block, g) for g in groups]
+    distinct: list[Any] = []
+    for p in parents:
+        if p is not None and not any(p is q for q in distinct):
+            distinct.append(p)
+    if not distinct:
+        return [None] * len(groups)
+    calls = record(block, inputs, distinct)
+    by_id = {id(p): c for p, c in zip(distinct, calls)}
+    out: list[tuple[Any, Any] | None] = []
+    for p in parents:
+        if p is None:
+            out.append(None)
+        elif not by_id[id(p)]:
+            raise ModelError(f"AWQ: module {getattr(p, 'name', type(p).__name__)!r}, which holds layers of block "
+                             f"{block!r}, was not called when the block ran on the calibration inputs")
+        else:
+            out.append((p, by_id[id(p)]))
+    return out
 
 
 def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: list[Any], tasks: list[LayerTask],
                accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], name: str, undo: _Undo) -> None:
     """AWQ with ``awq_search: 'block'``: the layers sharing an accumulator (one input) are one group, searched
-    on the block's output (see :class:`AwqMethod`); a layer alone is searched on its own output error."""
+    on the output of the smallest module that holds them (see :class:`AwqMethod`); a layer alone is searched on
+    its own output error."""
     groups: dict[int, list[LayerTask]] = {}
     for t in tasks:
         groups.setdefault(id(accs[t.name]) if method.block_search(t) else id(t), []).append(t)
-    if not any(len(g) > 1 for g in groups.values()):
+    multi = [g for g in groups.values() if len(g) > 1]
+    if not multi:
         _compress_layers(backend, method, tasks, accs, rows, name, undo)
         return
-    run = getattr(backend, "block_output", None)
     set_weight = getattr(backend, "set_weight", None)
-    if run is None or set_weight is None:
-        raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output / "
-                         f"set_weight); give awq_search: 'layer'")
-    ref = [np.asarray(o, dtype=np.float64) for o in run(block, inputs)]  # the block before quantization
+    if set_weight is None:
+        raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (set_weight); give "
+                         f"awq_search: 'layer'")
+    parents = dict(zip(map(id, multi), _awq_parents(backend, block, inputs, multi)))
+    run = getattr(backend, "block_output", None)
+    if run is None and any(p is None for p in parents.values()):
+        raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output); give "
+                         f"awq_search: 'layer'")
+    block_ref: list[Any] = []
     for group in groups.values():
         if len(group) == 1:
             _compress_layers(backend, method, group, accs, rows, name, undo)
@@ -443,13 +563,29 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             w, m = backend.read_weight(t)
             weights.append((np.asarray(w, np.float64), m))
             undo.before(t)
+        parent = parents[id(group)]
+        if parent is None:  # the whole block's output vs the block before quantization
+            if not block_ref:
+                block_ref.append(run(block, inputs))
 
-        def block_loss(cand: dict[str, np.ndarray], group: list[LayerTask] = group) -> float:
+            def forward(run: Any = run) -> list[Any]:
+                return run(block, inputs)
+            ref = block_ref[0]
+        else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
+            module, calls = parent
+
+            def forward(module: Any = module, calls: Any = calls) -> list[Any]:
+                return backend.module_output(module, calls)  # type: ignore[attr-defined]
+            ref = forward()
+
+        def block_loss(cand: dict[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
+                       ref: Any = ref) -> float:
             for t in group:
                 set_weight(t, cand[t.name])
-            return _output_error(run(block, inputs), ref)
+            return _output_error(forward(), ref)
 
         results = method.search_group(group, weights, stats, block_loss)
+        del ref
         for t, r in zip(group, results):
             row = _row(t, method, r, name)
             backend.write(t, r)
@@ -498,13 +634,17 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
     say = _progress(progress)
     undo = _Undo(backend)
     try:
-        return _run(backend, method, batches, say, undo)
+        rows = _run(backend, method, batches, say, undo)
     except BaseException as e:  # KeyboardInterrupt too: the model goes back to what it was
         try:
             undo.rollback()
         except Exception as r:  # noqa: BLE001
             e.add_note(f"(restoring the layers changed before the failure failed too: {type(r).__name__}: {r})")
+        finally:
+            undo.close()
         raise
+    undo.close()
+    return rows
 
 
 def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any], say: Callable[[str], None],

@@ -368,6 +368,47 @@ class KerasOneShotBackend:
             fn = self._compiled[id(block)] = tf.function(run, reduce_retracing=True)
         return [np.asarray(fn(inp.args, inp.kwargs), dtype=np.float64) for inp in inputs]
 
+    # -- AWQ: the parent layer of a group of layers
+    def awq_parent(self, block: Any, tasks: list[LayerTask]) -> Any:
+        """The smallest layer of ``block`` that holds every layer of ``tasks`` (their longest common path: the
+        attention layer for q / k / v); None when that is the block itself."""
+        parts = [t.name.split("/") for t in tasks]
+        common: list[str] = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        path = "/".join(common)
+        bpath = next((p for p, b in self._blocks if b is block), None)
+        if bpath is None or not path.startswith(bpath + "/"):
+            return None
+        return next((layer for p, layer in iter_layers(self.model) if p == path), None)
+
+    def record_calls(self, block: Any, inputs: list[BlockInput], modules: list[Any]) -> list[list[BlockInput]]:
+        """Run ``block`` once on ``inputs`` and keep each layer's call arguments (the tensors the block made)."""
+        got: list[list[BlockInput]] = [[] for _ in modules]
+        with ExitStack() as stack:
+            for store, layer in zip(got, modules):
+                def make(orig: Callable[..., Any], store: list[BlockInput] = store, layer: Any = layer) -> Callable[..., Any]:
+                    def record(*args: Any, **kwargs: Any) -> Any:
+                        store.append(BlockInput(args, dict(kwargs), _first_arg(layer, args, kwargs)[0]))
+                        return orig(*args, **kwargs)
+                    return record
+                stack.enter_context(_intercepted(layer, make))
+            for inp in inputs:
+                inp.call(block)
+        return got
+
+    def module_output(self, layer: Any, calls: list[BlockInput]) -> list[np.ndarray]:
+        """``layer``'s (hidden-state) output on each recorded call (float32 as computed), through one
+        ``tf.function`` per layer (AWQ runs it once per candidate ``alpha`` with only kernel values changed)."""
+        fn = self._compiled.get(id(layer))
+        if fn is None:
+            def run(args: tuple, kwargs: dict) -> Any:
+                return _hidden_of(layer(*args, **kwargs), layer)
+            fn = self._compiled[id(layer)] = tf.function(run, reduce_retracing=True)
+        return [np.asarray(fn(c.args, c.kwargs)) for c in calls]
+
     def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
         with self._observing(observe):
             for i, b in enumerate(batches):

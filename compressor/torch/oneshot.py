@@ -272,6 +272,18 @@ def _to(v: Any, device: torch.device) -> Any:
     return v
 
 
+_NUMPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+                 torch.int64, torch.bool}
+
+
+def _host(t: torch.Tensor) -> Any:
+    """``t`` on the host: a numpy array (a view of a CPU tensor, no copy) or, for dtypes numpy lacks, a CPU copy."""
+    t = t.detach()
+    if t.dtype in _NUMPY_DTYPES:
+        return t.to("cpu").numpy()
+    return t.to("cpu", copy=True)
+
+
 class TorchOneShotBackend:
     """The torch adapter of :class:`compressor.core.sequential.OneShotBackend` for one compressor."""
 
@@ -475,22 +487,85 @@ class TorchOneShotBackend:
             outs.append(h.to("cpu", torch.float64).numpy())
         return outs
 
+    # ---- AWQ: the parent module of a group of layers
+    def awq_parent(self, block: nn.Module, tasks: list[LayerTask]) -> nn.Module | None:
+        """The smallest module of ``block`` that holds every layer of ``tasks`` (their longest common module path:
+        ``model.layers.0.self_attn`` for q / k / v); None when that is the block itself."""
+        parts = [t.name.split(".") for t in tasks]
+        common: list[str] = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        if not common:
+            return None
+        try:
+            parent = self.model.get_submodule(".".join(common))
+        except AttributeError:
+            return None
+        if parent is block or not any(m is parent for m in block.modules()):
+            return None
+        return parent
+
+    def record_calls(self, block: nn.Module, inputs: list[_Input], modules: list[nn.Module]) -> list[list[_Input]]:
+        """Run ``block`` once on ``inputs`` and keep each module's call arguments (``(args, kwargs)``, with the
+        keep-mask of the block input it came from; the tensors the block made, no copies; repeated masks /
+        rotary tables kept once)."""
+        got: list[list[_Input]] = [[] for _ in modules]
+        state: dict[str, Any] = {}
+        handles = []
+        for store, module in zip(got, modules):
+            def pre(mod: nn.Module, args: tuple, kwargs: dict[str, Any], store: list[_Input] = store) -> None:
+                kwargs = dict(kwargs)
+                if store:
+                    prev = store[-1]
+                    args = tuple(_dedupe(a, prev.args[j]) if 0 < j < len(prev.args) else a for j, a in enumerate(args))
+                    kwargs = {k: _dedupe(v, prev.kwargs[k]) if k in prev.kwargs and k != "hidden_states" else v
+                              for k, v in kwargs.items()}
+                store.append(_Input(args, kwargs, ("arg", 0), state.get("keep")))
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        try:
+            for inp in inputs:
+                state["keep"] = inp.keep
+                block(*inp.args, **inp.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return got
+
+    def module_output(self, module: nn.Module, calls: list[_Input]) -> list[np.ndarray]:
+        """``module``'s (hidden-state) output on each recorded call, rows of the real (not padded) tokens, float32
+        (float64 for a float64 model) numpy."""
+        outs = []
+        for c in calls:
+            h = _hidden_of(module(*c.args, **c.kwargs)).detach()
+            k = c.keep
+            if k is not None and tuple(h.shape[:-1]) == tuple(k.shape):
+                h = h[k.to(h.device)]
+            outs.append(h.to("cpu", torch.float64 if h.dtype == torch.float64 else torch.float32).numpy())
+        return outs
+
     # ---- weights
-    def snapshot(self, task: LayerTask) -> dict[str, torch.Tensor]:
-        """CPU copies of what :meth:`write` / :meth:`set_weight` change: the weight and the wrapper's buffers."""
+    def snapshot(self, task: LayerTask) -> dict[str, Any]:
+        """What :meth:`write` / :meth:`set_weight` change: the weight and the wrapper's buffers, as host numpy
+        arrays (views of CPU tensors: core writes them out at once, before anything changes) or, for dtypes
+        numpy lacks (bfloat16), CPU tensor copies."""
         w = task.handle
-        saved = {f"buffer:{n}": b.detach().to("cpu", copy=True) for n, b in w.named_buffers()}
-        saved["weight"] = w.weight.detach().to("cpu", copy=True)
+        saved = {f"buffer:{n}": _host(b) for n, b in w.named_buffers()}
+        saved["weight"] = _host(w.weight)
         return saved
 
-    def restore(self, task: LayerTask, saved: dict[str, torch.Tensor]) -> None:
+    def restore(self, task: LayerTask, saved: dict[str, Any]) -> None:
         w = task.handle
         buffers = dict(w.named_buffers())
+
+        def tensor(v: Any) -> torch.Tensor:
+            return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
         with torch.no_grad():
-            w.weight.copy_(saved["weight"])
+            w.weight.copy_(tensor(saved["weight"]))
             for key, value in saved.items():
                 if key.startswith("buffer:"):
-                    buffers[key[7:]].copy_(value)
+                    buffers[key[7:]].copy_(tensor(value))
 
     def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
         w = task.handle

@@ -259,6 +259,76 @@ def test_awq_block_search_one_alpha_for_layers_sharing_an_input_by_the_block_out
     assert rows2[0]["alpha"] != rows2[1]["alpha"]  # (this data: the layers alone disagree)
 
 
+class ParentGluBackend(GluBackend):
+    """A block ``h = x + mlp(x / 2)``, ``out = h + tanh(h)``; ``mlp`` (the parent of a, b, c) is a sub-module:
+    AWQ's loss for the a / b group is mlp's output on its recorded inputs, not the block's output."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = {"record": 0, "module": 0}
+
+    def mlp(self, y, observe=None):
+        if observe and "a" in observe:
+            observe["a"](y)
+        g = np.maximum(y @ self.w["a"].T, 0.0) * (y @ self.w["b"].T)
+        if observe and "c" in observe:
+            observe["c"](g)
+        return g @ self.w["c"].T
+
+    def forward(self, x, observe=None, record=None):
+        if record is not None:
+            record.append(x / 2)
+        h = x + self.mlp(x / 2, observe)
+        return h + np.tanh(h)
+
+    def awq_parent(self, block, tasks):
+        assert [t.name for t in tasks] == ["a", "b"]
+        return "mlp"
+
+    def record_calls(self, block, inputs, modules):
+        self.calls["record"] += 1
+        got = []
+        for x in inputs:
+            self.forward(x, record=got)
+        return [got for _ in modules]
+
+    def module_output(self, module, calls):
+        assert module == "mlp"
+        self.calls["module"] += 1
+        return [self.mlp(y).astype(np.float32) for y in calls]
+
+
+def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_per_alpha():
+    cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
+    be = ParentGluBackend(cfg)
+    w0 = {n: w.copy() for n, w in be.w.items()}
+    rows = run_sequential(be, AwqMethod(), BATCHES, progress=False)
+    assert rows[0]["alpha"] == rows[1]["alpha"] and rows[0]["group"] == "a"
+    # no block output run at all: one recording run of the block, the float mlp once, one mlp run per alpha
+    assert be.outputs == 0 and be.calls == {"record": 1, "module": 1 + 20}
+    spec = quant_spec_of(cfg, "t")
+    ys = [b / 2 for b in BATCHES]
+    acc = os1.GramAccumulator(8, gram=False)
+    for y in ys:
+        acc.add(y)
+    xm = acc.abs_mean()  # the statistics of the parent's (and a / b's) input x / 2
+    wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
+    ref = ParentGluBackend(cfg)
+    want = [ref.mlp(y).astype(np.float32) for y in ys]
+    losses = []
+    for alpha in os1.awq_grid():
+        s = os1.awq_scales(xm, alpha, wm)
+        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
+        got = [ref.mlp(y).astype(np.float32) for y in ys]
+        losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    best = int(np.argmin(losses))
+    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
+    s = os1.awq_scales(xm, os1.awq_grid()[best], wm)
+    for n in "ab":
+        np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
+
+
 def test_a_run_that_fails_part_way_restores_every_layer():
     cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
     be = GluBackend(cfg, fail_at=5)  # KeyboardInterrupt in the middle of the alpha search
@@ -307,3 +377,32 @@ def test_quant_range_full_gives_the_signed_int4_grid():
     assert (q.codes == -8).any()  # a row's negative extreme sits on -7.5 and rounds (half to even) to -8
     with pytest.raises(ConfigError, match="quant_range 'wide' is not one of"):
         quant_spec_of({"quant_bits": {"weight": 4}, "quant_range": "wide"}, "t")
+
+
+def test_the_undo_copies_go_to_a_temporary_file_and_come_back_exactly():
+    from compressor.core.sequential import _Spilled, _Undo
+
+    class ViewBackend:  # hands over views of its live arrays, as the torch adapter does
+        def __init__(self):
+            self.w = {"big": np.arange(40_000, dtype=np.float32).reshape(200, 200), "small": np.ones(3)}
+
+        def snapshot(self, task):
+            return {"weight": self.w[task.name], "meta": ("x", 1)}
+
+        def restore(self, task, saved):
+            self.w[task.name][...] = saved["weight"]
+            assert saved["meta"] == ("x", 1)
+
+    be = ViewBackend()
+    undo = _Undo(be)
+    for n in ("big", "small"):
+        undo.before(LayerTask(n, {}, 1, n))
+    assert isinstance(undo.saved[0][1]["weight"], _Spilled)  # 160 kB: on disk, not in memory
+    assert isinstance(undo.saved[1][1]["weight"], np.ndarray)  # tiny: an in-memory copy
+    before = {n: w.copy() for n, w in be.w.items()}
+    for w in be.w.values():
+        w[...] = -7
+    undo.rollback()
+    for n in before:
+        np.testing.assert_array_equal(be.w[n], before[n])
+    assert undo.spill.file is None and undo.saved == []

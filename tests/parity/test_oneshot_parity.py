@@ -236,3 +236,73 @@ def test_awq_block_search_agrees_alpha_for_alpha_and_code_for_code():
         np.testing.assert_array_equal(t, k)
     for t, k in zip(t_codes[3:], k_codes[3:]):
         assert np.mean(t != k) <= 0.005
+
+
+class TorchMlpBlock(torch.nn.Module):
+    """``h = x + mlp(rms(x))``, ``out = h + tanh(h)``: gate / up / down live in the sub-module ``mlp``, AWQ's parent
+    of the gate / up group (the loss is mlp's output, not the block's)."""
+
+    def __init__(self, wg, wu, wd):
+        super().__init__()
+        self.mlp = TorchGlu(wg, wu, wd)
+
+    def forward(self, x):
+        y = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5)
+        h = x + self.mlp(y) - y
+        return h + torch.tanh(h)
+
+
+class KerasMlpBlock(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mlp = KerasGlu(name="mlp")
+
+    def call(self, x):
+        y = x * keras.ops.rsqrt(keras.ops.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+        h = x + self.mlp(y) - y
+        return h + keras.ops.tanh(h)
+
+
+def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([TorchMlpBlock(*w) for w in GLU])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    tm = Net().eval()
+    km = keras.Sequential([KerasMlpBlock(name=f"blk_{i}") for i in range(BLOCKS)])
+    km(BATCHES[0])
+    for b, (wg, wu, wd) in zip(km.layers, GLU):
+        b.mlp.gate.kernel.assign(wg.T)
+        b.mlp.up.kernel.assign(wu.T)
+        b.mlp.down.kernel.assign(wd.T)
+    runs = {"block": 0, "mlp": 0}
+    for b in tm.blocks:
+        b.register_forward_hook(lambda *a: runs.__setitem__("block", runs["block"] + 1))
+        b.mlp.register_forward_hook(lambda *a: runs.__setitem__("mlp", runs["mlp"] + 1))
+    cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}]
+    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
+    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False)
+    t_rows = [(r["layer"], r["alpha"], r.get("group")) for r in tq.oneshot_rows]
+    k_rows = [(r["layer"], r["alpha"], r.get("group")) for r in kq.report()]
+    assert [r[2] for r in t_rows] == ["blocks.0.mlp.gate", "blocks.0.mlp.gate", None, "blocks.1.mlp.gate",
+                                      "blocks.1.mlp.gate", None]
+    assert [r[2] for r in k_rows] == ["blk_0/mlp/gate", "blk_0/mlp/gate", None, "blk_1/mlp/gate", "blk_1/mlp/gate",
+                                      None]
+    assert [r[1] for r in t_rows] == [r[1] for r in k_rows]
+    # per block: observe (4 batches) + the shared-input probe (1) + record (4) [+ advance (4), block 0]; the mlp
+    # also runs once per batch in each of those, then 4 x (1 float reference + 20 alphas) on its own
+    n = len(BATCHES)
+    assert runs["block"] == BLOCKS * (2 * n + 1) + n
+    assert runs["mlp"] == runs["block"] + BLOCKS * n * 21
+    t_codes = [w.weight_codes.numpy() for w in tq.get_modules_wrapper()]
+    k_codes = [np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()]
+    for t, k in zip(t_codes[:3], k_codes[:3]):
+        np.testing.assert_array_equal(t, k)
+    for t, k in zip(t_codes[3:], k_codes[3:]):
+        assert np.mean(t != k) <= 0.005
