@@ -93,7 +93,11 @@ def tflite_outputs(path: str, x: np.ndarray, batch: int = 250, threads: int = 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tf.lite.Interpreter's deprecation notice
         it = tf.lite.Interpreter(model_path=path, num_threads=threads or None)
-    it.resize_tensor_input(it.get_input_details()[0]["index"], [batch, *x.shape[1:]])
+    fixed = int(it.get_input_details()[0]["shape_signature"][0])
+    if fixed > 0:  # a batch dimension fixed at conversion (the Keras Llama port's reshapes): run at that batch
+        batch = fixed
+    else:
+        it.resize_tensor_input(it.get_input_details()[0]["index"], [batch, *x.shape[1:]])
     it.allocate_tensors()
     inp, out = it.get_input_details()[0], it.get_output_details()[0]
     res = []
@@ -131,7 +135,13 @@ def onnx_ops(path: str) -> dict[str, int]:
         return dict(collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node))
 
 
+TFLITE_KERNELS = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL", "ADD", "MEAN")
+
+
 def tflite_ops(path: str) -> dict[str, int]:
+    """``'<op> int8'`` / ``'<op> float'`` -> count for the kernels of :data:`TFLITE_KERNELS` in the .tflite
+    ``path``: int8 when one of the op's inputs is an int8 tensor (weights of a dynamic-range kernel, or
+    activations of a full-integer one)."""
     import collections
 
     import tensorflow as tf
@@ -139,7 +149,13 @@ def tflite_ops(path: str) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         it = tf.lite.Interpreter(model_path=path)
-    return dict(collections.Counter(d["op_name"] for d in it._get_ops_details()))
+    dtypes = {t["index"]: t["dtype"] for t in it.get_tensor_details()}
+    out: collections.Counter[str] = collections.Counter()
+    for op in it._get_ops_details():
+        if op["op_name"] in TFLITE_KERNELS:
+            int8 = any(dtypes.get(i) == np.int8 for i in op["inputs"] if i >= 0)
+            out[f"{op['op_name']} {'int8' if int8 else 'float'}"] += 1
+    return dict(out)
 
 
 INTEGER_ONNX = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QLinearConcat",
@@ -151,7 +167,7 @@ def integer_summary(ops: dict[str, int], backend: str) -> str:
     if backend == "torch":
         keep = {k: v for k, v in ops.items() if k in INTEGER_ONNX}
     else:
-        keep = {k: v for k, v in ops.items() if k in ("CONV_2D", "FULLY_CONNECTED", "ADD", "MEAN", "BATCH_MATMUL")}
+        keep = ops
     return ", ".join(f"{k} {v}" for k, v in sorted(keep.items())) or "-"
 
 
@@ -191,7 +207,7 @@ def resnet_keras(shape: tuple[int, ...], classes: int = 10, width: int = 16) -> 
     w = width
 
     def cbn(x: Any, c: int, k: int = 3, s: int = 1) -> Any:
-        return L.BatchNormalization()(L.Conv2D(c, k, s, padding="same", use_bias=False)(x))
+        return L.BatchNormalization(momentum=0.9)(L.Conv2D(c, k, s, padding="same", use_bias=False)(x))
 
     inp = keras.Input(shape)
     x = L.ReLU()(cbn(inp, w))
@@ -355,7 +371,7 @@ def onnx_perplexity(path: str, windows: np.ndarray, batch: int = 8, threads: int
     return perplexity_from_logits(onnx_outputs(path, np.ascontiguousarray(windows[:, :-1]), batch, threads), windows)
 
 
-def tflite_perplexity(path: str, windows: np.ndarray, batch: int = 8, threads: int = 1) -> float:
+def tflite_perplexity(path: str, windows: np.ndarray, batch: int = 1, threads: int = 1) -> float:
     """Held-out perplexity of the .tflite causal LM ``path`` run in the TFLite interpreter (int32 token ids)."""
     ids = np.ascontiguousarray(windows[:, :-1]).astype(np.int32)
     return perplexity_from_logits(tflite_outputs(path, ids, batch, threads), windows)
@@ -462,10 +478,12 @@ def keras_llama_from(model: Any) -> Any:
 
 
 def _functional(km: Any, seq: int) -> Any:
-    """A Functional wrapper with a fixed sequence length (the converter needs a known input signature)."""
+    """A Functional wrapper with a fixed sequence length (the converter needs a known input signature) and batch 1
+    (the port's reshapes take the batch from the traced shape, so a .tflite converted with a dynamic batch fails
+    to run at any other batch)."""
     import keras
 
-    ids = keras.Input((seq,), dtype="int32", name="input_ids")
+    ids = keras.Input((seq,), batch_size=1, dtype="int32", name="input_ids")
     return keras.Model(ids, km(ids), name="llama_fn")
 
 
@@ -491,9 +509,11 @@ def llm_tf(model: Any, held: np.ndarray, out: str) -> dict[str, Any]:
         conv.optimizations = [tf.lite.Optimize.DEFAULT]
         paths["anchor-dynamic"] = os.path.join(out, "llm-tf-converter-dynamic.tflite")
         Path(paths["anchor-dynamic"]).write_bytes(conv.convert())
-        km2 = keras_llama_from(model)
+        # the Functional wrapper, not the subclassed port: exporting the port itself gives a .tflite whose input
+        # is float32 [-1, 2] (the shape of the port's first build call), not the token ids [1, seq]
+        km2 = _functional(keras_llama_from(model), seq)
         q = PtqQuantizer(km2, [{"op_types": ["Dense"], "quant_types": ["input", "weight"], "quant_bits": 8},
-                               {"exclude": True, "op_names": ["lm_head"]}], activation="dynamic")
+                               {"exclude": True, "op_names": ["llama/lm_head"]}], activation="dynamic")
         paths["ours-dynamic"] = os.path.join(out, "llm-tf-ours-dynamic.tflite")
         try:
             q.export_model(tflite_path=paths["ours-dynamic"], verbose=False)
