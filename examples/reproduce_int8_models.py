@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = results[f"llm/{b}"] = (llm_torch(model, calib, held, out) if b == "torch"
                                            else llm_tf(model, held, out))
                 print(f"[{b}] Llama: " + ", ".join(f"{k} {r[k]:.4f}" for k in r
-                                                    if isinstance(r[k], float)) + f" ({r['seconds']:.0f} s)",
+                                                    if isinstance(r[k], float) and k != "seconds") + f" ({r['seconds']:.0f} s)",
                       flush=True)
                 for k in r:
                     if k.endswith("_error") or k.endswith("_kernels"):
