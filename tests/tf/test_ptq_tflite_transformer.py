@@ -130,3 +130,17 @@ def test_activation_is_validated_before_the_model_changes(tmp_path):
         static = ctf.PtqQuantizer(encoder(), [CFG])
     with pytest.raises(ConfigError, match="calibrate with at least one batch"):
         static.calibrate()
+
+
+def test_dynamic_range_export_warns_about_excluded_layers_it_quantizes_anyway(tmp_path):
+    """The converter's dynamic-range mode has no per-layer switch: an excluded Dense of >= 1024 weights comes out
+    int8 all the same, so the export says which layer (and a quantized one is not named)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((64,))
+    h = L.Dense(64, name="body")(inp)
+    model = keras.Model(inp, L.Dense(32, name="head")(h))
+    q = ctf.PtqQuantizer(model, [{**CFG, "op_types": ["Dense"]}, {"exclude": True, "op_names": ["head"]}],
+                         activation="dynamic").calibrate()
+    with pytest.warns(UserWarning, match=r"layers the config does not quantize .*FULLY_CONNECTED \(head\)\.") as rec:
+        q.export_model(tflite_path=os.path.join(tmp_path, "m.tflite"), verbose=False)
+    assert not [w for w in rec if "body" in str(w.message)]

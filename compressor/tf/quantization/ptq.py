@@ -646,6 +646,15 @@ def _convert_dynamic(model: Any, workdir: str, verbose: bool, quantized: list[st
     if blob is None:
         blob = converter().convert()
     kept = _float_kernels(blob, quantized, [la.name for la in _all_layers(model)])
+    extra = _float_kernels(blob, quantized, [la.name for la in _all_layers(model)], outside=True)
+    if extra:
+        import warnings
+
+        warnings.warn(
+            "PtqQuantizer(activation='dynamic'): the TFLite converter's dynamic-range mode also stored int8 weights "
+            "for layers the config does not quantize (it quantizes every weight of at least 1024 elements and has "
+            "no per-layer switch): " + "; ".join(f"{op} ({', '.join(layers)})" for op, layers in sorted(extra.items()))
+            + ". Use activation='static' (full integer, per-layer) to keep them float", UserWarning, stacklevel=4)
     if kept:
         _say(verbose, "PtqQuantizer: the dynamic-range TFLite model keeps the weights of %s float (the converter "
              "quantizes weights of at least 1024 elements)",
@@ -654,8 +663,10 @@ def _convert_dynamic(model: Any, workdir: str, verbose: bool, quantized: list[st
     return blob, kept
 
 
-def _float_kernels(blob: bytes, quantized: list[str], layer_names: list[str]) -> dict[str, list[str]]:
-    """``{op: [layers]}``: weighted kernels (an operand constant) of the ``quantized`` layers whose weight is float."""
+def _float_kernels(blob: bytes, quantized: list[str], layer_names: list[str],
+                   outside: bool = False) -> dict[str, list[str]]:
+    """``{op: [layers]}``: weighted kernels (an operand constant) of the ``quantized`` layers whose weight is float;
+    with ``outside=True`` instead the kernels of the other layers whose weight is int8 (quantized anyway)."""
     import warnings
 
     from ..tflite import KERNEL_OPS, _layer_of
@@ -672,12 +683,15 @@ def _float_kernels(blob: bytes, quantized: list[str], layer_names: list[str]) ->
         if op["op_name"] not in KERNEL_OPS or op["op_name"] == "GATHER":
             continue
         weights = [i for i in op["inputs"][:2] if i >= 0 and i not in variable]
-        if not weights or details[weights[0]]["dtype"] != np.float32:
+        if not weights or details[weights[0]]["dtype"] != (np.int8 if outside else np.float32):
             continue
         layer = _layer_of(details[weights[0]]["name"], names)  # the weight keeps its layer's scope, an output
-        if layer not in wanted:                                    # of the model its signature name
+        if layer not in (names if outside else wanted):            # of the model its signature name
             layer = _layer_of(details[op["outputs"][0]]["name"], names)
-        if layer in wanted and layer not in kept.setdefault(op["op_name"], []):
+        if outside:
+            if layer in names and layer not in wanted and layer not in kept.setdefault(op["op_name"], []):
+                kept[op["op_name"]].append(layer)
+        elif layer in wanted and layer not in kept.setdefault(op["op_name"], []):
             kept[op["op_name"]].append(layer)
     return {k: v for k, v in kept.items() if v}
 
