@@ -61,7 +61,7 @@ from .atomic import atomic_path
 from .errors import CompressedFileError, ConfigError
 
 __all__ = [
-    "CODECS", "MAGIC", "PackResult", "decoded_cap", "huffman_decode", "huffman_encode", "pack", "pack_bytes", "packed_sizes",
+    "CODECS", "MAGIC", "PackResult", "decoded_cap", "fits_model", "huffman_decode", "huffman_encode", "pack", "pack_bytes", "packed_sizes",
     "read_info", "unpack", "unpack_bytes",
 ]
 
@@ -848,6 +848,29 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
     if got != size:
         raise CompressedFileError(f"{p!r}: file changed while being read ({got} of {size} bytes)")
     return data, p
+
+
+def fits_model(wanted: Mapping[str, tuple[tuple[int, ...], np.dtype]], where: str, model: str,
+               hint: str) -> Any:
+    """A ``check=`` callback for :func:`unpack`: refuse a file that does not fit a model from its header alone,
+    before any tensor is decoded. ``wanted`` is ``{name: (shape, dtype)}`` of the model's tensors, ``model``
+    names the model in the message and ``hint`` says how to load the file instead."""
+
+    def check(declared: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        missing = [k for k in wanted if k not in declared]
+        unexpected = [k for k in declared if k not in wanted]
+        if missing or unexpected:
+            raise CompressedFileError(
+                f"{where} does not fit {model}: missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({hint})")
+        for key, (shape, want) in wanted.items():
+            got_shape, got = declared[key]
+            if tuple(got_shape) != tuple(shape):
+                raise CompressedFileError(f"{where}: {key!r} has shape {tuple(got_shape)}, the model's is {tuple(shape)}")
+            if np.dtype(got).newbyteorder("=") != np.dtype(want).newbyteorder("="):
+                raise CompressedFileError(f"{where}: {key!r} is {got}, the model's is {want}")
+
+    return check
 
 
 def unpack(path: str | os.PathLike, max_bytes: int | None = None, check: Any = None) -> dict[str, np.ndarray]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import CompressedFileError, ModelError
-from ..core.packing import PackResult, pack, unpack
+from ..core.errors import ModelError
+from ..core.packing import PackResult, fits_model, pack, unpack
 
 __all__ = ["load_compressed", "model_arrays", "save_compressed"]
 
@@ -71,24 +71,8 @@ def load_compressed(model: Any, path: str | os.PathLike) -> Any:
     where = repr(os.fspath(path))
     wanted = {name: (tuple(int(d) for d in v.shape), np.dtype(str(v.dtype))) for name, v in variables.items()}
 
-    def fits(declared: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-        """Refuse a file that does not fit the model from its header alone, before any tensor is decoded."""
-        missing = [n for n in wanted if n not in declared]
-        unexpected = sorted(set(declared) - set(wanted))
-        if missing or unexpected:
-            raise CompressedFileError(
-                f"{where} does not fit model {getattr(model, 'name', '?')!r}: no value for {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}, unknown weights {unexpected[:8]}"
-                f"{' ...' if len(unexpected) > 8 else ''} (load it into a built instance of the model it was "
-                f"exported from)")
-        for name, (shape, want) in wanted.items():
-            got_shape, got = declared[name]
-            if got_shape != shape:
-                raise CompressedFileError(f"{where}: {name!r} has shape {got_shape}, the model's {name!r} is {shape}")
-            if got.newbyteorder("=") != want.newbyteorder("="):
-                raise CompressedFileError(f"{where}: {name!r} is {got}, the model's {name!r} is {want}")
-
-    arrays = unpack(path, check=fits)
+    arrays = unpack(path, check=fits_model(wanted, where, f"model {getattr(model, 'name', '?')!r}",
+                                           "load it into a built instance of the model it was exported from"))
     todo = [(v, arrays[name].astype(wanted[name][1], copy=False)) for name, v in variables.items()]
     for v, arr in todo:
         v.assign(arr)

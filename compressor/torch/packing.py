@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..core.errors import CompressedFileError, ModelError
-from ..core.packing import PackResult, pack, unpack
+from ..core.packing import PackResult, fits_model, pack, unpack
 
 __all__ = ["load_compressed", "save_compressed", "state_dict_arrays"]
 
@@ -60,24 +60,8 @@ def load_compressed(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                                       f"hold; load into a float32 instance of the model")
         wanted[key] = (tuple(have.shape), torch.empty(0, dtype=have.dtype).numpy().dtype)
 
-    def fits(declared: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-        """Refuse a file that does not fit the model from its header alone, before any tensor is decoded."""
-        missing = [k for k in wanted if k not in declared]
-        unexpected = [k for k in declared if k not in wanted]
-        if missing or unexpected:
-            raise CompressedFileError(
-                f"{where} does not fit {type(model).__name__}: missing keys {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
-                f"{' ...' if len(unexpected) > 8 else ''} (load it into a plain instance of the model class it "
-                f"was exported from)")
-        for key, (shape, want) in wanted.items():
-            got_shape, got = declared[key]
-            if got_shape != shape:
-                raise CompressedFileError(f"{where}: {key!r} has shape {got_shape}, the model's is {shape}")
-            if got.newbyteorder("=") != want.newbyteorder("="):
-                raise CompressedFileError(f"{where}: {key!r} is {got}, the model's is {target[key].dtype}")
-
-    arrays = unpack(path, check=fits)
+    arrays = unpack(path, check=fits_model(wanted, where, type(model).__name__,
+                                           "load it into a plain instance of the model class it was exported from"))
     state: dict[str, torch.Tensor] = {}
     for key, (_, want) in wanted.items():
         state[key] = torch.from_numpy(np.array(arrays[key], dtype=want, order="C"))  # (keeps 0-d arrays 0-d)
