@@ -3,31 +3,19 @@ freshly shuffled order each round, so load on the machine hits all of them alike
 
 from __future__ import annotations
 
-import random
 import statistics
-import time
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from compressor.core.timing import interleaved_times
+
 
 def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int,
                         warmup: int = 2, seed: int = 0) -> dict[Hashable, float]:
-    """``{key: median seconds per call}`` over ``rounds`` shuffled rounds of ``calls`` calls each."""
-    order = list(fns)
-    for key in order:
-        for _ in range(warmup):
-            fns[key]()
-    times: dict[Hashable, list[float]] = {k: [] for k in order}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for key in order:
-            fn = fns[key]
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[key].append((time.perf_counter() - t0) / calls)
+    """``{key: median seconds per call}`` over ``rounds`` shuffled rounds of ``calls`` calls each
+    (:func:`compressor.core.timing.interleaved_times`)."""
+    times = interleaved_times(fns, rounds, calls, warmup=warmup, seed=seed)
     return {k: statistics.median(t) for k, t in times.items()}
 
 

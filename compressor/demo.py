@@ -39,10 +39,12 @@ from typing import Any
 import numpy as np
 
 from .core.quant import quantized_bytes
-from .data import DataError, Dataset, load_dataset
 
 # TorchHarness / TfHarness stay importable from here (module __getattr__) but out of __all__: a star import
 # must not import a framework
+from .core.timing import interleaved_times
+from .data import DataError, Dataset, load_dataset
+
 __all__ = ["Artifact", "BackendResult", "Schedule", "get_harness", "interleaved_times", "main", "plot_points",
            "run_demo", "save_plot", "summary_line"]
 
@@ -312,30 +314,6 @@ def summary_line(r: BackendResult) -> str:
         line += (f"; the structured float file runs {s.latency_all / st.latency_all:.1f}x faster than the int8 one "
                  f"on {r.n_infer} images: this model's layers are too narrow for the runtime's int8 kernels to pay off")
     return line
-
-
-def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int, calls: int = 1, warmup: int = 1,
-                      seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per call of each callable: after ``warmup`` untimed calls each, ``rounds`` rounds that run
-    every callable ``calls`` times (their mean is the round's sample) in a freshly shuffled order, so load
-    on the machine hits all of them alike."""
-    import random
-
-    order = list(fns)
-    for key in order:
-        for _ in range(warmup):
-            fns[key]()
-    times: dict[str, list[float]] = {k: [] for k in order}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for key in order:
-            fn = fns[key]
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[key].append((time.perf_counter() - t0) / calls)
-    return times
 
 
 def measure_artifacts(h: Any, paths: dict[str, str], x: np.ndarray, y: np.ndarray, s: Schedule,
