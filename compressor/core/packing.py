@@ -225,6 +225,8 @@ def huffman_decode(data: bytes, n: int) -> np.ndarray:
     rows_cost = (bsize if nblocks > 1 else n) * (21 + 0.065 * nblocks)
     chains_cost = total_bits * 0.004 * ((int(counts.max()) - 1).bit_length() + 8)
     stream = np.frombuffer(data, np.uint8, total_bits // 8, pos)
+    if nblocks == 1 and n <= _SMALL_SYMBOLS:  # a few symbols: numpy's fixed cost per pass would dominate
+        return _huffman_small(stream, total_bits, dec_sym, dec_len, maxl, n)
     if chains_cost < rows_cost:
         return _huffman_chains(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n)
     return _huffman_rows(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, bsize)
@@ -243,6 +245,33 @@ def _decoding_tables(lengths: np.ndarray, used: np.ndarray, maxl: int) -> tuple[
     dec_sym[:filled] = np.repeat(order.astype(np.uint8), width)
     dec_len[:filled] = np.repeat(lengths[order], width)
     return dec_sym, dec_len
+
+
+_SMALL_SYMBOLS = 512  # streams of at most this many symbols (one block) are decoded by _huffman_small
+
+
+def _huffman_small(stream: np.ndarray, total_bits: int, dec_sym: np.ndarray, dec_len: np.ndarray, maxl: int,
+                   n: int) -> np.ndarray:
+    """:func:`huffman_decode` for a one-block stream of a few symbols, a Python step per symbol on one integer
+    holding the stream's bits: the same codes, checks and errors as :func:`_huffman_rows` (which pads the
+    stream with zero bits), without numpy's fixed cost per step (~0.25 ms per tiny tensor otherwise)."""
+    bits = int.from_bytes(stream.tobytes(), "big") << maxl  # maxl zero bits of padding, as the rows decoder
+    top = total_bits  # bit index (from the left) of the padding's start
+    mask = (1 << maxl) - 1
+    out = bytearray(n)
+    p = 0
+    for i in range(n):
+        if p > top:  # past the padding: what the rows decoder reads as zeros never decodes to the recorded length
+            raise ValueError("Huffman blocks do not decode to their recorded lengths")
+        w = (bits >> (top - p)) & mask
+        length = int(dec_len[w])
+        if not length:
+            raise ValueError("invalid Huffman code in stream")
+        out[i] = int(dec_sym[w])
+        p += length
+    if p > total_bits or total_bits - p >= 8:
+        raise ValueError("Huffman blocks do not decode to their recorded lengths")
+    return np.frombuffer(bytes(out), np.uint8).copy()
 
 
 def _huffman_rows(stream: np.ndarray, offsets: np.ndarray, total_bits: int, dec_sym: np.ndarray,

@@ -621,6 +621,18 @@ def _decode_chains(data: bytes, n: int) -> np.ndarray:
         K._huffman_rows = orig
 
 
+def _decode_without_small(decode):
+    """``decode`` with the few-symbols path switched off (the stream goes to the numpy decoders)."""
+    def run(data: bytes, n: int) -> np.ndarray:
+        orig = K._SMALL_SYMBOLS
+        K._SMALL_SYMBOLS = 0
+        try:
+            return decode(data, n)
+        finally:
+            K._SMALL_SYMBOLS = orig
+    return run
+
+
 def _outcome(decode, data: bytes, n: int):
     try:
         return decode(data, n).tobytes()
@@ -629,7 +641,8 @@ def _outcome(decode, data: bytes, n: int):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.integers(1, 256), st.integers(1, 40_000), st.sampled_from(["uniform", "skewed", "one"]),
+@given(st.integers(1, 256), st.one_of(st.integers(1, 600), st.integers(1, 40_000)),
+       st.sampled_from(["uniform", "skewed", "one"]),
        st.integers(0, 2**32 - 1), st.lists(st.integers(0, 10**9), max_size=3))
 def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, seed, flips):
     rng = np.random.default_rng(seed)
@@ -646,8 +659,10 @@ def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, se
         sym = np.full(n, used[np.argmin(lengths[used])], np.uint8)
     with pytest.MonkeyPatch.context() as mp:
         data = _encode_with(lengths, sym, mp)
-    assert np.array_equal(_decode_chains(data, n), sym) and np.array_equal(_decode_rows(data, n), sym)
+    rows, chains = _decode_without_small(_decode_rows), _decode_without_small(_decode_chains)
+    assert np.array_equal(chains(data, n), sym) and np.array_equal(rows(data, n), sym)
+    assert np.array_equal(K.huffman_decode(data, n), sym)  # (the few-symbols path for n <= 512)
     bad = bytearray(data)
-    for f in flips:  # damaged streams: both decoders refuse, or both give the same symbols
+    for f in flips:  # damaged streams: every decoder refuses, or all give the same symbols
         bad[f % len(bad)] ^= 1 << (f % 8)
-    assert _outcome(_decode_chains, bytes(bad), n) == _outcome(_decode_rows, bytes(bad), n)
+    assert _outcome(chains, bytes(bad), n) == _outcome(rows, bytes(bad), n) == _outcome(K.huffman_decode, bytes(bad), n)
