@@ -13,10 +13,8 @@ import pytest
 
 from compressor import demo_lm, unpack
 
-pytest.importorskip("tensorflow")
-pytest.importorskip("torch")  # the demo trains its model with PyTorch + transformers
+# in tests/parity (both frameworks): the demo trains its model with PyTorch + transformers, also for Keras
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.tf
 
 LABELS = ["dense (float32)", "SparseGPT 50 %", "SparseGPT 2:4", "Wanda 50 %", "RTN w4 g32", "GPTQ w4 g32", "AWQ w4 g32"]
 # the quick model's seven projections (Keras paths layers_0/<name>) as [out, in]

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")  # the Llama's weights come from the HF model (examples/llm_common.py)
+from compressor.data import load_digits
+from examples import llm_common as lc
+from examples import reproduce_int8_models as r
 
-from compressor.data import load_digits  # noqa: E402
-from examples import llm_common as lc  # noqa: E402
-from examples import reproduce_int8_models as r  # noqa: E402
+# in tests/parity (both frameworks): the Llama's weights come from the HF model (examples/llm_common.py)
 
 
 def test_cnn_accuracies_are_the_files_in_the_interpreter(tmp_path):
