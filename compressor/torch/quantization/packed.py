@@ -63,6 +63,10 @@ __all__ = ["PackedLinear", "pack_weights", "INT4_KERNEL_GROUPS"]
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts (torch 2.13)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 _INT4_N_MULTIPLE = 16
+#: ``_weight_int8pack_mm`` reads the input in chunks of 16 columns: with more than one input row and an
+#: in_features that is not a multiple of 16 it crashes (segfault) on AVX-512 CPUs in bf16 (torch 2.13, found in
+#: CI); the kernel's weight gets zero columns up to a multiple of 16 and the input is padded with zeros
+_INT8_K_MULTIPLE = 16
 
 
 def _int4_kernel_group(group_width: int, n_in: int) -> int | None:
@@ -247,7 +251,11 @@ class PackedLinear(nn.Module):
             self._corr = None
         elif self.kernel == "int8":
             off = 0 if self.signed else 128
-            self._wq = (c - off).to(torch.int8).contiguous()
+            wq = (c - off).to(torch.int8)
+            kpad = -k % _INT8_K_MULTIPLE
+            if kpad:  # zero columns; forward pads the input with zeros to match
+                wq = torch.cat([wq, wq.new_zeros(n, kpad)], 1)
+            self._wq = wq.contiguous()
             s = self.scale[:, 0]
             self._sz = s.to(self.compute_dtype).contiguous()
             corr = s.to(torch.float64) * (off - self.zero_point[:, 0]).to(torch.float64)
@@ -274,7 +282,7 @@ class PackedLinear(nn.Module):
             u = flat.reshape(n_pad, k)[:n].to(torch.int32).to(self._wq.device)
             return u - (8 if self.signed else 0)
         if self.kernel == "int8":
-            return self._wq.to(torch.int32) + (0 if self.signed else 128)
+            return self._wq[:, :k].to(torch.int32) + (0 if self.signed else 128)
         if self.bits <= 4:
             return _unpack_nibbles(self._wq, k).to(torch.int32) - (8 if self.signed else 0)
         return self._wq.to(torch.int32)
@@ -345,6 +353,8 @@ class PackedLinear(nn.Module):
                 if y.shape[1] != self.out_features:
                     y = y[:, : self.out_features]
             else:
+                if self._wq.shape[1] != self.in_features:
+                    xin = torch.nn.functional.pad(xin, (0, self._wq.shape[1] - self.in_features))
                 y = torch.ops.aten._weight_int8pack_mm(xin, self._wq, self._sz)
                 if self._corr is not None:
                     y = y + xin.sum(-1, keepdim=True) * self._corr
