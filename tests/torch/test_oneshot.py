@@ -337,6 +337,22 @@ def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
         assert torch.isfinite(model(HELD).logits).all()
 
 
+def test_one_shot_pruners_keep_no_float_copy_of_the_masks():
+    model = build("llama")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5}).calibrate(batches(2), progress=False)
+    ws = list(p.get_modules_wrapper())
+    assert ws and all(w.multiplier_cache is False for w in ws)
+    assert all(w._mul_cache == [None, None] for w in ws)  # nothing cached by calibrate's masking
+    # a fine-tune afterwards still keeps the pruned weights at zero (masked from the bool mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p.hook_optimizer(opt)  # the pruner re-masks after every step
+    model(HELD).logits.float().pow(2).mean().backward()
+    opt.step()
+    for w in ws:
+        assert (w.weight[~w.weight_mask] == 0).all()
+        assert w._mul_cache == [None, None]
+
+
 def test_export_writes_the_compressed_weights_loadable_into_the_original_class(tmp_path):
     model = build("gpt2")
     q = make(AwqQuantizer, model, {"quant_bits": 4, "group_size": 16}).calibrate(batches(2), progress=False)
@@ -491,6 +507,9 @@ def test_awq_block_search_gives_one_alpha_and_one_scale_vector_per_input_group()
     assert all("group" not in r for r in lq.oneshot_rows)
     with pytest.raises(ConfigError, match="awq_search"):
         make(AwqQuantizer, build("llama"), {"quant_bits": 4, "awq_search": "model"})
+    for bad in (0, 1.5, "all"):
+        with pytest.raises(ConfigError, match="search_samples"):
+            make(AwqQuantizer, build("llama"), {"quant_bits": 4, "search_samples": bad})
 
 
 @pytest.mark.parametrize("cls,cfg,exc", [

@@ -37,6 +37,12 @@ class _OneShotPruner(OneShotMixin, TorchPruner):
     def __init__(self, model: nn.Module, config_list: list[dict[str, Any]], sequential_targets: Any = None):
         self._init_oneshot(model, sequential_targets)
         super().__init__(model, config_list)
+        # masks are written once, by calibrate(): no float copy of each mask for the per-step re-mask (4 bytes per
+        # weight on CPU, more than a language model's calibration activations); a later fine-tune re-masks from
+        # the bool mask itself
+        for w in self.get_modules_wrapper():
+            w.multiplier_cache = False
+            w.drop_multiplier_cache()
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         nm_validate_config(config_list, type(self).__name__)

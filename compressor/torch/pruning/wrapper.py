@@ -219,6 +219,11 @@ class PrunerModuleWrapper(ReadThrough):
         bm = self._buffers["bias_mask"]
         return bm is None or self.__dict__.get("_bias_pristine") == (id(bm), bm._version)
 
+    def drop_multiplier_cache(self) -> None:
+        """Forget the float copies of the masks (rebuilt on the next masking if ``multiplier_cache`` allows)."""
+        object.__setattr__(self, "_mul_cache", [None, None])
+        object.__setattr__(self, "_mul_live", [None, None])
+
     def _caches_multiplier(self, tensor: torch.Tensor) -> bool:
         use = self.multiplier_cache
         return use is True or (use is None and tensor.device.type == "cpu")
