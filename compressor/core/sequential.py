@@ -37,7 +37,7 @@ from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "search_subset", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -47,8 +47,28 @@ def _group_size(v: Any) -> int | None:
     raise ValueError
 
 
+def _search_samples(v: Any) -> int | None:
+    if v is None or (_is_int(v) and v >= 1):
+        return None if v is None else int(v)
+    raise ValueError
+
+
+def search_subset(inputs: list[Any], samples: int | None) -> list[Any]:
+    """``samples`` entries of ``inputs`` spread evenly over it (first and last included), in order; all of them
+    when ``samples`` is None or not smaller than ``len(inputs)``."""
+    n = len(inputs)
+    if samples is None or samples >= n:
+        return list(inputs)
+    if samples == 1:
+        return [inputs[0]]
+    idx = sorted({int(round(i * (n - 1) / (samples - 1))) for i in range(samples)})
+    return [inputs[i] for i in idx]
+
+
 #: ``awq_search``: where AWQ's alpha is chosen (see :class:`AwqMethod`)
 AWQ_SEARCHES = ("block", "layer")
+#: ``search_samples`` when the config does not say (None: every calibration batch)
+AWQ_SEARCH_SAMPLES: int | None = None
 #: ``quant_range``: the symmetric code range (``narrow``: the project's convention; ``full``: compressed-tensors')
 QUANT_RANGES = ("narrow", "full")
 
@@ -67,6 +87,9 @@ ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
     KeySpec("awq_search", _choice(AWQ_SEARCHES), f"one of {list(AWQ_SEARCHES)} (AWQ: 'block' (default) searches one "
                                                  f"alpha per group of layers that read the same input, on the block's "
                                                  f"output error; 'layer': each layer alone, on its own output error)"),
+    KeySpec("search_samples", _search_samples, "an int >= 1 or None (AWQ, awq_search 'block': how many calibration "
+                                                "batches, spread evenly over the set, the alpha grid is scored on; "
+                                                "None: all of them. The statistics always use every batch)"),
     KeySpec("quant_range", _choice(QUANT_RANGES), f"one of {list(QUANT_RANGES)} (symmetric weight grid: 'narrow' "
                                                   f"(default) [-(2^(b-1)-1), 2^(b-1)-1], e.g. int4 [-7, 7]; 'full' "
                                                   f"[-2^(b-1), 2^(b-1)-1], e.g. int4 [-8, 7] as compressed-tensors "
@@ -546,6 +569,8 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
     if set_weight is None:
         raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (set_weight); give "
                          f"awq_search: 'layer'")
+    # the grid is scored on a subset of the calibration batches (``search_samples``); statistics use all
+    inputs = search_subset(inputs, tasks[0].config.get("search_samples", AWQ_SEARCH_SAMPLES))
     parents = dict(zip(map(id, multi), _awq_parents(backend, block, inputs, multi)))
     run = getattr(backend, "block_output", None)
     if run is None and any(p is None for p in parents.values()):

@@ -709,4 +709,4 @@ class AwqQuantizer(_OneShotQuantizer):
 
     method = AwqMethod()
     config_keys = (*_OneShotQuantizer.config_keys, ONESHOT_KEYS["n_grid"], ONESHOT_KEYS["duo_scaling"],
-                   ONESHOT_KEYS["awq_search"])
+                   ONESHOT_KEYS["awq_search"], ONESHOT_KEYS["search_samples"])

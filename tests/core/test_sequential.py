@@ -18,6 +18,7 @@ from compressor.core.sequential import (
     WandaMethod,
     quant_spec_of,
     run_sequential,
+    search_subset,
 )
 
 
@@ -327,6 +328,43 @@ def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_pe
     s = os1.awq_scales(xm, os1.awq_grid()[best], wm)
     for n in "ab":
         np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
+
+
+def test_search_subset_spreads_the_chosen_batches_evenly():
+    items = list("abcdefghij")
+    assert search_subset(items, None) == items
+    assert search_subset(items, 10) == items and search_subset(items, 50) == items
+    assert search_subset(items, 1) == ["a"]
+    assert search_subset(items, 2) == ["a", "j"]
+    assert search_subset(items, 4) == ["a", "d", "g", "j"]  # i * 9 / 3 = 0, 3, 6, 9
+    assert search_subset(items, 5) == ["a", "c", "e", "h", "j"]  # i * 9 / 4 = 0, 2.25, 4.5 (-> 4), 6.75, 9
+
+
+def test_awq_search_samples_scores_the_grid_on_those_batches_and_the_statistics_on_all():
+    batches = [RNG.normal(size=(4, 5, 8)) @ RNG.normal(size=(8, 8)) for _ in range(5)]
+    cfg = {"quant_bits": {"weight": 3}, "group_size": 4, "search_samples": 2}
+    be = ParentGluBackend(cfg)
+    w0 = {n: w.copy() for n, w in be.w.items()}
+    rows = run_sequential(be, AwqMethod(), batches, progress=False)
+    spec = quant_spec_of(cfg, "t")
+    acc = os1.GramAccumulator(8, gram=False)
+    for b in batches:  # statistics: every batch
+        acc.add(b / 2)
+    xm = acc.abs_mean()
+    wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
+    ys = [batches[0] / 2, batches[4] / 2]  # the loss: the first and the last batch only
+    ref = ParentGluBackend(cfg)
+    want = [ref.mlp(y).astype(np.float32) for y in ys]
+    losses = []
+    for alpha in os1.awq_grid():
+        s = os1.awq_scales(xm, alpha, wm)
+        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
+        got = [ref.mlp(y).astype(np.float32) for y in ys]
+        losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    best = int(np.argmin(losses))
+    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
+    assert be.calls == {"record": 1, "module": 1 + 20}
 
 
 def test_a_run_that_fails_part_way_restores_every_layer():

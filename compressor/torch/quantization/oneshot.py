@@ -127,4 +127,5 @@ class AwqQuantizer(_OneShotQuantizer):
     ``Q(W s) / s``."""
 
     method_class = AwqMethod
-    config_keys = (*_OneShotQuantizer.config_keys, *oneshot_key_specs("n_grid", "duo_scaling", "awq_search"))
+    config_keys = (*_OneShotQuantizer.config_keys, *oneshot_key_specs("n_grid", "duo_scaling", "awq_search",
+                                                                          "search_samples"))
