@@ -666,3 +666,80 @@ def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, se
     for f in flips:  # damaged streams: every decoder refuses, or all give the same symbols
         bad[f % len(bad)] ^= 1 << (f % 8)
     assert _outcome(chains, bytes(bad), n) == _outcome(rows, bytes(bad), n) == _outcome(K.huffman_decode, bytes(bad), n)
+
+
+# ---------------------------------------------------------------------------------------------- fuzz HF config / index
+_HOSTILE_JSON = [None, True, 0, -1, 1 << 40, 2.5, "", "re:(", "re:.*", "group", "channel", "pack-quantized",
+                 "sparse-bitmask", "x" * 300, [], [1, "a"], {}, {"num_bits": 4}, {"targets": "q"}]
+
+
+def json_mutation(text: bytes, rng: random.Random) -> bytes:
+    """A JSON file truncated, byte-flipped, or with values anywhere in it replaced by hostile ones."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return text[:rng.randrange(len(text))]
+    if kind == 1:
+        out = bytearray(text)
+        for _ in range(rng.randrange(1, 6)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    obj = json.loads(text)
+    for _ in range(rng.randrange(1, 4)):
+        node = obj
+        while isinstance(node, (dict, list)) and node and rng.random() < 0.8:  # walk down to some container
+            key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+            if not isinstance(node[key], (dict, list)) or not node[key]:
+                break
+            node = node[key]
+        if isinstance(node, dict) and node:
+            key = rng.choice(list(node))
+            if kind == 2:
+                node[key] = rng.choice(_HOSTILE_JSON)
+            else:
+                node[rng.choice(["config_groups", "format", "weight_map", "weights", key + "x"])] = node.pop(key)
+        elif isinstance(node, list) and node:
+            node[rng.randrange(len(node))] = rng.choice(_HOSTILE_JSON)
+    return json.dumps(obj).encode()
+
+
+def fuzz_checkpoint(cases: int, limit) -> dict:
+    """load_compressed_tensors on a checkpoint folder whose config.json or index JSON is mutated."""
+    import tempfile
+
+    from compressor.core.compressed_tensors import CheckpointError, load_compressed_tensors
+    from tests.core.test_compressed_tensors import _checkpoint
+
+    folder = tempfile.mkdtemp()
+    _checkpoint(folder, symmetric=False, sparse=True)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    from compressor.core.compressed_tensors import read_safetensors
+
+    names = sorted(read_safetensors(os.path.join(folder, "model.safetensors")))
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": 1}, "weight_map": {n: "model.safetensors" for n in names}}, f)
+    files = {}
+    for name in ("config.json", "model.safetensors.index.json"):
+        with open(os.path.join(folder, name), "rb") as f:
+            files[name] = f.read()
+    load_compressed_tensors(folder)  # the unmutated folder reads
+
+    def make(rng: random.Random) -> tuple[str, bytes]:
+        name = rng.choice(sorted(files))
+        return name, json_mutation(files[name], rng)
+
+    def read(case: tuple[str, bytes]) -> None:
+        name, data = case
+        for n, d in files.items():
+            with open(os.path.join(folder, n), "wb") as f:
+                f.write(data if n == name else d)
+        load_compressed_tensors(folder)
+
+    limit()
+    return fuzz_loop(read, make, cases, (CheckpointError,))
+
+
+def test_fuzz_checkpoint_config_and_index():
+    res = fuzz_in_subprocess("tests.core.test_hostile_files:fuzz_checkpoint", FUZZ_CASES, mem_mb=64)
+    assert res["unexpected"] == [], res
+    assert res["kinds"].get("CheckpointError", 0) > FUZZ_CASES // 3, res
+    assert res["worst_s"] < 1.0, res
