@@ -743,3 +743,100 @@ def test_fuzz_checkpoint_config_and_index():
     assert res["unexpected"] == [], res
     assert res["kinds"].get("CheckpointError", 0) > FUZZ_CASES // 3, res
     assert res["worst_s"] < 1.0, res
+
+
+# ---------------------------------------------------------------------------------------------- fuzz .keras (zip)
+def zip_of(entries: list[tuple[str, bytes]], deflated: tuple[str, ...] = ()) -> bytes:
+    """A zip of ``entries`` in order (names may repeat), stored or deflated by name."""
+    import io
+    import warnings
+    import zipfile
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'Duplicate name'
+        with zipfile.ZipFile(buf, "w") as z:
+            for name, data in entries:
+                z.writestr(name, data, zipfile.ZIP_DEFLATED if name in deflated else zipfile.ZIP_STORED)
+    return buf.getvalue()
+
+
+def zip_entries(data: bytes) -> list[tuple[str, bytes]]:
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return [(i.filename, z.read(i)) for i in z.infolist()]
+
+
+def directory_mutation(data: bytes, rng: random.Random) -> bytes:
+    """Central directory fields of a zip set to random values: sizes, offsets, name lengths, the entry count."""
+    out = bytearray(data)
+    cds = [i for i in range(len(out) - 4) if out[i:i + 4] == b"PK\x01\x02"]
+    eocd = data.rfind(b"PK\x05\x06")
+    for _ in range(rng.randrange(1, 4)):
+        if rng.random() < 0.2:
+            at, width = eocd + rng.choice([8, 10, 12, 16]), 2
+        else:
+            off = rng.choice([10, 20, 24, 28, 42])
+            at, width = rng.choice(cds) + off, 2 if off in (10, 28) else 4
+        out[at:at + width] = rng.choice([0, 1, (1 << 8 * width) - 1, rng.randrange(1 << 8 * width)]).to_bytes(
+            width, "little")
+    return bytes(out)
+
+
+def keras_mutation(data: bytes, rng: random.Random) -> bytes:
+    """A .keras file truncated / byte-flipped, its directory edited, or re-zipped with an entry changed: config
+    or metadata JSON mutated, weights bytes flipped, names made hostile, an entry deflated or duplicated."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return data[:rng.randrange(len(data))] if rng.random() < 0.8 else data + bytes(rng.randrange(1, 64))
+    if kind == 1:
+        out = bytearray(data)
+        for _ in range(rng.randrange(1, 8)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    if kind == 2:
+        return directory_mutation(data, rng)
+    entries = zip_entries(data)
+    i = rng.randrange(len(entries))
+    name, body = entries[i]
+    deflated: tuple[str, ...] = ()
+    what = rng.randrange(5) if kind == 3 else rng.randrange(2, 5)
+    if what == 0 and name.endswith(".json"):
+        entries[i] = (name, json_mutation(body, rng))
+    elif what <= 1:
+        b = bytearray(body)
+        for _ in range(rng.randrange(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        entries[i] = (name, bytes(b))
+    elif what == 2:
+        entries[i] = (rng.choice(["../" + name, "/" + name, "assets/../../x", "x.py", "a\\..\\b", name.upper(), "assets/a"]), body)
+    elif what == 3:
+        deflated = (name,)
+        if rng.random() < 0.5:
+            entries[i] = (name, body + bytes(rng.choice([1 << 10, 1 << 20, 4 << 20])))
+    else:
+        entries.insert(rng.randrange(len(entries) + 1), (name, rng.choice([body, b"{}", b""])))
+    return zip_of(entries, deflated)
+
+
+def fuzz_keras_archive(cases: int, limit) -> dict:
+    """The zip / JSON / h5 checks of a .keras file (pure Python and h5py: no TensorFlow) on mutated files made
+    by tests/tf (path in H29_KERAS_FILE)."""
+    import tempfile
+
+    from compressor.core.archives import ArchiveError, check_keras_archive
+
+    with open(os.environ["H29_KERAS_FILE"], "rb") as f:
+        legit = f.read()
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.keras")
+
+    def read(data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+        check_keras_archive(path)
+
+    read(legit)
+    limit()
+    return fuzz_loop(read, lambda rng: keras_mutation(legit, rng), cases, (ArchiveError,))
