@@ -1,7 +1,10 @@
 """Issue 29 (items 7-9) on the torch side: ``compressor report`` on crafted / fuzzed ONNX files raises ModelError
 (no IndexError / ValueError), torch mask files that are missing or not ours get a ConfigError naming the
 file, ``load_compressed`` refuses a file that does not fit the model from its header alone (before any
-tensor is decoded), and the CLI answers hostile files with exit code 2 and one line."""
+tensor is decoded), and the CLI answers hostile files with exit code 2 and one line. Torch ``.pt`` files: zip
+bombs, pickles that allocate (``bytearray(n)``, quantized tensors) or run long, stride-0 views and legacy files
+are refused before or right after ``torch.load`` (compressor.core.archives); ONNX: the size cap and external
+data references. Fuzz: .pt and ONNX readers in a memory-capped subprocess."""
 
 from __future__ import annotations
 
