@@ -81,11 +81,16 @@ def _torch_load(path: str) -> Any:
         import torch
     except ImportError:
         raise BackendNotAvailable(f"reading {path!r} needs torch (pip install 'compressor[torch]')") from None
+    from .core.archives import check_torch_archive, check_torch_object
+
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle errors, zip errors, a pickled nn.Module refused by weights_only
+        check_torch_archive(path)  # the zip's directory and pickle, against the caps of core.archives
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        check_torch_object(obj, os.path.getsize(path))
+        return obj
+    except Exception as e:  # pickle errors, zip errors, a pickled nn.Module refused by weights_only, the caps
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot read {path!r} as a torch state_dict ({first}); save one with "
+        raise ModelError(f"cannot read {path!r} as a torch state_dict ({first[:300]}); save one with "
                          f"torch.save(model.state_dict(), path) or pruner.export_model(path)") from None
 
 
@@ -94,7 +99,12 @@ def _to_numpy(t: Any) -> np.ndarray:
         t = t.detach().cpu()
         if str(t.dtype) == "torch.bfloat16":
             t = t.float()
-        return t.numpy()
+        try:
+            return t.numpy()
+        except TypeError:  # dtypes numpy lacks (float8_*, complex32): widened, as bfloat16 is
+            import torch
+
+            return (t.to(torch.complex64) if t.is_complex() else t.float()).numpy()
     return np.asarray(t)
 
 
@@ -117,20 +127,94 @@ def _from_state_dict(sd: dict[str, Any], path: str) -> tuple[list[tuple[str, np.
 
 
 def load_keras(path: str) -> Any:
-    """A ``.keras`` file as a Keras model (not compiled); BackendNotAvailable / ModelError otherwise."""
+    """A ``.keras`` file as a Keras model (not compiled); BackendNotAvailable / ModelError otherwise. The
+    archive is checked first against the caps of :mod:`compressor.core.archives` (entries, inflated sizes,
+    config.json / metadata.json, the weights' declared shapes), so a zip bomb never reaches Keras."""
     import zipfile
 
-    if os.path.isfile(path) and not zipfile.is_zipfile(path):
-        raise ModelError(f"{path!r} is not a .keras archive: not a zip file (save one with model.save('m.keras'))")
+    from .core.archives import ArchiveError, check_keras_archive
+
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise ModelError(f"Keras model file {p!r} does not exist")
+    if not zipfile.is_zipfile(p):
+        raise ModelError(f"{p!r} is not a .keras archive: not a zip file (save one with model.save('m.keras'))")
+    try:
+        _, variable_cap = check_keras_archive(p)
+    except ArchiveError as e:
+        raise ModelError(f"{p!r} is not a .keras archive Keras may read: {e}") from None
+    except OSError as e:
+        raise ModelError(f"cannot read {p!r} ({e.strerror or e})") from None
     try:
         import keras
     except ImportError:
-        raise BackendNotAvailable(f"reading {path!r} needs tensorflow (pip install 'compressor[tf]')") from None
+        raise BackendNotAvailable(f"reading {p!r} needs tensorflow (pip install 'compressor[tf]')") from None
+    budget = _KerasVariableBudget(variable_cap)
+    token = _KERAS_BUDGET.set(budget) if _install_keras_budget_hook() else None
     try:
-        return keras.saving.load_model(path, compile=False)
+        return keras.saving.load_model(p, compile=False, safe_mode=True)
     except Exception as e:  # noqa: BLE001 - any Keras load failure is bad input
+        if budget.refused:  # however Keras wrapped it
+            raise ModelError(f"{p!r} is not a .keras archive Keras may read: {budget.refused}") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load {path!r} as a Keras model ({first[:200]})") from None
+        raise ModelError(f"cannot load {p!r} as a Keras model ({first[:200]})") from None
+    finally:
+        if token is not None:
+            _KERAS_BUDGET.reset(token)
+
+
+class _KerasVariableBudget:
+    """The bytes the variables Keras creates while :func:`load_keras` runs may hold together."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.used, self.refused = cap, 0, ""
+
+    def take(self, shape: Any, dtype: Any) -> None:
+        try:
+            itemsize = np.dtype(str(dtype)).itemsize
+        except TypeError:  # bfloat16, float8_*, int4 (not numpy names): the width in the name
+            digits = "".join(c for c in str(dtype) if c.isdigit())
+            itemsize = max(1, int(digits) // 8) if digits else 8
+        self.used += math.prod(int(d) for d in shape) * itemsize
+        if self.used > self.cap:
+            self.refused = (f"its config.json builds variables of more than {self.cap:,} bytes, more than its weights "
+                            f"entry can fill (a shape bomb)")
+            raise ModelError(self.refused)
+
+
+_KERAS_BUDGET: Any = None
+
+
+def _install_keras_budget_hook() -> bool:
+    """Make Keras' variables check the budget of the load in progress (a context variable: other threads and
+    loads outside :func:`load_keras` are not affected) when their shape is set, before their value is
+    allocated. Keras has no public hook for this: its private ``Variable._validate_shape`` is wrapped once;
+    on a Keras without it, nothing is installed (the zip checks still apply)."""
+    global _KERAS_BUDGET
+    import contextvars
+
+    try:
+        from keras.src.backend.common import variables
+    except ImportError:
+        return False
+    orig = getattr(variables.Variable, "_validate_shape", None)
+    if orig is None:
+        return False
+    if _KERAS_BUDGET is None:
+        _KERAS_BUDGET = contextvars.ContextVar("compressor_keras_variable_budget", default=None)
+    if getattr(orig, "_compressor_budget", False):
+        return True
+
+    def _validate_shape(self: Any, shape: Any) -> Any:
+        shape = orig(self, shape)
+        budget = _KERAS_BUDGET.get()
+        if budget is not None:
+            budget.take(shape, getattr(self, "_dtype", "float32"))
+        return shape
+
+    _validate_shape._compressor_budget = True  # type: ignore[attr-defined]
+    variables.Variable._validate_shape = _validate_shape
+    return True
 
 
 def _read_keras(path: str) -> tuple[list[tuple[str, np.ndarray]], dict[str, dict[str, Any]]]:
@@ -170,8 +254,15 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
         from onnx import numpy_helper
     except ImportError:
         raise BackendNotAvailable(f"reading {path!r} needs onnx (pip install 'compressor[onnx]')") from None
+    size = os.path.getsize(path)
+    if size > ONNX_MAX_BYTES:
+        raise ModelError(f"{path!r} has {size:,} bytes, more than the {ONNX_MAX_BYTES:,} an ONNX protobuf may have "
+                         f"(larger models keep their weights in external data files)")
     try:
-        model = onnx.load(path)
+        model = onnx.load(path, load_external_data=False)
+        _load_onnx_external_data(model, os.path.dirname(os.path.abspath(path)))
+    except ModelError as e:
+        raise ModelError(f"cannot read {path!r} as an ONNX model ({e})") from None
     except Exception as e:  # protobuf decode errors, missing external data
         raise ModelError(f"cannot read {path!r} as an ONNX model ({str(e).splitlines()[0][:200] if str(e) else e!r})") from None
     try:
@@ -181,6 +272,48 @@ def _read_onnx(path: str) -> list[tuple[str, np.ndarray]]:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ModelError(f"{path!r} is not a valid ONNX model ({type(e).__name__}: {first}); check it with "
                          f"onnx.checker.check_model") from None
+
+
+#: the most bytes a .onnx file may have for ``compressor report``: protobuf's own limit for one message (2 GiB);
+#: larger models keep their weights in external data files, read as described in _load_onnx_external_data
+ONNX_MAX_BYTES = 1 << 31
+
+
+def _load_onnx_external_data(model: Any, base_dir: str) -> None:
+    """Load the tensors a model keeps in external files, after checking the references: every file is a
+    plain relative name inside the model's folder (no ``..``, no absolute path, not a symlink), and the
+    regions the tensors name in one file add up to no more than that file's size (so the tensors read hold at
+    most what the external files hold; onnx itself checks each region lies inside its file)."""
+    from onnx.external_data_helper import (
+        ExternalDataInfo,
+        _get_all_tensors,
+        load_external_data_for_tensor,
+        uses_external_data,
+    )
+
+    tensors = [t for t in _get_all_tensors(model) if uses_external_data(t)]
+    wanted: dict[str, int] = {}
+    for t in tensors:
+        info = ExternalDataInfo(t)
+        loc = info.location
+        parts = loc.replace("\\", "/").split("/")
+        if not loc or os.path.isabs(loc) or ".." in parts or "\x00" in loc or (len(loc) > 1 and loc[1] == ":"):
+            raise ModelError(f"tensor {t.name[:80]!r} names external data {loc[:80]!r} outside the model's folder")
+        full = os.path.join(base_dir, loc)
+        if os.path.islink(full) or not os.path.isfile(full):
+            raise ModelError(f"tensor {t.name[:80]!r}: external data {loc[:80]!r} is not a file in the model's folder")
+        have = os.path.getsize(full)
+        offset = int(info.offset or 0)
+        length = int(info.length) if info.length is not None else have - offset
+        if offset < 0 or length < 0 or offset + length > have:
+            raise ModelError(f"tensor {t.name[:80]!r}: external data {loc[:80]!r} region {offset:,}+{length:,} lies "
+                             f"outside the {have:,}-byte file")
+        wanted[full] = wanted.get(full, 0) + length
+        if wanted[full] > have:
+            raise ModelError(f"tensors read {wanted[full]:,} bytes from the {have:,}-byte external data file "
+                             f"{loc[:80]!r} (overlapping regions)")
+    for t in tensors:
+        load_external_data_for_tensor(t, base_dir)
 
 
 def _onnx_rows(model: Any, numpy_helper: Any) -> list[tuple[str, np.ndarray]]:

@@ -323,6 +323,8 @@ def _files(folder: str) -> list[str]:
         weight_map = _read_json(index, "index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index!r}: corrupted index (no weight_map object)")
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index!r}: corrupted index (weight_map values must be file names)")
         names = sorted(set(weight_map.values()), key=str)
         bad = [n for n in names if not (isinstance(n, str) and n.endswith(".safetensors") and os.path.basename(n) == n
                                         and n not in (".", ".."))]
@@ -508,7 +510,14 @@ def _load(folder: str) -> tuple[dict[str, Any], list[tuple[_Layer, np.ndarray, d
             tensors[k] = v
             a, b = header[k]["data_offsets"]
             nbytes[k] = b - a
-    rows = [(layer, *_decode(layer, qc)) for layer in _layers(tensors, nbytes, qc)]
+    try:
+        rows = [(layer, *_decode(layer, qc)) for layer in _layers(tensors, nbytes, qc)]
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError, re.error) as e:
+        # a quantization_config of the wrong shape (a number where an object belongs, a bad target regex)
+        raise CheckpointError(f"{os.path.join(folder, 'config.json')!r}: corrupted quantization_config "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
     return config, rows, size
 
 

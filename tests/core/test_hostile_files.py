@@ -666,3 +666,177 @@ def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, se
     for f in flips:  # damaged streams: every decoder refuses, or all give the same symbols
         bad[f % len(bad)] ^= 1 << (f % 8)
     assert _outcome(chains, bytes(bad), n) == _outcome(rows, bytes(bad), n) == _outcome(K.huffman_decode, bytes(bad), n)
+
+
+# ---------------------------------------------------------------------------------------------- fuzz HF config / index
+_HOSTILE_JSON = [None, True, 0, -1, 1 << 40, 2.5, "", "re:(", "re:.*", "group", "channel", "pack-quantized",
+                 "sparse-bitmask", "x" * 300, [], [1, "a"], {}, {"num_bits": 4}, {"targets": "q"}]
+
+
+def json_mutation(text: bytes, rng: random.Random) -> bytes:
+    """A JSON file truncated, byte-flipped, or with values anywhere in it replaced by hostile ones."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return text[:rng.randrange(len(text))]
+    if kind == 1:
+        out = bytearray(text)
+        for _ in range(rng.randrange(1, 6)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    obj = json.loads(text)
+    for _ in range(rng.randrange(1, 4)):
+        node = obj
+        while isinstance(node, (dict, list)) and node and rng.random() < 0.8:  # walk down to some container
+            key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+            if not isinstance(node[key], (dict, list)) or not node[key]:
+                break
+            node = node[key]
+        if isinstance(node, dict) and node:
+            key = rng.choice(list(node))
+            if kind == 2:
+                node[key] = rng.choice(_HOSTILE_JSON)
+            else:
+                node[rng.choice(["config_groups", "format", "weight_map", "weights", key + "x"])] = node.pop(key)
+        elif isinstance(node, list) and node:
+            node[rng.randrange(len(node))] = rng.choice(_HOSTILE_JSON)
+    return json.dumps(obj).encode()
+
+
+def fuzz_checkpoint(cases: int, limit) -> dict:
+    """load_compressed_tensors on a checkpoint folder whose config.json or index JSON is mutated."""
+    import tempfile
+
+    from compressor.core.compressed_tensors import CheckpointError, load_compressed_tensors
+    from tests.core.test_compressed_tensors import _checkpoint
+
+    folder = tempfile.mkdtemp()
+    _checkpoint(folder, symmetric=False, sparse=True)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    from compressor.core.compressed_tensors import read_safetensors
+
+    names = sorted(read_safetensors(os.path.join(folder, "model.safetensors")))
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": 1}, "weight_map": {n: "model.safetensors" for n in names}}, f)
+    files = {}
+    for name in ("config.json", "model.safetensors.index.json"):
+        with open(os.path.join(folder, name), "rb") as f:
+            files[name] = f.read()
+    load_compressed_tensors(folder)  # the unmutated folder reads
+
+    def make(rng: random.Random) -> tuple[str, bytes]:
+        name = rng.choice(sorted(files))
+        return name, json_mutation(files[name], rng)
+
+    def read(case: tuple[str, bytes]) -> None:
+        name, data = case
+        for n, d in files.items():
+            with open(os.path.join(folder, n), "wb") as f:
+                f.write(data if n == name else d)
+        load_compressed_tensors(folder)
+
+    limit()
+    return fuzz_loop(read, make, cases, (CheckpointError,))
+
+
+def test_fuzz_checkpoint_config_and_index():
+    res = fuzz_in_subprocess("tests.core.test_hostile_files:fuzz_checkpoint", FUZZ_CASES, mem_mb=64)
+    assert res["unexpected"] == [], res
+    assert res["kinds"].get("CheckpointError", 0) > FUZZ_CASES // 3, res
+    assert res["worst_s"] < 1.0, res
+
+
+# ---------------------------------------------------------------------------------------------- fuzz .keras (zip)
+def zip_of(entries: list[tuple[str, bytes]], deflated: tuple[str, ...] = ()) -> bytes:
+    """A zip of ``entries`` in order (names may repeat), stored or deflated by name."""
+    import io
+    import warnings
+    import zipfile
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'Duplicate name'
+        with zipfile.ZipFile(buf, "w") as z:
+            for name, data in entries:
+                z.writestr(name, data, zipfile.ZIP_DEFLATED if name in deflated else zipfile.ZIP_STORED)
+    return buf.getvalue()
+
+
+def zip_entries(data: bytes) -> list[tuple[str, bytes]]:
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return [(i.filename, z.read(i)) for i in z.infolist()]
+
+
+def directory_mutation(data: bytes, rng: random.Random) -> bytes:
+    """Central directory fields of a zip set to random values: sizes, offsets, name lengths, the entry count."""
+    out = bytearray(data)
+    cds = [i for i in range(len(out) - 4) if out[i:i + 4] == b"PK\x01\x02"]
+    eocd = data.rfind(b"PK\x05\x06")
+    for _ in range(rng.randrange(1, 4)):
+        if rng.random() < 0.2:
+            at, width = eocd + rng.choice([8, 10, 12, 16]), 2
+        else:
+            off = rng.choice([10, 20, 24, 28, 42])
+            at, width = rng.choice(cds) + off, 2 if off in (10, 28) else 4
+        out[at:at + width] = rng.choice([0, 1, (1 << 8 * width) - 1, rng.randrange(1 << 8 * width)]).to_bytes(
+            width, "little")
+    return bytes(out)
+
+
+def keras_mutation(data: bytes, rng: random.Random) -> bytes:
+    """A .keras file truncated / byte-flipped, its directory edited, or re-zipped with an entry changed: config
+    or metadata JSON mutated, weights bytes flipped, names made hostile, an entry deflated or duplicated."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return data[:rng.randrange(len(data))] if rng.random() < 0.8 else data + bytes(rng.randrange(1, 64))
+    if kind == 1:
+        out = bytearray(data)
+        for _ in range(rng.randrange(1, 8)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    if kind == 2:
+        return directory_mutation(data, rng)
+    entries = zip_entries(data)
+    i = rng.randrange(len(entries))
+    name, body = entries[i]
+    deflated: tuple[str, ...] = ()
+    what = rng.randrange(5) if kind == 3 else rng.randrange(2, 5)
+    if what == 0 and name.endswith(".json"):
+        entries[i] = (name, json_mutation(body, rng))
+    elif what <= 1:
+        b = bytearray(body)
+        for _ in range(rng.randrange(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        entries[i] = (name, bytes(b))
+    elif what == 2:
+        entries[i] = (rng.choice(["../" + name, "/" + name, "assets/../../x", "x.py", "a\\..\\b", name.upper(), "assets/a"]), body)
+    elif what == 3:
+        deflated = (name,)
+        if rng.random() < 0.5:
+            entries[i] = (name, body + bytes(rng.choice([1 << 10, 1 << 20, 4 << 20])))
+    else:
+        entries.insert(rng.randrange(len(entries) + 1), (name, rng.choice([body, b"{}", b""])))
+    return zip_of(entries, deflated)
+
+
+def fuzz_keras_archive(cases: int, limit) -> dict:
+    """The zip / JSON / h5 checks of a .keras file (pure Python and h5py: no TensorFlow) on mutated files made
+    by tests/tf (path in H29_KERAS_FILE)."""
+    import tempfile
+
+    from compressor.core.archives import ArchiveError, check_keras_archive
+
+    with open(os.environ["H29_KERAS_FILE"], "rb") as f:
+        legit = f.read()
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.keras")
+
+    def read(data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+        check_keras_archive(path)
+
+    read(legit)
+    limit()
+    return fuzz_loop(read, lambda rng: keras_mutation(legit, rng), cases, (ArchiveError,))

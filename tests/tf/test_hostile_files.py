@@ -1,8 +1,10 @@
 """Issue 29 (items 7, 9) on Keras / TFLite: ``compressor report`` on truncated / mutated / crafted .tflite files
 raises ModelError (tf.lite.Interpreter segfaulted on most of them), reads what the interpreter reads on
 real files, and names that are not UTF-8 are shown; garbage .keras files and bad mask files get clear
-errors; ``load_compressed`` checks names and shapes before decoding. Fuzz: in a subprocess with a
-memory cap (``COMPRESSOR_FUZZ_CASES`` for more)."""
+errors; ``load_compressed`` checks names and shapes before decoding; ``.keras`` zip bombs, shape bombs (h5
+datasets, variables built from config.json) and configs of too many objects are refused before Keras
+allocates them. Fuzz: in a subprocess with a memory cap (``COMPRESSOR_FUZZ_CASES`` for more): the .keras checks
+on every case, full Keras loads on 1 in 25 (at least 8)."""
 
 from __future__ import annotations
 
@@ -171,3 +173,160 @@ def test_cli_report_on_a_hostile_tflite_is_one_line(tmp_path):
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("compressor: error: ") and "cut.tflite" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- .keras archives
+def keras_file(tmp_path) -> bytes:
+    path = tmp_path / "tiny.keras"
+    tiny_model().save(path)
+    return path.read_bytes()
+
+
+def refused_keras(tmp_path, data: bytes, match: str) -> tuple[float, int]:
+    """``read_weights`` of a crafted .keras: a ModelError naming the file and matching ``match``."""
+    import re
+
+    from tests.core.test_hostile_files import measured
+
+    path = tmp_path / "crafted.keras"
+    path.write_bytes(data)
+    err, dt, peak = measured(read_weights, path)
+    assert isinstance(err, ModelError) and "crafted.keras" in str(err), repr(err)
+    assert re.search(match, str(err)), str(err)
+    return dt, peak
+
+
+def test_keras_zip_bombs_are_refused_before_keras_reads_them(tmp_path, monkeypatch):
+    from compressor.core import archives
+    from tests.core.test_hostile_files import zip_entries, zip_of
+
+    entries = dict(zip_entries(keras_file(tmp_path)))
+    config = entries["config.json"]
+    # config.json: valid JSON padded to 64 MiB, deflated to ~64 KB
+    bomb = config[:-1] + b" " * (64 << 20) + b"}"
+    data = zip_of([*{**entries, "config.json": bomb}.items()], deflated=("config.json",))
+    assert len(data) < 200_000
+    dt, peak = refused_keras(tmp_path, data, r"'config.json' inflates to 67,[0-9,]+ bytes from [0-9,]+, more than "
+                                             r"100x \(a zip bomb\)")
+    assert dt < 0.5 and peak < 4 * len(data) + (1 << 20)  # (refused before Keras is imported: all traced)
+    # model.weights.h5 claiming far more than the file holds (directory record edited)
+    good = bytearray(zip_of([*entries.items()]))
+    cd = good.find(b"model.weights.h5", good.find(b"PK\x01\x02")) - 46
+    good[cd + 24:cd + 28] = ((1 << 32) - 1).to_bytes(4, "little")  # its uncompressed size
+    refused_keras(tmp_path, bytes(good), r"stored entry 'model.weights.h5' claims 4,294,967,295 bytes but holds")
+    # within the per-entry ratio (runs deflate ~20x), past what the file may inflate to (base lowered to 1 MiB)
+    monkeypatch.setattr(archives, "KERAS_INFLATE_BASE", 1 << 20)
+    runs = np.repeat(np.random.default_rng(0).integers(0, 4, 1 << 19, dtype=np.uint8), 16).tobytes()
+    refused_keras(tmp_path, zip_of([*entries.items(), ("assets/blob", runs)], deflated=("assets/blob",)),
+                  r"inflate to more than the [0-9,]+ bytes read from a file of")
+    monkeypatch.setattr(archives, "KERAS_CONFIG_MAX_BYTES", 1000)
+    refused_keras(tmp_path, zip_of([*entries.items()]), rf"'config.json' holds {len(config):,} bytes, more than the "
+                                                       rf"1,000 allowed")
+    monkeypatch.undo()
+    cases = {
+        r"config.json is not JSON": {**entries, "config.json": b"{not json"},
+        r"config.json is not a JSON object": {**entries, "config.json": b"[1, 2]"},
+        r"config.json is not JSON Keras reads \(nested too deeply\)": {**entries, "config.json": b"[" * 100_000},
+        r"metadata.json is not JSON": {**entries, "metadata.json": b"\xff\xfe"},
+        r"entry '../evil.py' is not a plain relative name": {**entries, "../evil.py": b"x"},
+        r"unexpected entry 'evil.py'": {**entries, "evil.py": b"x"},
+        r"no model.weights.h5 / model.weights.npz entry": {k: v for k, v in entries.items() if k != "model.weights.h5"},
+    }
+    for match, ents in cases.items():
+        refused_keras(tmp_path, zip_of([*ents.items()]), match)
+    refused_keras(tmp_path, zip_of([*entries.items(), ("config.json", b"{}")]), r"'config.json' appears twice")
+
+
+def test_keras_shape_bombs_are_refused_before_allocating(tmp_path):
+    import io
+    import json
+    import resource
+
+    import h5py
+
+    from tests.core.test_hostile_files import zip_entries, zip_of
+
+    entries = dict(zip_entries(keras_file(tmp_path)))
+    # an h5 dataset declaring 4 GiB with no chunk written (read back as its fill value)
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as h:
+        h.create_dataset("layers/fc/vars/0", shape=(1 << 30,), dtype="f4", chunks=(1 << 16,))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused_keras(tmp_path, zip_of([*{**entries, "model.weights.h5": buf.getvalue()}.items()]),
+                  r"model.weights.h5: its datasets declare more than [0-9,]+ bytes, 4x the [0-9,]+ bytes it holds")
+    # config.json building a 115-GB Dense (Keras allocates variables from the config before reading weights)
+    config = json.loads(entries["config.json"])
+    for layer in config["config"]["layers"]:
+        if layer["class_name"] == "Dense":
+            layer["config"]["units"] = 200_000_000
+    dt, _ = refused_keras(tmp_path, zip_of([*{**entries, "config.json": json.dumps(config).encode()}.items()]),
+                          r"its config.json builds variables of more than [0-9,]+ bytes")
+    assert dt < 2.0 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 << 10  # KiB
+    # 5,000 layers in config.json (Keras takes ~1 ms to build each; deflated, it is a zip bomb): their count
+    config = json.loads(entries["config.json"])
+    flatten = next(layer for layer in config["config"]["layers"] if layer["class_name"] == "Flatten")
+    config["config"]["layers"] += [{**flatten, "name": f"f{i}"} for i in range(5000)]
+    data = zip_of([*{**entries, "config.json": json.dumps(config).encode()}.items()])
+    dt, _ = refused_keras(tmp_path, data, r"its config.json describes [0-9,]+ Keras objects, more than the [0-9,]+ "
+                                          r"read from a file of its size \(1,000 \+ 1 per 768 bytes\)")
+    assert dt < 1.0
+
+
+def test_fuzz_keras_archive_check_bounded(tmp_path, monkeypatch):
+    (tmp_path / "tiny.keras").write_bytes(keras_file(tmp_path))
+    monkeypatch.setenv("H29_KERAS_FILE", str(tmp_path / "tiny.keras"))
+    res = fuzz_in_subprocess("tests.core.test_hostile_files:fuzz_keras_archive", FUZZ_CASES, mem_mb=128)
+    assert res["unexpected"] == [], res
+    assert res["kinds"].get("ArchiveError", 0) > FUZZ_CASES // 3, res
+    assert res["worst_s"] < 1.0, res
+
+
+#: full Keras loads in the fuzz (each ~30-100 ms, plus TensorFlow's import in the subprocess)
+KERAS_LOADS = max(8, FUZZ_CASES // 25)
+
+
+def fuzz_keras_load(cases: int, limit) -> dict:
+    """load_keras (the checks, then keras.saving.load_model) on .keras files whose config / metadata JSON or
+    weights bytes are mutated (most pass the zip checks: Keras itself reads them)."""
+    import os
+    import random
+    import tempfile
+
+    from compressor.report import load_keras
+    from tests.core.test_hostile_files import fuzz_loop, json_mutation, zip_entries, zip_of
+
+    folder = tempfile.mkdtemp()
+    tiny_model().save(os.path.join(folder, "tiny.keras"))
+    with open(os.path.join(folder, "tiny.keras"), "rb") as f:
+        legit = f.read()
+    entries = zip_entries(legit)
+    path = os.path.join(folder, "fuzz.keras")
+
+    def make(rng: random.Random) -> bytes:
+        out = list(entries)
+        i = rng.randrange(len(out))
+        name, body = out[i]
+        if name.endswith(".json") and rng.random() < 0.8:
+            out[i] = (name, json_mutation(body, rng))
+        else:
+            b = bytearray(body)
+            for _ in range(rng.randrange(1, 6)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            out[i] = (name, bytes(b))
+        return zip_of(out)
+
+    def read(data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+        load_keras(path)
+
+    read(legit)  # warm: the first load builds Keras' and TensorFlow's caches
+    limit()
+    return fuzz_loop(read, make, cases, (ModelError,))
+
+
+def test_fuzz_keras_load_bounded():
+    res = fuzz_in_subprocess("tests.tf.test_hostile_files:fuzz_keras_load", KERAS_LOADS, mem_mb=1024, timeout=300)
+    assert res["unexpected"] == [], res
+    assert res["kinds"].get("ModelError", 0) > 0, res
+    assert res["worst_s"] < 1.0, res

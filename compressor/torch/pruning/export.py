@@ -174,14 +174,20 @@ def load_into_wrapped(pruner: Any, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_mask_file(mask_path: str | os.PathLike, device: Any = None) -> Any:
-    """The content of a torch mask file (``torch.load(..., weights_only=True)``: no arbitrary pickle); a
-    ConfigError naming the file when it is missing or not a torch file."""
+    """The content of a torch mask file (``torch.load(..., weights_only=True)``: no arbitrary pickle, after
+    :func:`compressor.core.archives.check_torch_archive`); a ConfigError naming the file when it is missing,
+    not a torch file or past the caps."""
     p = os.fspath(mask_path)
     if not os.path.isfile(p):
         raise ConfigError(f"mask file {p!r} does not exist")
+    from ...core.archives import check_torch_archive, check_torch_object
+
     try:
-        return torch.load(p, map_location=device or "cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling / zip / weights_only refusals: all bad input
+        check_torch_archive(p)  # the zip's directory and pickle against the stated caps (core.archives)
+        masks = torch.load(p, map_location=device or "cpu", weights_only=True)
+        check_torch_object(masks, os.path.getsize(p))
+        return masks
+    except Exception as e:  # noqa: BLE001 - unpickling / zip / weights_only refusals, the caps: all bad input
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(f"cannot read mask file {p!r} ({type(e).__name__}: {first}); write one with "
                           f"pruner.export_model(model_path, mask_path)") from None
