@@ -99,3 +99,46 @@ def text_corpus() -> Path:
             pytest.fail(f"text corpus not found at {p} (set COMPRESSOR_TEXT_CORPUS)")
         pytest.skip(f"text corpus not found at {p}")
     return p
+
+
+def _missing_package_skip(report) -> bool:
+    """A skip from ``pytest.importorskip`` ("could not import 'x'")."""
+    if not report.skipped:
+        return False
+    text = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    return "could not import" in text
+
+
+def _strict_in_ci(path: Path) -> bool:
+    """In CI, a backend test (torch / tf / parity) whose env is required never skips for a missing package:
+    every package such a test imports is installed by its tox env's extras, so a skip hides a broken env."""
+    if not in_ci():
+        return False
+    try:
+        marks = _markers_for(path)
+    except (ValueError, IndexError):
+        return False
+    return bool(marks) and marks <= required_backends()
+
+
+def _fail_instead(report, where: str) -> None:
+    text = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"{where}: {text} (in CI the test env installs this package; a skip would hide it)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if _missing_package_skip(rep) and _strict_in_ci(Path(str(item.fspath))):
+        _fail_instead(rep, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    rep = outcome.get_result()
+    path = getattr(collector, "path", None)
+    if path is not None and path.suffix == ".py" and _missing_package_skip(rep) and _strict_in_ci(Path(str(path))):
+        _fail_instead(rep, str(path))
