@@ -299,6 +299,20 @@ class ParentGluBackend(GluBackend):
         return [self.mlp(y).astype(np.float32) for y in calls]
 
 
+def _mlp_losses(cfg, w0, ys, xm, wm, spec):
+    """The reference parent-module loss per alpha: mlp's output with a / b quantized at that alpha's scales vs
+    the float mlp, on the inputs ``ys``."""
+    ref = ParentGluBackend(cfg)
+    want = [ref.mlp(y).astype(np.float32) for y in ys]
+    losses = []
+    for alpha in os1.awq_grid():
+        s = os1.awq_scales(xm, alpha, wm)
+        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
+        got = [ref.mlp(y).astype(np.float32) for y in ys]
+        losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    return losses
+
+
 def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_per_alpha():
     cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
     be = ParentGluBackend(cfg)
@@ -314,14 +328,7 @@ def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_pe
         acc.add(y)
     xm = acc.abs_mean()  # the statistics of the parent's (and a / b's) input x / 2
     wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
-    ref = ParentGluBackend(cfg)
-    want = [ref.mlp(y).astype(np.float32) for y in ys]
-    losses = []
-    for alpha in os1.awq_grid():
-        s = os1.awq_scales(xm, alpha, wm)
-        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
-        got = [ref.mlp(y).astype(np.float32) for y in ys]
-        losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    losses = _mlp_losses(cfg, w0, ys, xm, wm, spec)
     best = int(np.argmin(losses))
     assert rows[0]["alpha"] == os1.awq_grid()[best]
     assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
@@ -353,14 +360,7 @@ def test_awq_search_samples_scores_the_grid_on_those_batches_and_the_statistics_
     xm = acc.abs_mean()
     wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
     ys = [batches[0] / 2, batches[4] / 2]  # the loss: the first and the last batch only
-    ref = ParentGluBackend(cfg)
-    want = [ref.mlp(y).astype(np.float32) for y in ys]
-    losses = []
-    for alpha in os1.awq_grid():
-        s = os1.awq_scales(xm, alpha, wm)
-        ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
-        got = [ref.mlp(y).astype(np.float32) for y in ys]
-        losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
+    losses = _mlp_losses(cfg, w0, ys, xm, wm, spec)
     best = int(np.argmin(losses))
     assert rows[0]["alpha"] == os1.awq_grid()[best]
     assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
