@@ -37,7 +37,7 @@ from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "search_subset", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "search_subset", "search_inputs", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -65,6 +65,30 @@ def search_subset(inputs: list[Any], samples: int | None) -> list[Any]:
     return [inputs[i] for i in idx]
 
 
+def search_inputs(backend: Any, inputs: list[Any], samples: int | None) -> list[Any]:
+    """The block inputs AWQ's grid is scored on: ``samples`` calibration SEQUENCES spread evenly over the whole
+    set (:func:`search_subset` of the sequence indices across all batches), taken out of their batches with the
+    backend's ``take_rows(input, rows)`` (``batch_rows(input)``: the sequences of one input); a backend without
+    them gets whole batches (:func:`search_subset` of the batches). The same sequences on every backend."""
+    if samples is None:
+        return list(inputs)
+    rows_of, take = getattr(backend, "batch_rows", None), getattr(backend, "take_rows", None)
+    if rows_of is None or take is None:
+        return search_subset(inputs, samples)
+    counts = [int(rows_of(i)) for i in inputs]
+    total = sum(counts)
+    if samples >= total:
+        return list(inputs)
+    picks = search_subset(list(range(total)), samples)
+    out, start = [], 0
+    for inp, n in zip(inputs, counts):
+        local = [p - start for p in picks if start <= p < start + n]
+        if local:
+            out.append(inp if len(local) == n else take(inp, local))
+        start += n
+    return out
+
+
 #: ``awq_search``: where AWQ's alpha is chosen (see :class:`AwqMethod`)
 AWQ_SEARCHES = ("block", "layer")
 #: ``search_samples`` when the config does not say (None: every calibration batch)
@@ -88,8 +112,8 @@ ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
                                                  f"alpha per group of layers that read the same input, on the block's "
                                                  f"output error; 'layer': each layer alone, on its own output error)"),
     KeySpec("search_samples", _search_samples, "an int >= 1 or None (AWQ, awq_search 'block': how many calibration "
-                                                "batches, spread evenly over the set, the alpha grid is scored on; "
-                                                "None: all of them. The statistics always use every batch)"),
+                                                "sequences, spread evenly over the set, the alpha grid is scored on; "
+                                                "None: all of them. The statistics always use every sequence)"),
     KeySpec("quant_range", _choice(QUANT_RANGES), f"one of {list(QUANT_RANGES)} (symmetric weight grid: 'narrow' "
                                                   f"(default) [-(2^(b-1)-1), 2^(b-1)-1], e.g. int4 [-7, 7]; 'full' "
                                                   f"[-2^(b-1), 2^(b-1)-1], e.g. int4 [-8, 7] as compressed-tensors "
@@ -570,7 +594,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
         raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (set_weight); give "
                          f"awq_search: 'layer'")
     # the grid is scored on a subset of the calibration batches (``search_samples``); statistics use all
-    inputs = search_subset(inputs, tasks[0].config.get("search_samples", AWQ_SEARCH_SAMPLES))
+    inputs = search_inputs(backend, inputs, tasks[0].config.get("search_samples", AWQ_SEARCH_SAMPLES))
     parents = dict(zip(map(id, multi), _awq_parents(backend, block, inputs, multi)))
     run = getattr(backend, "block_output", None)
     if run is None and any(p is None for p in parents.values()):

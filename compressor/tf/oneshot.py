@@ -384,6 +384,25 @@ class KerasOneShotBackend:
             return None
         return next((layer for p, layer in iter_layers(self.model) if p == path), None)
 
+    def batch_rows(self, inp: BlockInput) -> int:
+        return int(inp.hidden.shape[0])
+
+    def take_rows(self, inp: BlockInput, rows: list[int]) -> BlockInput:
+        """``inp`` restricted to the sequences ``rows`` of its batch (see the torch adapter's ``take_rows``): tensors
+        with the batch as their first axis and at least 2 axes are gathered there, the rest kept."""
+        b = self.batch_rows(inp)
+        idx = tf.constant(rows, dtype=tf.int32)
+
+        def cut(v: Any) -> Any:
+            if hasattr(v, "shape") and hasattr(v, "dtype") and len(v.shape) >= 2 and v.shape[0] == b:
+                return tf.gather(v, idx, axis=0)
+            if isinstance(v, tuple):
+                return tuple(cut(x) for x in v)
+            if isinstance(v, list):
+                return [cut(x) for x in v]
+            return v
+        return BlockInput(tuple(cut(a) for a in inp.args), {k: cut(v) for k, v in inp.kwargs.items()}, inp.key)
+
     def record_calls(self, block: Any, inputs: list[BlockInput], modules: list[Any]) -> list[list[BlockInput]]:
         """Run ``block`` once on ``inputs`` and keep each layer's call arguments (the tensors the block made)."""
         got: list[list[BlockInput]] = [[] for _ in modules]

@@ -487,6 +487,28 @@ class TorchOneShotBackend:
             outs.append(h.to("cpu", torch.float64).numpy())
         return outs
 
+    # ---- AWQ: the sequences the grid is scored on (core.sequential.search_inputs)
+    def batch_rows(self, inp: _Input) -> int:
+        return int(inp.hidden().shape[0])
+
+    def take_rows(self, inp: _Input, rows: list[int]) -> _Input:
+        """``inp`` restricted to the sequences ``rows`` of its batch: every tensor argument with the batch as its
+        first axis (hidden state, 4-D masks, position ids and rotary tables, the keep-mask) indexed there;
+        1-D tensors (cache positions), batch-1 broadcasts and other objects as they are."""
+        b = self.batch_rows(inp)
+        idx = torch.tensor(rows, dtype=torch.long)
+
+        def cut(v: Any) -> Any:
+            if torch.is_tensor(v):
+                return v.index_select(0, idx.to(v.device)) if v.dim() >= 2 and v.shape[0] == b else v
+            if isinstance(v, tuple):
+                return tuple(cut(x) for x in v)
+            if isinstance(v, list):
+                return [cut(x) for x in v]
+            return v
+        return _Input(tuple(cut(a) for a in inp.args), {k: cut(v) for k, v in inp.kwargs.items()}, inp.where,
+                      None if inp.keep is None else cut(inp.keep))
+
     # ---- AWQ: the parent module of a group of layers
     def awq_parent(self, block: nn.Module, tasks: list[LayerTask]) -> nn.Module | None:
         """The smallest module of ``block`` that holds every layer of ``tasks`` (their longest common module path:

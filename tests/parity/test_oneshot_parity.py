@@ -263,7 +263,10 @@ class KerasMlpBlock(keras.layers.Layer):
         return h + keras.ops.tanh(h)
 
 
-def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code():
+@pytest.mark.parametrize("samples", [None, 6])
+def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code(samples):
+    """samples=6: the grid is scored on sequences 0, 3, 6, 9, 12, 15 of the 16 (4 batches of 4), taken out of
+    their batches on both backends (4 partial batches: the run counts below stay the same)."""
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -285,7 +288,7 @@ def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code():
     for b in tm.blocks:
         b.register_forward_hook(lambda *a: runs.__setitem__("block", runs["block"] + 1))
         b.mlp.register_forward_hook(lambda *a: runs.__setitem__("mlp", runs["mlp"] + 1))
-    cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}]
+    cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"], "search_samples": samples}]
     tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
     kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False)
     t_rows = [(r["layer"], r["alpha"], r.get("group")) for r in tq.oneshot_rows]

@@ -512,6 +512,26 @@ def test_awq_block_search_gives_one_alpha_and_one_scale_vector_per_input_group()
             make(AwqQuantizer, build("llama"), {"quant_bits": 4, "search_samples": bad})
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_awq_search_samples_are_sequences_taken_out_of_their_batches(family):
+    """search_samples counts sequences: 3 of one batch of 8 (rows 0, 4, 7 of a 2-D token tensor) score the grid
+    exactly as the same sequences do when every sequence is its own batch (the statistics use all 8)."""
+    data = batches(1, 8, 16, seed=3)[0]
+    cfg = {"quant_bits": 4, "group_size": 16, "search_samples": 3}
+    one = make(AwqQuantizer, build(family), cfg).calibrate(data, progress=False)
+    each = make(AwqQuantizer, build(family), cfg).calibrate([data[i:i + 1] for i in range(8)], progress=False)
+    full = make(AwqQuantizer, build(family), {**cfg, "search_samples": None}).calibrate(data, progress=False)
+    groups = [r for r in one.oneshot_rows if "group" in r]
+    assert groups, "no group was searched on its parent module"
+    by = {r["layer"]: r for r in each.oneshot_rows}
+    for r in groups:
+        assert r["alpha"] == by[r["layer"]]["alpha"]
+        assert r["error"] == pytest.approx(by[r["layer"]]["error"], rel=1e-4)
+    # fewer sequences, another loss: the error of the full search is a different number
+    errs = {r["layer"]: r["error"] for r in full.oneshot_rows if "group" in r}
+    assert any(abs(errs[r["layer"]] - r["error"]) > 1e-3 * errs[r["layer"]] for r in groups)
+
+
 @pytest.mark.parametrize("cls,cfg,exc", [
     (SparseGPTPruner, {"sparsity": 0.5}, RuntimeError),
     (GptqQuantizer, {"quant_bits": 4, "group_size": 16}, KeyboardInterrupt),
