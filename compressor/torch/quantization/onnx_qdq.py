@@ -220,6 +220,16 @@ class _Graph:
             tensor.name = node.output[0]
             self.g.initializer.append(tensor)
             self.g.node.remove(node)
+        outputs = {o.name for o in self.g.output}
+        inits = {i.name for i in self.g.initializer}
+        for node in [n for n in self.g.node if n.op_type == "Identity" and n.input[0] in inits
+                     and n.output[0] not in outputs]:
+            # the TorchScript exporter writes one initializer for equal tensors (e.g. the all-zero biases of a
+            # freshly initialised model) and an Identity of it per further user: readers read it directly, so a
+            # layer's bias Add is seen as adding a constant
+            for user in self.g.node:
+                user.input[:] = [node.input[0] if i == node.output[0] else i for i in user.input]
+            self.g.node.remove(node)
         self.inits = {i.name: i for i in self.g.initializer}
         self.arrays = {name: numpy_helper.to_array(i) for name, i in self.inits.items()}
         self.new_nodes: list[Any] = []
@@ -722,7 +732,13 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
 
     graph.drop_unused_initializers()
     graph.finish()
-    for vi in list(model.graph.value_info):  # shapes/types of renamed tensors are stale; ORT re-infers them
+    # shapes/types of renamed tensors are stale; onnxruntime re-infers them. Deliberately not re-inferred with
+    # onnx's data propagation (onnx.shape_inference.infer_shapes(data_prop=True)), although onnxruntime then
+    # folds more of a transformer's shape arithmetic, as on a quant_pre_process'ed model: with the shapes known it
+    # also fuses each residual Add + LayerNormalization into SkipLayerNormalization, which onnxruntime 1.32's CPU
+    # kernel runs slower (a tiny BERT, 1 thread: 1.28x at batch 1, 1.32x at batch 32), and the folding alone
+    # gained nothing measurable (issue 27, benchmarks/RESULTS.md)
+    for vi in list(model.graph.value_info):
         model.graph.value_info.remove(vi)
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
         raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")
