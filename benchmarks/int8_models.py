@@ -6,7 +6,8 @@ Variants per model:
 
 * ``float``: ``torch.onnx.export`` of the float model (dynamic batch);
 * ``ours-static``: ``PtqQuantizer`` (min-max, per-channel int8 weights, uint8 per-tensor activations, BN folded,
-  ReLU fused, ranges shared, joins quantized), calibrated on 64 inputs, ``export_model(onnx_weight_dtype=...)``;
+  ReLU fused, ranges shared, joins quantized; int8 per-row embedding tables), calibrated on 64 inputs,
+  ``export_model(onnx_weight_dtype=...)``; the transformers get non-zero random Linear biases (as trained ones);
 * ``ort-static``: ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations, MinMax) of the
   pre-processed float ONNX on the same 64 inputs, the anchor;
 * transformers also: ``ours-dynamic`` (``PtqQuantizer(activation='dynamic')`` on the Linear layers) and
@@ -85,6 +86,16 @@ def build(name: str) -> tuple[nn.Module, str]:
     return Logits(m).eval(), "tokens"
 
 
+def random_biases(model: nn.Module) -> None:
+    """Non-zero Linear biases, as in a trained model: HF initialises them to zero, which the TorchScript exporter
+    stores once and reads through Identity nodes (an export a trained model never produces)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                mod.bias.copy_(0.05 * torch.randn(mod.bias.shape, generator=g))
+
+
 def data(kind: str, n: int, seed: int) -> np.ndarray:
     if kind == "image":
         return inputs((3, 32, 32), n, seed)
@@ -107,6 +118,11 @@ def export_all(name: str, tmp: str, weights: str) -> tuple[dict[str, str], dict[
 
     model, kind = build(name)
     transformer = name in ("bert", "vit")
+    if transformer:
+        random_biases(model)
+    # int8 embedding tables (per row) where the model has nn.Embedding layers, as the anchors quantize their Gathers
+    emb = [{"op_types": ["Embedding"], "quant_types": ["weight"], "quant_bits": 8}] if any(
+        isinstance(mod, nn.Embedding) for mod in model.modules()) else []
     calib, x_eval = data(kind, 64, 1), data(kind, 64, 2)
     t = torch.from_numpy
     paths = {"float": os.path.join(tmp, "float.onnx")}
@@ -119,7 +135,7 @@ def export_all(name: str, tmp: str, weights: str) -> tuple[dict[str, str], dict[
         pre = os.path.join(tmp, "float-pre.onnx")
         quant_pre_process(paths["float"], pre)
 
-        cfg = [{"op_types": ["Conv2d", "Linear"], "quant_types": ["input", "weight", "output"], "quant_bits": 8}]
+        cfg = [{"op_types": ["Conv2d", "Linear"], "quant_types": ["input", "weight", "output"], "quant_bits": 8}] + emb
         m = copy.deepcopy(model)
         q = PtqQuantizer(m, cfg, dummy_input=t(calib[:1]))
         q.calibrate([t(calib[i:i + 16]) for i in range(0, 64, 16)])
@@ -140,7 +156,7 @@ def export_all(name: str, tmp: str, weights: str) -> tuple[dict[str, str], dict[
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
         if transformer:
             m = copy.deepcopy(model)
-            q = PtqQuantizer(m, [{"op_types": ["Linear"], "quant_types": ["input", "weight"], "quant_bits": 8}],
+            q = PtqQuantizer(m, [{"op_types": ["Linear"], "quant_types": ["input", "weight"], "quant_bits": 8}] + emb,
                              activation="dynamic")
             paths["ours-dynamic"] = os.path.join(tmp, "ours-dynamic.onnx")
             q.export_model(os.path.join(tmp, "d.pt"), onnx_path=paths["ours-dynamic"], dummy_input=t(calib[:1]),

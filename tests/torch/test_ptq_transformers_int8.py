@@ -73,9 +73,10 @@ def run(make, cfg, tmp_path, **kwargs):
 
 def test_bert_static_integer_matmuls(tmp_path) -> None:
     q, ops, vs_fake, vs_float = run(bert, [dict(STATIC[0], op_types=["Linear"])], tmp_path)
-    # q, k, v, attention output, FFN in, FFN out per layer: 12 MatMuls with an int8 weight, 11 of them with a
-    # quantized output (QLinearMatMul), one with a float output (MatMulIntegerToFloat); pooler + classifier: QGemm
-    assert (ops["QLinearMatMul"], ops["MatMulIntegerToFloat"], ops["QGemm"]) == (11, 1, 2)
+    # q, k, v, attention output, FFN in, FFN out per layer: 12 MatMuls with an int8 weight, each followed by its
+    # bias Add and then the output's QuantizeLinear, as the fake-quant model quantizes (onnxruntime has no integer
+    # MatMul adding a bias: MatMulIntegerToFloat + Add); pooler + classifier (2-D): QGemm with the int32 bias
+    assert (ops["QLinearMatMul"], ops["MatMulIntegerToFloat"], ops["QGemm"]) == (0, 12, 2)
     assert ops["MatMul"] + ops["FusedMatMul"] == 4  # attention's activation x activation products stay float
     assert ops["Softmax"] == 2 and ops["LayerNormalization"] == 5
     assert {"Softmax", "LayerNormalization", "Erf"} <= set(q.onnx_float_ops)
@@ -119,3 +120,67 @@ def test_dynamic_needs_no_calibration_and_validates() -> None:
                                     "quant_bits": 8}], activation="dynamic")
     assert not any("wrapper" in type(m).__name__.lower() for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_equal_biases_are_added_before_the_output_quantization(tmp_path) -> None:
+    """The TorchScript exporter stores equal tensors once and reads the copies through ``Identity`` (the all-zero
+    biases of a freshly initialised Hugging Face model; here two equal non-zero ones): each Linear's output is
+    still quantized after its bias Add, as in the fake-quant model (it was quantized before the Add, with the
+    bias added in float after the DequantizeLinear: 2 % off the fake-quant model here)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).eval()
+    with torch.no_grad():
+        for m in (model[0], model[2]):
+            m.bias.fill_(0.3)
+    x = torch.randn(2, 5, 16)
+    q = PtqQuantizer(model, [dict(STATIC[0], op_types=["Linear"])], dummy_input=x)
+    q.calibrate([torch.randn(4, 5, 16) for _ in range(4)])
+    path = os.path.join(tmp_path, "m.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q.export_model(os.path.join(tmp_path, "m.pt"), onnx_path=path)
+    graph = onnx.load(path).graph
+    made = {o: n.op_type for n in graph.node for o in n.output}
+    # each layer's output QuantizeLinear reads its bias Add; no Identity is left
+    assert sorted(made.get(n.input[0]) for n in graph.node if n.op_type == "QuantizeLinear"
+                  and made.get(n.input[0]) in ("Add", "MatMul")) == ["Add", "Add"]
+    assert "Identity" not in made.values()
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    xe = torch.randn(3, 5, 16)
+    got = sess.run(None, {sess.get_inputs()[0].name: xe.numpy()})[0]
+    with torch.no_grad():
+        fake = model(xe).numpy()
+    assert np.linalg.norm(got - fake) / np.linalg.norm(fake) < 1e-5
+
+
+EMBEDDING = {"op_types": ["Embedding"], "quant_types": ["weight"], "quant_bits": 8}
+
+
+@pytest.mark.parametrize("activation, scheme", [("static", None), ("dynamic", "per_tensor_symmetric")])
+def test_bert_int8_embedding_tables(tmp_path, activation, scheme) -> None:
+    """Word / position / token-type tables as int8 codes: rows are gathered as codes and only they are
+    dequantized (per row: Gather of the rows' scales, Cast, Mul; per tensor: DequantizeLinear); the artifact
+    computes what the fake-quant model computes, and the file loses 3 of the 4 bytes of each table entry."""
+    linear = dict((STATIC if activation == "static" else DYNAMIC)[0], op_types=["Linear"])
+    emb = dict(EMBEDDING, **({"quant_scheme": scheme} if scheme else {}))
+    for d in ("with", "without"):
+        (tmp_path / d).mkdir()
+    q, ops, vs_fake, vs_float = run(bert, [linear, emb], tmp_path / "with", activation=activation)
+    _, ops0, _, _ = run(bert, [linear], tmp_path / "without", activation=activation)
+    sizes = [os.path.getsize(tmp_path / d / "m.onnx") for d in ("with", "without")]
+    per_row = scheme is None
+    tables = {"word_embeddings": (50, 32), "position_embeddings": (32, 32), "token_type_embeddings": (2, 32)}
+    assert {n: q.onnx_int8_summary[f"bert.embeddings.{n}"]["weight"] for n in tables} == dict.fromkeys(
+        tables, "int8 per-row" if per_row else "int8")
+    graph = onnx.load(tmp_path / "with" / "m.onnx").graph
+    floats = [tuple(i.dims) for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    assert not set(tables.values()) & set(floats)
+    entries = sum(a * b for a, b in tables.values())  # 2688
+    scales = 4 * sum(a for a, _ in tables.values()) if per_row else 0
+    # (measured 6935 / 7550 bytes: the new nodes and their tensors cost a few hundred)
+    assert sizes[1] - sizes[0] >= 0.85 * (3 * entries - scales)
+    if per_row:
+        assert (ops["Cast"] - ops0["Cast"], ops["Mul"] - ops0["Mul"], ops["Gather"] - ops0["Gather"]) == (3, 3, 3)
+    else:
+        assert ops["DequantizeLinear"] - ops0["DequantizeLinear"] == 3 and ops["Gather"] == ops0["Gather"]
+    assert vs_fake < 1e-6 and vs_float < 0.05

@@ -63,9 +63,15 @@ def integer_kernel_layer(w: QuantizerModuleWrapper) -> bool:
     return "weight" in w.quant_types and (w._fn in ("conv", "linear") or is_hf_conv1d(w.layer))
 
 
+def embedding_layer(w: QuantizerModuleWrapper) -> bool:
+    """Whether ``w`` is an ``nn.Embedding`` quantizing only its weight: the int8 ONNX graph stores its table as
+    int8 codes and gathers rows of codes (see :func:`_int8_embedding`)."""
+    return isinstance(w.layer, torch.nn.Embedding) and list(w.quant_types) == ["weight"]
+
+
 def float_layers(quantizer: Any) -> list[QuantizerModuleWrapper]:
     """The quantized layers the integer ONNX graph keeps in float (no onnxruntime integer kernel)."""
-    return [w for w in quantizer.get_modules_wrapper() if not integer_kernel_layer(w)]
+    return [w for w in quantizer.get_modules_wrapper() if not integer_kernel_layer(w) and not embedding_layer(w)]
 
 
 def int8_export_problem(quantizer: Any) -> str | None:
@@ -77,10 +83,10 @@ def int8_export_problem(quantizer: Any) -> str | None:
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     if not wrappers:
         return "no layer is quantized"
-    if not any(integer_kernel_layer(w) for w in wrappers):
+    if not any(integer_kernel_layer(w) or embedding_layer(w) for w in wrappers):
         return (f"no quantized layer maps to an integer kernel (only Conv/Linear/Conv1D layers with quantized "
                 f"weights do; quantized: {', '.join(f'{w.name!r} ({w.type})' for w in wrappers)})")
-    left = [w for w in wrappers if not integer_kernel_layer(w)]
+    left = [w for w in wrappers if not integer_kernel_layer(w) and not embedding_layer(w)]
     if left:  # (their functional forward cannot be traced by the TorchScript exporter the int8 form uses)
         return (f"layers {', '.join(f'{w.name!r} ({w.type})' for w in left)} have no onnxruntime integer kernel "
                 f"(only Conv/Linear/Conv1D layers with quantized weights do); leave them out of the config to get "
@@ -88,7 +94,7 @@ def int8_export_problem(quantizer: Any) -> str | None:
     for w in wrappers:
         if not w.quant_active:
             return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"
-        if not integer_kernel_layer(w):
+        if not integer_kernel_layer(w) and not embedding_layer(w):
             continue
         for t in w.quant_types:
             qp = w.qparams(t)
@@ -219,6 +225,16 @@ class _Graph:
             tensor = node.attribute[0].t
             tensor.name = node.output[0]
             self.g.initializer.append(tensor)
+            self.g.node.remove(node)
+        outputs = {o.name for o in self.g.output}
+        inits = {i.name for i in self.g.initializer}
+        for node in [n for n in self.g.node if n.op_type == "Identity" and n.input[0] in inits
+                     and n.output[0] not in outputs]:
+            # the TorchScript exporter writes one initializer for equal tensors (e.g. the all-zero biases of a
+            # freshly initialised model) and an Identity of it per further user: readers read it directly, so a
+            # layer's bias Add is seen as adding a constant
+            for user in self.g.node:
+                user.input[:] = [node.input[0] if i == node.output[0] else i for i in user.input]
             self.g.node.remove(node)
         self.inits = {i.name: i for i in self.g.initializer}
         self.arrays = {name: numpy_helper.to_array(i) for name, i in self.inits.items()}
@@ -373,6 +389,61 @@ def _fold_pads(graph: _Graph, convs: list[Any]) -> int:
         graph.g.node.remove(pad)
         done += 1
     return done
+
+
+def _int8_embedding(graph: _Graph, w: QuantizerModuleWrapper, weight: torch.Tensor, taken: set[str],
+                    made: set[str]) -> dict[str, Any]:
+    """Store ``w``'s embedding table (already on its grid) as int8 codes: each ``Gather(table, ids)`` becomes
+    ``Gather(codes, ids)`` followed by ``DequantizeLinear`` (per-tensor scale), or, with one scale per row, by
+    ``Cast -> Mul`` with the gathered rows' scales (``Gather(scales, ids)``). Only the gathered rows are
+    dequantized at run time, not the table (onnxruntime's own quantizers write ``DequantizeLinear(table) ->
+    Gather``, which dequantizes the whole table on every run). The values are those of the fake-quant model:
+    ``code * scale`` in float32. A table some other node also reads (an output head tied to it) stays float."""
+    from onnx import TensorProto, helper
+
+    qp = _host_qparams(w, "weight")
+    table = weight.detach().cpu().float().numpy()
+    found = _find_weight(graph, table, taken)
+    info: dict[str, Any] = {"op": "Gather", "input": False, "output": False, "bias": None}
+    users = graph.consumers(found[0]) if found is not None and not found[1] else []
+    if not users or any(u.op_type != "Gather" or u.input[0] != found[0] or any(
+            a.name == "axis" and a.i != 0 for a in u.attribute) for u in users):
+        info["weight"] = "float (the table is not only gathered: tied to another layer)" if users else "float"
+        return info
+    init = found[0]
+    taken.add(init)
+    s, z = qp["scale"], qp["zp"]
+    per_row = s.ndim > 0
+    s_b, z_b = (s.reshape(-1, 1), z.reshape(-1, 1)) if per_row else (s, z)
+    if per_row and (qp["axis"] != 0 or np.any(z)):
+        info["weight"] = "float (per-channel scales along the embedding axis or with zero points)"
+        return info
+    codes = np.clip(np.rint(table.astype(np.float64) / s_b + z_b), qp["qmin"], qp["qmax"])
+    err = np.max(np.abs((codes - z_b) * s_b - table)) if table.size else 0.0
+    if err > 1e-5 * max(1.0, float(np.max(np.abs(table))) if table.size else 1.0):
+        raise RuntimeError(f"int8 ONNX export: embedding {w.name!r}: the exported table is not on its recorded grid "
+                           f"(max error {err:.3g})")
+    q_name = graph.add_init(f"{w.name}.weight_quantized", codes.astype(qp["dtype"]))
+    s_name = graph.add_init(f"{w.name}.weight_scale", s.astype(np.float32))
+    z_name = None if per_row else graph.add_init(f"{w.name}.weight_zero_point", z.astype(qp["dtype"]))
+    for user in users:
+        ids, out = user.input[1], user.output[0]
+        rows = graph.unique(f"{w.name}.rows_quantized")
+        user.input[0], user.output[0] = q_name, rows
+        if not per_row:
+            graph.dq(out, rows, s_name, z_name, None)
+            graph.names.discard(out)
+            graph.new_nodes[-1].output[0] = out
+            continue
+        rs, ru, rf = (graph.unique(f"{w.name}.{k}") for k in ("row_scale", "row_scale_b", "rows_float"))
+        axes = graph.add_init(f"{w.name}.last_axis", np.array([-1], dtype=np.int64))
+        graph.new_nodes += [helper.make_node("Gather", [s_name, ids], [rs]),
+                            helper.make_node("Unsqueeze", [rs, axes], [ru]),
+                            helper.make_node("Cast", [rows], [rf], to=TensorProto.FLOAT),
+                            helper.make_node("Mul", [rf, ru], [out])]
+        made.add(out)  # (not a float op of the model: the rows' dequantization)
+    info["weight"] = f"{qp['dtype'].name}{' per-row' if per_row else ''}"
+    return info
 
 
 def _noop_activation(graph: _Graph, node: Any, qp: dict[str, Any]) -> bool:
@@ -720,9 +791,20 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
                 node.input[2] = graph.dq(f"{w.name}.bias_dequantized", b_q, b_s, b_z, 0 if bscale32.ndim else None)
                 info["bias"] = "int32"
 
+    # 3. embedding tables: int8 codes, rows gathered as codes, then scaled
+    for w in quantizer.get_modules_wrapper():
+        if embedding_layer(w):
+            summary[w.name] = _int8_embedding(graph, w, exported[w.name][0], taken, made)
+
     graph.drop_unused_initializers()
     graph.finish()
-    for vi in list(model.graph.value_info):  # shapes/types of renamed tensors are stale; ORT re-infers them
+    # shapes/types of renamed tensors are stale; onnxruntime re-infers them. Deliberately not re-inferred with
+    # onnx's data propagation (onnx.shape_inference.infer_shapes(data_prop=True)), although onnxruntime then
+    # folds more of a transformer's shape arithmetic, as on a quant_pre_process'ed model: with the shapes known it
+    # also fuses each residual Add + LayerNormalization into SkipLayerNormalization, which onnxruntime 1.32's CPU
+    # kernel runs slower (a tiny BERT, 1 thread: 1.28x at batch 1, 1.32x at batch 32), and the folding alone
+    # gained nothing measurable (issue 27, benchmarks/RESULTS.md)
+    for vi in list(model.graph.value_info):
         model.graph.value_info.remove(vi)
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
         raise RuntimeError("int8 ONNX export needs opset >= 13 (per-channel DequantizeLinear)")

@@ -50,6 +50,13 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   :func:`dynamic_fake_quant`), outputs and biases float. The int8 ONNX graph is ``DynamicQuantizeLinear ->
   MatMulInteger -> Cast -> Mul`` per layer, which onnxruntime fuses into ``DynamicQuantizeMatMul``. A config
   quantizing ``'output'`` or a Conv layer is refused (ConfigError).
+* int8 embedding tables (either mode): select ``nn.Embedding`` layers with ``quant_types: ['weight']`` (e.g.
+  ``{'op_types': ['Embedding'], 'quant_types': ['weight'], 'quant_bits': 8}``; one scale per row by default,
+  ``quant_scheme: 'per_tensor_symmetric'`` for one): the int8 ONNX graph stores the table as int8 codes and
+  gathers rows of codes, dequantizing only those rows (a BERT's word embeddings are most of its file). Not in
+  ``op_types: ['default']`` (which means the layers with integer kernels): the embedding's rounding changes every
+  token's vector, so it is a choice, as in onnxruntime's ``quantize_static`` / ``quantize_dynamic`` where it is
+  on by default; a table tied to an output head stays float.
 
 State: the buffers, plus ``weight_observed`` per layer quantizing weights, so a model ``state_dict``
 saved after calibration restores a calibrated quantizer.
@@ -240,6 +247,8 @@ class PtqQuantizer(QAT_Quantizer):
         from ..layout import is_hf_conv1d
 
         types = config.get("quant_types", [])
+        if isinstance(module, nn.Embedding) and list(types) == ["weight"]:
+            return  # an int8 table (weight only: nothing to quantize at run time)
         if sorted(types) != ["input", "weight"]:
             raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r}: quant_types {types!r}; "
                               f"dynamic quantization takes ['input', 'weight'] (inputs are quantized per batch at run "

@@ -208,6 +208,9 @@ class QuantizerModuleWrapper(ReadThrough):
             y = torch.addmm(b, x.reshape(-1, x.shape[-1]), weight) if b is not None else x.reshape(
                 -1, x.shape[-1]) @ weight
             return y.reshape(*x.shape[:-1], weight.shape[-1])
+        if isinstance(layer, nn.Embedding) and not kwargs:  # (traceable by the TorchScript exporter)
+            return F.embedding(inputs[0], weight, layer.padding_idx, layer.max_norm, layer.norm_type,
+                               layer.scale_grad_by_freq, layer.sparse)
         params = {self._weight_path: weight}
         if bias is not None:
             params[self._weight_path[: -len("weight")] + "bias"] = bias
