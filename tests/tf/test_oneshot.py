@@ -299,6 +299,31 @@ def test_dict_input_functional_model():
     assert all(float(np.mean(w.weight_mask.numpy())) == 0.75 for w in p.modules_wrapper)
 
 
+@pytest.mark.parametrize("user_setting", [None, False, True])
+def test_calibrate_turns_the_remapper_off_while_it_runs_and_puts_the_users_setting_back(user_setting, monkeypatch):
+    import tensorflow as tf
+
+    from compressor.tf import oneshot as tos
+
+    opts = tf.config.optimizer.get_experimental_options()
+    if user_setting is not None:
+        tf.config.optimizer.set_experimental_options({"remapping": user_setting})
+    seen = []
+    real = tos.run_sequential
+
+    def spy(*a, **k):
+        seen.append(tf.config.optimizer.get_experimental_options().get("remapping"))
+        return real(*a, **k)
+    monkeypatch.setattr(tos, "run_sequential", spy)
+    try:
+        AwqQuantizer(lm(), [{"quant_bits": 4, "group_size": 8, **DEFAULT}]).calibrate(CALIB, progress=False)
+        assert seen == [False]
+        after = tf.config.optimizer.get_experimental_options().get("remapping")
+        assert after == (True if user_setting is None else user_setting)
+    finally:
+        tf.config.optimizer.set_experimental_options({"remapping": opts.get("remapping", True)})
+
+
 def test_errors_before_the_model_changes():
     m = lm()
     before = [v.numpy().copy() for v in m.weights]
