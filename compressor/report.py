@@ -81,7 +81,8 @@ def _torch_load(path: str) -> Any:
         import torch
     except ImportError:
         raise BackendNotAvailable(f"reading {path!r} needs torch (pip install 'compressor[torch]')") from None
-    from .core.archives import check_torch_archive, check_torch_object
+    from .core.archives import check_torch_archive
+    from .torch.archive_checks import check_torch_object
 
     try:
         check_torch_archive(path)  # the zip's directory and pickle, against the caps of core.archives

@@ -19,7 +19,7 @@ external or virtual datasets; the model's variables, which Keras creates from co
 weight, are held to the same cap (``compressor.report.load_keras``: a config naming a 100-GB Dense layer is
 refused before it is allocated).
 
-torch ``.pt`` (:func:`check_torch_archive`, :func:`check_torch_object`): ``torch.save`` writes a zip of
+torch ``.pt`` (:func:`check_torch_archive`; after loading, ``compressor.torch.archive_checks.check_torch_object``): ``torch.save`` writes a zip of
 stored (uncompressed) entries, so all entries together may inflate to at most TORCH_INFLATE_BASE +
 TORCH_INFLATE_RATIO x the file's length, in at most TORCH_MAX_ENTRIES entries; the pickle (``data.pkl``) is
 scanned without running it: at most TORCH_PICKLE_OPS_BASE + file length / TORCH_PICKLE_BYTES_PER_OP opcodes
@@ -43,7 +43,7 @@ import struct
 import zipfile
 from typing import Any
 
-__all__ = ["ArchiveError", "check_zip", "check_keras_archive", "check_torch_archive", "check_torch_object",
+__all__ = ["ArchiveError", "check_zip", "check_keras_archive", "check_torch_archive",
            "KERAS_MAX_ENTRIES", "KERAS_CONFIG_MAX_BYTES", "KERAS_METADATA_MAX_BYTES", "KERAS_INFLATE_BASE",
            "KERAS_INFLATE_RATIO", "KERAS_OBJECTS_BASE", "KERAS_BYTES_PER_OBJECT", "KERAS_WEIGHTS_BASE", "KERAS_WEIGHTS_RATIO", "ZIP_MAX_RATIO", "ZIP_RATIO_FLOOR",
            "TORCH_MAX_ENTRIES", "TORCH_INFLATE_BASE", "TORCH_INFLATE_RATIO", "TORCH_PICKLE_OPS_BASE",
@@ -316,18 +316,20 @@ _TORCH_GLOBALS = {
 }
 
 
+#: torch's dtype names (torch 2.13; a pickle names a tensor's dtype as ``torch.<name>``); core imports no torch
+_TORCH_DTYPES = frozenset((
+    "bfloat16 bit bits16 bits1x8 bits2x4 bits4x2 bits8 bool cdouble cfloat chalf complex128 complex32 complex64 "
+    "double float float16 float32 float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+    "float8_e5m2fnuz float8_e8m0fnu half int int1 int16 int2 int3 int32 int4 int5 int6 int64 int7 int8 long qint32 "
+    "qint8 quint2x4 quint4x2 quint8 short uint1 uint16 uint2 uint3 uint32 uint4 uint5 uint6 uint64 uint7 uint8").split())
+
+
 def _torch_global_ok(module: str, name: str) -> bool:
     if (module, name) in _TORCH_GLOBALS:
         return True
     if module != "torch":
         return False
-    if name.endswith("Storage"):
-        return True
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch.load needs it anyway
-        return False
-    return isinstance(getattr(torch, name, None), torch.dtype)
+    return name.endswith("Storage") or name in _TORCH_DTYPES
 
 
 def check_torch_archive(path: str) -> None:
@@ -379,24 +381,3 @@ def _scan_pickle(data: bytes, budget: int) -> None:
     except (ValueError, EOFError, struct.error, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ArchiveError(f"its pickle is damaged ({first})") from None
-
-
-def check_torch_object(obj: Any, file_bytes: int) -> None:
-    """After ``torch.load``: every tensor in ``obj`` is a dense (strided) one, and together they hold at most
-    TORCH_TENSOR_BASE + TORCH_TENSOR_RATIO x ``file_bytes`` (views count once each)."""
-    import torch
-
-    cap = TORCH_TENSOR_BASE + TORCH_TENSOR_RATIO * int(file_bytes)
-    total, stack, seen = 0, [obj], set()
-    while stack:  # iterative: a deeply nested pickle must not exhaust the recursion limit
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if x.layout != torch.strided or x.is_quantized or x.is_nested or x.is_meta:
-                raise ArchiveError(f"it holds a {x.layout} / quantized / nested / meta tensor; only dense ones are read")
-            total += x.numel() * x.element_size()
-            if total > cap:
-                raise ArchiveError(f"its tensors hold more than {cap:,} bytes ({TORCH_TENSOR_BASE:,} + "
-                                   f"{TORCH_TENSOR_RATIO}x the {file_bytes:,}-byte file: views that overlap)")
-        elif isinstance(x, (dict, list, tuple, set)) and id(x) not in seen:
-            seen.add(id(x))
-            stack.extend(x.values() if isinstance(x, dict) else x)

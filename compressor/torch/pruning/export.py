@@ -180,7 +180,8 @@ def load_mask_file(mask_path: str | os.PathLike, device: Any = None) -> Any:
     p = os.fspath(mask_path)
     if not os.path.isfile(p):
         raise ConfigError(f"mask file {p!r} does not exist")
-    from ...core.archives import check_torch_archive, check_torch_object
+    from ...core.archives import check_torch_archive
+    from ..archive_checks import check_torch_object
 
     try:
         check_torch_archive(p)  # the zip's directory and pickle against the stated caps (core.archives)
