@@ -8,7 +8,6 @@ Variants per model:
 * ``ours-static``: ``PtqQuantizer`` (min-max, per-channel int8 weights, uint8 per-tensor activations, BN folded,
   ReLU fused, ranges shared, joins quantized; int8 per-row embedding tables), calibrated on 64 inputs,
   ``export_model(onnx_weight_dtype=...)``; the transformers get non-zero random Linear biases (as trained ones);
-  transformers also ``ours-static-float-res`` (``quantize_join_inputs=False``: residual adds float);
 * ``ort-static``: ``quantize_static`` (QDQ, per-channel int8 weights, uint8 activations, MinMax) of the
   pre-processed float ONNX on the same 64 inputs, the anchor;
 * transformers also: ``ours-dynamic`` (``PtqQuantizer(activation='dynamic')`` on the Linear layers) and
@@ -137,16 +136,13 @@ def export_all(name: str, tmp: str, weights: str) -> tuple[dict[str, str], dict[
         quant_pre_process(paths["float"], pre)
 
         cfg = [{"op_types": ["Conv2d", "Linear"], "quant_types": ["input", "weight", "output"], "quant_bits": 8}] + emb
-        # transformers also: their residual adds float (quantize_join_inputs=False), to measure what the integer
-        # residual stream costs in agreement and gains in latency
-        for v, join_inputs in [("ours-static", True)] + ([("ours-static-float-res", False)] if transformer else []):
-            m = copy.deepcopy(model)
-            q = PtqQuantizer(m, cfg, dummy_input=t(calib[:1]), quantize_join_inputs=join_inputs)
-            q.calibrate([t(calib[i:i + 16]) for i in range(0, 64, 16)])
-            paths[v] = os.path.join(tmp, f"{v}.onnx")
-            q.export_model(os.path.join(tmp, "s.pt"), onnx_path=paths[v], onnx_weight_dtype=weights)
-            with torch.no_grad():
-                ref[v] = m(t(x_eval)).numpy()
+        m = copy.deepcopy(model)
+        q = PtqQuantizer(m, cfg, dummy_input=t(calib[:1]))
+        q.calibrate([t(calib[i:i + 16]) for i in range(0, 64, 16)])
+        paths["ours-static"] = os.path.join(tmp, "ours-static.onnx")
+        q.export_model(os.path.join(tmp, "s.pt"), onnx_path=paths["ours-static"], onnx_weight_dtype=weights)
+        with torch.no_grad():
+            ref["ours-static"] = m(t(x_eval)).numpy()
 
         class Reader(CalibrationDataReader):
             def __init__(self) -> None:
