@@ -20,7 +20,7 @@ ranges). One rule for both backends, as onnxruntime's ``quantize_static`` and TF
   attention mask) stays float: quantizing it would add a Q/DQ pair without an integer kernel;
 * except (``requantize_inputs``, residual ``add`` only, opt-in per backend): an add with at least one input on a
   grid whose other inputs are activations made by a float op that can take a range of their own (a LayerNorm's
-  output, a float add's output: not a parameter, a constant, a model input or a model output) gets each such
+  output, a float join's output: not a parameter, a constant, a model input or a model output) gets each such
   input quantized at its producer (its own calibrated range; every reader of that tensor shares it), so the add
   runs integer. This is the transformer residual stream (``dense(x) + LayerNorm(...)`` in BERT, ``attention(x) +
   embeddings`` in ViT), which ``quantize_static`` runs as QLinearAdd; it rounds the residual path to 8 bits, which
@@ -81,7 +81,7 @@ def requantized_join_inputs(kind: str, inputs_on_grid: Sequence[bool],
     """Indices of the inputs of a join of ``kind`` to quantize at their producers (own calibrated range) so that
     the join runs integer: ``[]`` when every input is already on a grid, the off-grid inputs when the kind allows
     it (``requantize_inputs``), at least one input is on a grid and every off-grid input ``can_take_range`` (an
-    activation made by a float op such as LayerNorm or a float add; not a parameter, a constant or a model
+    activation made by a float op such as LayerNorm or a float join; not a parameter, a constant or a model
     input); None when the join stays float."""
     rule = JOIN_KINDS.get(kind)
     if rule is None or len(inputs_on_grid) < rule.min_inputs:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...core.quant_joins import quantize_join, requantized_join_inputs
+from ...core.quant_joins import JOIN_KINDS, quantize_join, requantized_join_inputs
 from .fakequant import fake_quant, onnx_qdq
 
 __all__ = ["JoinSite", "JoinRunner", "call_kind", "plan_joins"]
@@ -60,16 +60,12 @@ def _is_hw(dims: Any) -> bool:
 
 def _float_activation(args: tuple) -> bool:
     """True when a tensor argument (or one in a list argument, as ``torch.cat`` takes) is a floating-point
-    tensor with at least one dimension, and no tensor argument is empty (a Hugging Face KV cache's first
-    ``torch.cat([empty, keys])``, called in eager mode and not in the traced export)."""
-    found = False
+    tensor with at least one dimension."""
     for a in args:
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if torch.is_tensor(t):
-                if t.numel() == 0:
-                    return False
-                found = found or (t.is_floating_point() and t.dim() > 0)
-    return found
+            if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+                return True
+    return False
 
 
 def call_kind(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
@@ -114,7 +110,7 @@ def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str],
     """The quantized joins of a recorded forward (``flow``, recorded with ``classify=call_kind``) and a report
     of every join call (``{'kind', 'scope', 'integer', 'reason'}``). ``output_layers``: the wrapped layers
     whose output is quantized (per tensor). ``requantize_inputs``: an add with an input made by a LayerNorm or a
-    float add (the residual stream of a transformer) quantizes that input at its producer, which becomes a site
+    float join (the residual stream of a transformer) quantizes that input at its producer, which becomes a site
     of its own (output ``'own'``) whose grid every reader of the tensor shares (the core rule
     :func:`~compressor.core.quant_joins.requantized_join_inputs`)."""
     counted = [f for f in flow.funcs if getattr(f, "kind", None) is not None and not _inside(f, wrapper_names)]
@@ -137,15 +133,14 @@ def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str],
     made = {f.outputs[0]: f for f in counted if f.outputs}
 
     def producer(value: Any) -> Any:
-        """The counted call (a LayerNorm, a float add: the residual stream) whose output ``value`` is (through
-        grid-preserving ops) and can take a range of its own, or None (a parameter, a model input or output, any
-        other op: e.g. a product inside a tanh-GELU, ``x + 0.044715 * x ** 3``, stays float)."""
+        """The counted call (a LayerNorm, a float join) whose output ``value`` is (through grid-preserving ops)
+        and can take a range of its own, or None (a parameter, a model input or output, any other op)."""
         for _ in range(10_000):
             if value in flow.outputs:
                 return None
             p = made.get(value)
             if p is not None:
-                ok = p.kind in ("norm", "add") and p.outputs[0] not in flow.outputs
+                ok = (p.kind == "norm" or p.kind in JOIN_KINDS) and p.outputs[0] not in flow.outputs
                 return p if ok else None
             f = flow.made_by_func.get(value)
             if f is None or not f.inputs or _name(f.func) not in _GRID_NAMES or f.inputs[0] == value:
