@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from compressor.core.errors import ConfigError
-from compressor.core.quant_joins import JOIN_KINDS, join_rule, quantize_join, requantized_join_inputs
+from compressor.core.quant_joins import JOIN_KINDS, join_rule, quantize_join
 from compressor.torch import PtqQuantizer
 
 pytestmark = pytest.mark.torch
@@ -108,12 +108,6 @@ def test_core_join_rule() -> None:
     assert quantize_join("global_avgpool", [True]).relu_folds is False
     assert join_rule("concat").inputs_share_output == {"onnxruntime": False, "tflite": True}
     assert quantize_join("softmax", [True]) is None
-    # a residual add's float activation input (a LayerNorm output) is quantized at its producer; not a parameter's
-    assert requantized_join_inputs("add", [True, False], [True, True]) == [1]
-    assert requantized_join_inputs("add", [True, True], [False, False]) == []
-    assert requantized_join_inputs("add", [True, False], [True, False]) is None
-    assert requantized_join_inputs("add", [False, False], [True, True]) is None  # no integer input at all
-    assert requantized_join_inputs("mul", [True, False], [True, True]) is None  # adds only
     with pytest.raises(ValueError, match="unknown join kind 'softmax'"):
         join_rule("softmax")
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...core.quant_joins import JOIN_KINDS, quantize_join, requantized_join_inputs
+from ...core.quant_joins import quantize_join
 from .fakequant import fake_quant, onnx_qdq
 
 __all__ = ["JoinSite", "JoinRunner", "call_kind", "plan_joins"]
@@ -40,7 +40,7 @@ _KIND_BY_NAME = {
     "add": "add", "add_": "add", "__add__": "add", "__iadd__": "add", "__radd__": "add",
     "mul": "mul", "mul_": "mul", "__mul__": "mul", "__imul__": "mul", "__rmul__": "mul",
     "cat": "concat", "concat": "concat", "concatenate": "concat",
-    "avg_pool2d": "avgpool", "relu": "relu", "relu_": "relu", "layer_norm": "norm",
+    "avg_pool2d": "avgpool", "relu": "relu", "relu_": "relu",
 }
 #: ops through which values keep their grid (first tensor input = data)
 _GRID_NAMES = {"relu", "relu_", "max_pool1d", "max_pool2d", "max_pool3d", "_max_pool1d", "_max_pool2d",
@@ -70,7 +70,7 @@ def _float_activation(args: tuple) -> bool:
 
 def call_kind(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """The join kind of a torch call (``'add'``, ``'mul'``, ``'concat'``, ``'avgpool'``, ``'global_avgpool'``),
-    ``'relu'``, ``'norm'`` (``layer_norm``: its output may be quantized as a join's input), or None (not counted). ``adaptive_avg_pool2d(x, 1)`` and ``x.mean((2, 3))`` of a 4-D ``x``
+    ``'relu'``, or None (not counted). ``adaptive_avg_pool2d(x, 1)`` and ``x.mean((2, 3))`` of a 4-D ``x``
     are global average pooling."""
     name = _name(func)
     kind = _KIND_BY_NAME.get(name)
@@ -105,14 +105,10 @@ def _inside(call: Any, names: set[str]) -> bool:
     return any(c.module in names for c in call.chain()[:-1])
 
 
-def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str],
-               requantize_inputs: bool = False) -> tuple[list[JoinSite], list[dict]]:
+def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str]) -> tuple[list[JoinSite], list[dict]]:
     """The quantized joins of a recorded forward (``flow``, recorded with ``classify=call_kind``) and a report
     of every join call (``{'kind', 'scope', 'integer', 'reason'}``). ``output_layers``: the wrapped layers
-    whose output is quantized (per tensor). ``requantize_inputs``: an add with an input made by a LayerNorm or a
-    float join (the residual stream of a transformer) quantizes that input at its producer, which becomes a site
-    of its own (output ``'own'``) whose grid every reader of the tensor shares (the core rule
-    :func:`~compressor.core.quant_joins.requantized_join_inputs`)."""
+    whose output is quantized (per tensor)."""
     counted = [f for f in flow.funcs if getattr(f, "kind", None) is not None and not _inside(f, wrapper_names)]
     index = {id(f): i for i, f in enumerate(counted)}
     grid: dict[Any, Any] = {}
@@ -130,45 +126,13 @@ def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str],
             value = f.inputs[0]
         return None
 
-    made = {f.outputs[0]: f for f in counted if f.outputs}
-
-    def producer(value: Any) -> Any:
-        """The counted call (a LayerNorm, a float join) whose output ``value`` is (through grid-preserving ops)
-        and can take a range of its own, or None (a parameter, a model input or output, any other op)."""
-        for _ in range(10_000):
-            if value in flow.outputs:
-                return None
-            p = made.get(value)
-            if p is not None:
-                ok = (p.kind == "norm" or p.kind in JOIN_KINDS) and p.outputs[0] not in flow.outputs
-                return p if ok else None
-            f = flow.made_by_func.get(value)
-            if f is None or not f.inputs or _name(f.func) not in _GRID_NAMES or f.inputs[0] == value:
-                return None
-            value = f.inputs[0]
-        return None
-
     sites: list[JoinSite] = []
     report: list[dict] = []
     for i, f in enumerate(counted):
-        if f.kind in ("relu", "norm") or not f.outputs:
+        if f.kind == "relu" or not f.outputs:
             continue
         scope = f.parent.module if f.parent is not None else ""
         sources = [source(v) for v in f.inputs]
-        requantized: list[Any] = []
-        if requantize_inputs and None in sources:
-            producers = [producer(v) if s is None else None for v, s in zip(f.inputs, sources)]
-            todo = requantized_join_inputs(f.kind, [s is not None for s in sources],
-                                           [p is not None for p in producers])
-            for k in todo or []:
-                p = producers[k]
-                if p.outputs[0] not in grid:  # one site per tensor (several adds may read it)
-                    j = index[id(p)]
-                    sites.append(JoinSite(j, p.kind, j, p.kind, "own", p.parent.module if p.parent is not None else ""))
-                    grid[p.outputs[0]] = ("site", j)
-                requantized.append(p)
-            if todo:
-                sources = [source(v) for v in f.inputs]
         rule = quantize_join(f.kind, [s is not None for s in sources])
         if rule is None:
             report.append({"kind": f.kind, "scope": scope, "integer": False,
@@ -183,10 +147,8 @@ def plan_joins(flow: Any, wrapper_names: set[str], output_layers: set[str],
         site = JoinSite(i, f.kind, index[id(point)], point.kind, output, scope)
         sites.append(site)
         grid[point.outputs[0]] = ("site", i)
-        reasons = (["relu folded"] if point is not f else []) + [
-            f"input quantized at its producer ({_name(p.func)} in {(p.parent.module if p.parent else '') or 'the model'!r})"
-            for p in requantized]
-        report.append({"kind": f.kind, "scope": scope, "integer": True, "reason": "; ".join(reasons)})
+        report.append({"kind": f.kind, "scope": scope, "integer": True,
+                       "reason": "relu folded" if point is not f else ""})
     return sites, report
 
 

@@ -42,11 +42,6 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   QLinearGlobalAveragePool, as onnxruntime's ``quantize_static`` does; layers reading such an output share its
   grid. The rule is :mod:`compressor.core.quant_joins`; the mechanism :mod:`.joins` (planned from one recorded
   forward on the first calibration batch). ``join_report`` lists every join seen and whether it is integer.
-  ``quantize_join_inputs=True`` (default, static only): a residual add with one quantized input and one made by a
-  LayerNorm or a float add (a transformer's residual stream) quantizes that input at its producer (a range of
-  its own, shared by every reader, the Linear layers included), so the add is integer too (QLinearAdd, as
-  ``quantize_static``); it rounds the residual stream to 8 bits (random-weight ViT: argmax agreement with float
-  93.8 % vs 98.4 % without, ``quantize_static`` 89.1 %); ``False`` keeps those adds float.
   The join ranges live on the quantizer (not in the model's ``state_dict``): re-run :meth:`calibrate` after
   loading one.
 * ``activation='dynamic'`` (default ``'static'``): onnxruntime's ``quantize_dynamic`` equivalent for Linear /
@@ -171,13 +166,13 @@ class PtqQuantizer(QAT_Quantizer):
                  percentile: float = 99.99, grid_size: int = 100, bn_fold: bool = True, dummy_input: Any = None,
                  weight_observer: str = "minmax", optimizer: torch.optim.Optimizer | None = None,
                  fuse_relu: bool = True, share_ranges: bool = True, quantize_joins: bool = True,
-                 activation: str = "static", quantize_join_inputs: bool = True):
+                 activation: str = "static"):
         if activation not in ("static", "dynamic"):
             raise ConfigError(f"PtqQuantizer: activation must be 'static' (calibrated ranges) or 'dynamic' (ranges "
                               f"of each batch at run time), got {activation!r}")
         self.activation = activation
         if activation == "dynamic":  # nothing to fold, fuse or share: inputs are quantized per batch
-            bn_fold, fuse_relu, share_ranges, quantize_joins, quantize_join_inputs = False, False, False, False, False
+            bn_fold, fuse_relu, share_ranges, quantize_joins = False, False, False, False
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
                 raise ConfigError(f"PtqQuantizer: unknown {what} {method!r}; allowed: {sorted(cobs.OBSERVERS)}")
@@ -197,11 +192,10 @@ class PtqQuantizer(QAT_Quantizer):
 
             example = model_inputs(dummy_input, what="PtqQuantizer")
         for flag, value in (("share_ranges", share_ranges), ("bn_fold", bn_fold),
-                            ("quantize_joins", quantize_joins), ("quantize_join_inputs", quantize_join_inputs)):
+                            ("quantize_joins", quantize_joins)):
             if not isinstance(value, bool):
                 raise ConfigError(f"PtqQuantizer: {flag} must be True or False, got {value!r}")
         self.quantize_joins = quantize_joins
-        self.quantize_join_inputs = quantize_join_inputs
         self._joins: Any = None  # the JoinRunner of the last calibration (see .joins)
         self._join_inputs: dict[str, int] = {}
         self.join_report: list[dict[str, Any]] = []
@@ -491,7 +485,7 @@ class PtqQuantizer(QAT_Quantizer):
         spec = specs[0]
         outs = {w.name for w in wrappers if "output" in w.qat_specs and w.qat_specs["output"].channels is None
                 and (w.qat_specs["output"].qmin, w.qat_specs["output"].qmax) == (spec.qmin, spec.qmax)}
-        sites, self.join_report = plan_joins(flow, names, outs, requantize_inputs=self.quantize_join_inputs)
+        sites, self.join_report = plan_joins(flow, names, outs)
         if not sites:
             return
         runner = JoinRunner(self, sites, spec)
