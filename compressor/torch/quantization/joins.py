@@ -58,16 +58,6 @@ def _is_hw(dims: Any) -> bool:
     return sorted(int(d) % 4 for d in dims) == [2, 3]
 
 
-def _float_activation(args: tuple) -> bool:
-    """True when a tensor argument (or one in a list argument, as ``torch.cat`` takes) is a floating-point
-    tensor with at least one dimension."""
-    for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
-                return True
-    return False
-
-
 def call_kind(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """The join kind of a torch call (``'add'``, ``'mul'``, ``'concat'``, ``'avgpool'``, ``'global_avgpool'``),
     ``'relu'``, or None (not counted). ``adaptive_avg_pool2d(x, 1)`` and ``x.mean((2, 3))`` of a 4-D ``x``
@@ -75,9 +65,7 @@ def call_kind(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
     name = _name(func)
     kind = _KIND_BY_NAME.get(name)
     if kind is not None:
-        # shape arithmetic is not a join: traced for the ONNX export, ``seq_len + past_len`` is an int64 0-d tensor
-        # (plain ints in eager mode), which would shift the numbering between calibration and export
-        return kind if _float_activation(args) else None
+        return kind
     if name == "adaptive_avg_pool2d":
         size = args[1] if len(args) > 1 else kwargs.get("output_size")
         return "global_avgpool" if size in (1, (1, 1), [1, 1]) else None
