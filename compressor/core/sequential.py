@@ -395,6 +395,32 @@ class AwqMethod(OneShotMethod):
 
 
 # ------------------------------------------------------------------------------------------------ the loop
+def _glibc_trim() -> Callable[[], Any] | None:
+    """glibc's ``malloc_trim`` (None elsewhere): see :func:`release_freed_heap`."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl, no libc.so.6
+        return None
+
+
+_TRIM = _glibc_trim()
+
+
+def release_freed_heap() -> None:
+    """Give the heap pages freed since the last call back to the OS (glibc ``malloc_trim(0)``; a no-op where
+    there is none). Between blocks a calibration run frees a block's worth of activations, statistics and
+    solver copies; glibc keeps most of it (its mmap threshold grows with the first frees, so later
+    activation-sized buffers come from the heap), and the next block's peak stacks on top: measured on the
+    issue-25 Llama (128 windows, max of 2 runs each), peak extra memory SparseGPT 129 -> 102 MiB, GPTQ 132 -> 96,
+    Wanda 92 -> 87."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def _progress(stream: Any) -> Callable[[str], None]:
     if stream is None or stream is False:
         return lambda msg: None
@@ -716,12 +742,15 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
             if tasks:
                 accs, observe = _observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)
+                release_freed_heap()
                 if isinstance(method, AwqMethod) and any(method.block_search(t) for t in tasks):
                     _awq_block(backend, method, block, inputs, tasks, accs, rows, name, undo)
                 else:
                     _compress_layers(backend, method, tasks, accs, rows, name, undo)
+                accs = observe = None  # type: ignore[assignment]
             if i + 1 < total:  # the compressed block's outputs feed the next block
                 inputs = _advance(backend, block, inputs)
+                release_freed_heap()
         say(f"[{method.name}] block {i + 1}/{total} {name}: {len(tasks)} layer(s), {time.perf_counter() - t0:.1f} s")
     inputs = None  # free the last block's activations
     rest = backend.block_layers(None)
