@@ -123,6 +123,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=128)
     a = p.parse_args()
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        # llmcompressor 0.14's AWQ pins its cached activations (pin_memory), which a CPU-only torch refuses
+        # ("Cannot access accelerator device"); on CPU pinning has nothing to do: the identity here
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     from llmcompressor import oneshot
 
     train, held = split(a.corpus)
