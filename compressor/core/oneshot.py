@@ -56,7 +56,7 @@ __all__ = [
     "wanda_scores", "wanda_mask",
     "SparseGPTResult", "sparsegpt_prune",
     "QuantSpec", "QuantizedWeight", "rtn_quantize", "gptq_quantize",
-    "awq_grid", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "AwqSearch", "awq_search",
+    "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "AwqSearch", "awq_search",
     "awq_linear_loss", "layer_output_error",
 ]
 
@@ -632,10 +632,32 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
 
 # ------------------------------------------------------------------------------------------------- AWQ
 def awq_grid(n_grid: int = AWQ_N_GRID) -> np.ndarray:
-    """AWQ's exponents ``alpha = i / n_grid``, ``i = 0..n_grid-1`` (Lin et al. 2023: ``[0, 1)``, 20 points)."""
+    """``n_grid`` exponents spanning ``[0, 1]``: ``alpha = i / (n_grid - 1)`` (``[0.0]`` for one point)."""
     if isinstance(n_grid, bool) or not isinstance(n_grid, (int, np.integer)) or n_grid < 1:
         raise ValueError(f"n_grid must be a positive int, got {n_grid!r}")
-    return np.arange(n_grid) / n_grid
+    return np.arange(n_grid) / max(int(n_grid) - 1, 1)
+
+
+#: ``duo_scaling`` values: True (default), False, or 'both'
+AWQ_DUO_CHOICES = (True, False, "both")
+
+
+def awq_candidates(n_grid: int = AWQ_N_GRID, duo_scaling: bool | str = True) -> list[tuple[float, bool]]:
+    """The ``(alpha, duo)`` points AWQ's search scores, ``n_grid`` of them, the grid of llmcompressor 0.14 (the
+    reference most users compare with): ``duo_scaling=True``: the identity (``alpha = 0`` without duo
+    scaling: plain round to nearest, so the search never ends worse than RTN on its own loss) then
+    ``n_grid - 1`` duo-scaled exponents spanning ``[0, 1]``; ``False``: ``n_grid`` exponents spanning
+    ``[0, 1]``, activation statistics only; ``'both'``: ``n_grid // 2`` exponents spanning ``[0, 1]``, each
+    without then with duo scaling. (AutoAWQ's original grid, ``i / n_grid`` for ``i < n_grid`` with duo
+    scaling, stops short of 1 and has no identity point.)"""
+    awq_grid(n_grid)  # validates
+    if duo_scaling is True:
+        return [(0.0, False)] + [(float(a), True) for a in awq_grid(max(int(n_grid) - 1, 1))]
+    if duo_scaling is False:
+        return [(float(a), False) for a in awq_grid(n_grid)]
+    if duo_scaling == "both":
+        return [(float(a), d) for a in awq_grid(max(int(n_grid) // 2, 1)) for d in (False, True)]
+    raise ValueError(f"duo_scaling must be one of {list(AWQ_DUO_CHOICES)}, got {duo_scaling!r}")
 
 
 def awq_weight_mean(weight: Any, group_size: int | None = None) -> np.ndarray:
@@ -691,32 +713,35 @@ def awq_quantize(weight: Any, scales: Any, spec: QuantSpec) -> AwqWeight:
 
 @dataclass(frozen=True)
 class AwqSearch:
-    """The grid search's outcome: the chosen ``alpha`` and ``scales``, and every ``(alpha, loss)`` tried."""
+    """The grid search's outcome: the chosen ``alpha``, whether it was duo-scaled (``duo``) and its ``scales``,
+    and every ``(alpha, duo, loss)`` tried."""
 
     alpha: float
     scales: np.ndarray
-    losses: list[tuple[float, float]]
+    losses: list[tuple[float, bool, float]]
+    duo: bool = False
 
 
 def awq_search(x_abs_mean: Any, loss: Callable[[np.ndarray], float], n_grid: int = AWQ_N_GRID,
-               w_mean: Any = None) -> AwqSearch:
-    """AWQ's grid search: for each ``alpha`` of :func:`awq_grid`, ``loss(awq_scales(x_abs_mean, alpha,
-    w_mean))`` (the backend applies the scales with :func:`awq_quantize` to the block's layers that share
-    this input, runs the block on the cached calibration inputs and returns the output error vs the
-    unquantized block; :func:`awq_linear_loss` is the single-Linear form); the smallest loss wins, ties to
-    the smaller ``alpha``. A NaN / inf loss is a ValueError."""
-    best: tuple[float, float, np.ndarray] | None = None
+               w_mean: Any = None, duo_scaling: bool | str = True) -> AwqSearch:
+    """AWQ's grid search: for each ``(alpha, duo)`` of :func:`awq_candidates` (``duo_scaling`` applies only
+    with ``w_mean``; without it the grid is the activation-only one), ``loss(awq_scales(x_abs_mean, alpha,
+    w_mean if duo))`` (the backend applies the scales with :func:`awq_quantize` to the block's layers that share
+    this input, runs their parent module on the cached calibration inputs and returns the output error vs the
+    unquantized module; :func:`awq_linear_loss` is the single-Linear form); the smallest loss wins, ties to the
+    earlier candidate. A NaN / inf loss is a ValueError."""
+    best: tuple[float, float, bool, np.ndarray] | None = None
     tried = []
-    for a in awq_grid(n_grid):
-        s = awq_scales(x_abs_mean, float(a), w_mean)
+    for a, duo in awq_candidates(n_grid, duo_scaling if w_mean is not None else False):
+        s = awq_scales(x_abs_mean, a, w_mean if duo else None)
         val = float(loss(s))
         if not math.isfinite(val):
             raise ValueError(f"AWQ loss at alpha={a:g} is {val}: the block's output is not finite")
-        tried.append((float(a), val))
+        tried.append((a, duo, val))
         if best is None or val < best[0]:
-            best = (val, float(a), s)
+            best = (val, a, duo, s)
     assert best is not None
-    return AwqSearch(alpha=best[1], scales=best[2], losses=tried)
+    return AwqSearch(alpha=best[1], scales=best[3], losses=tried, duo=best[2])
 
 
 def layer_output_error(x: Any, weight: Any, new_weight: Any) -> float:

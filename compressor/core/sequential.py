@@ -37,7 +37,7 @@ from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "ONESHOT_KEYS", "search_subset", "search_inputs", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "OneShotReport", "ONESHOT_KEYS", "search_subset", "search_inputs", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -50,6 +50,12 @@ def _group_size(v: Any) -> int | None:
 def _search_samples(v: Any) -> int | None:
     if v is None or (_is_int(v) and v >= 1):
         return None if v is None else int(v)
+    raise ValueError
+
+
+def _duo_scaling(v: Any) -> bool | str:
+    if isinstance(v, bool) or v == "both":
+        return v
     raise ValueError
 
 
@@ -106,8 +112,11 @@ ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
     KeySpec("act_order", _bool, "True or False (GPTQ: sweep columns by decreasing Hessian diagonal)"),
     KeySpec("mask_scope", _choice(os1.MASK_SCOPES), f"one of {list(os1.MASK_SCOPES)} (SparseGPT: where the "
                                                       f"per-block pruning threshold is taken)"),
-    KeySpec("n_grid", _int_at_least(1), "an int >= 1 (AWQ: points of the alpha grid in [0, 1), default 20)"),
-    KeySpec("duo_scaling", _bool, "True or False (AWQ: scale by activation and weight statistics)"),
+    KeySpec("n_grid", _int_at_least(1), "an int >= 1 (AWQ: points of the search grid, default 20)"),
+    KeySpec("duo_scaling", _duo_scaling, "True, False or 'both' (AWQ: True (default): the identity, "
+                                                         "then exponents in [0, 1] scaling by activation and weight "
+                                                         "statistics; False: activation statistics only; 'both': "
+                                                         "half the grid each way)"),
     KeySpec("awq_search", _choice(AWQ_SEARCHES), f"one of {list(AWQ_SEARCHES)} (AWQ: 'block' (default) searches one "
                                                  f"alpha per group of layers that read the same input, on the block's "
                                                  f"output error; 'layer': each layer alone, on its own output error)"),
@@ -324,7 +333,8 @@ class RtnMethod(OneShotMethod):
 
 class AwqMethod(OneShotMethod):
     """AWQ (Lin et al. 2023): per-input-channel scales ``s = mean|X|^alpha`` (duo scaling: divided by the
-    weights' normalised magnitude ``^(1 - alpha)``), ``alpha`` from a grid in ``[0, 1)``, then round to nearest
+    weights' normalised magnitude ``^(1 - alpha)``), ``alpha`` from a grid in ``[0, 1]`` with the identity (plain RTN)
+    as one candidate (:func:`~compressor.core.oneshot.awq_candidates`, llmcompressor 0.14's grid), then round to nearest
     of ``W s``; the layer keeps ``Q(W s) / s`` (it computes what the reference computes after folding ``1 / s``
     into whatever produces its input, and needs no folding).
 
@@ -353,15 +363,20 @@ class AwqMethod(OneShotMethod):
         spec = quant_spec_of(c, "AwqQuantizer")
         w = weight if mask is None else np.where(mask, weight, 0.0)
         h = stats.gram
-        w_mean = os1.awq_weight_mean(w, spec.group_size) if c.get("duo_scaling", True) else None
+        duo = c.get("duo_scaling", True)
+        w_mean = os1.awq_weight_mean(w, spec.group_size) if duo is not False else None
 
         def loss(s: np.ndarray) -> float:
             d = w - os1.awq_quantize(w, s, spec).effective
             return float(np.sum((d @ h) * d))
 
-        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean)
-        return self.result(w, mask, found.scales, spec, {"alpha": found.alpha,
-                                                         "error": min(v for _, v in found.losses)})
+        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
+        return self.result(w, mask, found.scales, spec, self.info(found))
+
+    @staticmethod
+    def info(found: os1.AwqSearch) -> dict[str, Any]:
+        """The report's numbers for one search: the chosen ``alpha``, whether duo-scaled, its loss."""
+        return {"alpha": found.alpha, "duo": found.duo, "error": min(v for *_, v in found.losses)}
 
     @staticmethod
     def result(w: np.ndarray, mask: np.ndarray | None, scales: np.ndarray, spec: os1.QuantSpec,
@@ -379,8 +394,9 @@ class AwqMethod(OneShotMethod):
         c = tasks[0].config
         specs = [quant_spec_of(t.config, "AwqQuantizer") for t in tasks]
         ws = [w if m is None else np.where(m, w, 0.0) for w, m in weights]
+        duo = c.get("duo_scaling", True)
         w_mean = (os1.awq_weight_mean(np.concatenate(ws, axis=0), specs[0].group_size)
-                  if c.get("duo_scaling", True) else None)
+                  if duo is not False else None)
 
         def loss(s: np.ndarray) -> float:
             cand = {}
@@ -389,9 +405,31 @@ class AwqMethod(OneShotMethod):
                 cand[t.name] = eff if m is None else np.where(m, eff, 0.0)
             return block_loss(cand)
 
-        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean)
-        info = {"alpha": found.alpha, "error": min(v for _, v in found.losses), "group": tasks[0].name}
+        found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
+        info = {**self.info(found), "group": tasks[0].name}
         return [self.result(w, m, found.scales, spec, dict(info)) for w, (_, m), spec in zip(ws, weights, specs)]
+
+
+class OneShotReport(list):
+    """The rows of a one-shot run (dicts: ``layer``, ``block``, ``method``, ``sparsity`` or ``bits`` /
+    ``group_size``, the method's numbers: GPTQ's ``error``, AWQ's ``alpha`` / ``duo`` / ``error``); ``str()`` is
+    a table with a column per key, in the order the keys first appear."""
+
+    def __str__(self) -> str:
+        keys: list[str] = []
+        for r in self:
+            keys += [k for k in r if k not in keys]
+
+        def fmt(v: Any) -> str:
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            return "" if v is None else str(v)
+
+        body = [[fmt(r.get(k)) for k in keys] for r in self]
+        widths = [max([len(k)] + [len(row[i]) for row in body]) for i, k in enumerate(keys)]
+        line = "  ".join(f"{{:<{w}}}" for w in widths)
+        return "\n".join(x.rstrip() for x in [line.format(*keys), line.format(*("-" * w for w in widths))]
+                         + [line.format(*row) for row in body])
 
 
 # ------------------------------------------------------------------------------------------------ the loop

@@ -59,6 +59,7 @@ from ..core.sequential import (
     LayerResult,
     LayerTask,
     OneShotMethod,
+    OneShotReport,
     RtnMethod,
     SparseGPTMethod,
     WandaMethod,
@@ -500,22 +501,6 @@ _WRITTEN_ATTRS = ("weight_group_size",)
 
 
 # ------------------------------------------------------------------------------------------- report
-class OneShotReport(list):
-    """Rows of a one-shot run (one dict per layer: ``layer``, ``block``, ``method``, ``sparsity`` / ``bits``,
-    ``group_size``, the method's numbers); ``str()`` is a table."""
-
-    def __str__(self) -> str:
-        cols = ["layer", "block", "method", "sparsity", "bits", "group_size", "alpha", "error"]
-        cols = [c for c in cols if any(c in r for r in self)]
-
-        def fmt(v: Any) -> str:
-            return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
-
-        table = [cols] + [[fmt(r.get(c)) for c in cols] for r in self]
-        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-        return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)
-
-
 # ------------------------------------------------------------------------------------------- compressors
 def _targets(sequential_targets: Any, what: str) -> list[str] | None:
     if sequential_targets is None:

@@ -45,6 +45,7 @@ from ..core.sequential import (
     LayerResult,
     LayerTask,
     OneShotMethod,
+    OneShotReport,
     run_sequential,
 )
 from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
@@ -611,27 +612,6 @@ class TorchOneShotBackend:
 
 
 # ------------------------------------------------------------------------------------------------ compressors
-class OneShotReport(list):
-    """The rows of a one-shot run (dicts: ``layer``, ``block``, ``method``, ``sparsity`` or ``bits`` /
-    ``group_size``, the method's numbers); ``str()`` is a table."""
-
-    def __str__(self) -> str:
-        keys: list[str] = []
-        for r in self:
-            keys += [k for k in r if k not in keys]
-
-        def fmt(v: Any) -> str:
-            if isinstance(v, float):
-                return f"{v:.4g}"
-            return "" if v is None else str(v)
-
-        body = [[fmt(r.get(k)) for k in keys] for r in self]
-        widths = [max([len(k)] + [len(row[i]) for row in body]) for i, k in enumerate(keys)]
-        line = "  ".join(f"{{:<{w}}}" for w in widths)
-        return "\n".join([line.format(*keys), line.format(*("-" * w for w in widths))]
-                         + [line.format(*row) for row in body])
-
-
 def _check_targets(model: nn.Module, targets: Any, what: str) -> list[str] | None:
     if targets is None:
         return None

@@ -437,8 +437,15 @@ def test_gptq_deterministic_inputs_untouched_and_errors():
 
 # ------------------------------------------------------------------------------------------------- AWQ
 def test_awq_grid_and_scales_exact():
-    assert O.awq_grid().tolist() == [i / 20 for i in range(20)]
-    assert O.awq_grid(4).tolist() == [0.0, 0.25, 0.5, 0.75]
+    assert O.awq_grid().tolist() == [i / 19 for i in range(20)]
+    assert O.awq_grid(5).tolist() == [0.0, 0.25, 0.5, 0.75, 1.0] and O.awq_grid(1).tolist() == [0.0]
+    # llmcompressor 0.14's grid: the identity first, then n - 1 duo-scaled exponents over [0, 1]
+    assert O.awq_candidates() == [(0.0, False)] + [(i / 18, True) for i in range(19)]
+    assert O.awq_candidates(4) == [(0.0, False), (0.0, True), (0.5, True), (1.0, True)]
+    assert O.awq_candidates(3, False) == [(0.0, False), (0.5, False), (1.0, False)]
+    assert O.awq_candidates(5, "both") == [(0.0, False), (0.0, True), (1.0, False), (1.0, True)]
+    with pytest.raises(ValueError, match="duo_scaling"):
+        O.awq_candidates(4, "yes")
     assert O.awq_scales([1.0, 4.0], 0.0).tolist() == [1.0, 1.0]
     # [1, 4]^0.5 = [1, 2], normalised by sqrt(2 * 1)
     assert np.allclose(O.awq_scales([1.0, 4.0], 0.5), [2**-0.5, 2**0.5], rtol=0, atol=1e-15)
@@ -467,9 +474,15 @@ def test_awq_quantize_and_search_pick_the_smallest_loss():
         seen.append(scales)
         return [5.0, 3.0, 1.0, 1.0, 4.0][len(seen) - 1]
 
-    res = O.awq_search([1.0, 4.0], loss, n_grid=5)
-    assert res.alpha == 0.4 and np.array_equal(res.scales, seen[2])  # the tie at 0.6 goes to the smaller alpha
-    assert [a for a, _ in res.losses] == [0.0, 0.2, 0.4, 0.6, 0.8] and seen[0].tolist() == [1.0, 1.0]
+    res = O.awq_search([1.0, 4.0], loss, n_grid=5)  # no w_mean: the activation-only grid
+    assert res.alpha == 0.5 and not res.duo and np.array_equal(res.scales, seen[2])  # the tie at 0.75: the earlier
+    assert [a for a, _, _ in res.losses] == [0.0, 0.25, 0.5, 0.75, 1.0] and seen[0].tolist() == [1.0, 1.0]
+    # with w_mean: the identity, then duo-scaled points; the identity can win
+    seen.clear()
+    res = O.awq_search([1.0, 4.0], lambda s: seen.append(s) or [1.0, 2.0, 3.0][len(seen) - 1], n_grid=3,
+                       w_mean=[1.0, 0.25])
+    assert (res.alpha, res.duo) == (0.0, False) and res.scales.tolist() == [1.0, 1.0]
+    assert [(a, d) for a, d, _ in res.losses] == [(0.0, False), (0.0, True), (1.0, True)]
     with pytest.raises(ValueError, match="not finite"):
         O.awq_search([1.0, 4.0], lambda s: float("nan"))
     with pytest.raises(ValueError, match="positive"):
@@ -486,8 +499,8 @@ def test_awq_beats_rtn_on_salient_channels():
     acc.add(x)
     res = O.awq_search(acc.abs_mean(), lambda s: O.awq_linear_loss(x, w, s, spec))
     e_rtn = O.layer_output_error(x, w, O.rtn_quantize(w, spec).dequantized)
-    assert res.losses[0][1] == e_rtn  # alpha = 0 is plain RTN
-    assert res.alpha > 0 and min(v for _, v in res.losses) < 0.9 * e_rtn
+    assert res.losses[0][2] == e_rtn  # alpha = 0 is plain RTN
+    assert res.alpha > 0 and min(v for *_, v in res.losses) < 0.9 * e_rtn
 
 
 # ------------------------------------------------------------------------------------------- properties

@@ -241,15 +241,16 @@ def test_awq_block_search_one_alpha_for_layers_sharing_an_input_by_the_block_out
     ref = GluBackend(cfg)
     want = [ref.forward(b) for b in BATCHES]
     losses = []
-    for alpha in os1.awq_grid():
-        s = os1.awq_scales(xm, alpha, wm)
+    cands = os1.awq_candidates()
+    for alpha, duo in cands:
+        s = os1.awq_scales(xm, alpha, wm if duo else None)
         ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
         got = [ref.forward(b) for b in BATCHES]
         losses.append(sum(((g - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
     best = int(np.argmin(losses))
-    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert (rows[0]["alpha"], rows[0]["duo"]) == cands[best]
     assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
-    s = os1.awq_scales(xm, os1.awq_grid()[best], wm)
+    s = os1.awq_scales(xm, cands[best][0], wm if cands[best][1] else None)
     for n in "ab":
         np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
     assert be.outputs == 1 + 20  # the float reference + one run per alpha
@@ -305,8 +306,8 @@ def _mlp_losses(cfg, w0, ys, xm, wm, spec):
     ref = ParentGluBackend(cfg)
     want = [ref.mlp(y).astype(np.float32) for y in ys]
     losses = []
-    for alpha in os1.awq_grid():
-        s = os1.awq_scales(xm, alpha, wm)
+    for alpha, duo in os1.awq_candidates():
+        s = os1.awq_scales(xm, alpha, wm if duo else None)
         ref.w["a"], ref.w["b"] = (os1.awq_quantize(w0[n], s, spec).effective for n in "ab")
         got = [ref.mlp(y).astype(np.float32) for y in ys]
         losses.append(sum(((g.astype(np.float64) - r) ** 2).sum() for g, r in zip(got, want)) / sum(r.size for r in want))
@@ -330,9 +331,10 @@ def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_pe
     wm = os1.awq_weight_mean(np.concatenate([w0["a"], w0["b"]]), 4)
     losses = _mlp_losses(cfg, w0, ys, xm, wm, spec)
     best = int(np.argmin(losses))
-    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert (rows[0]["alpha"], rows[0]["duo"]) == os1.awq_candidates()[best]
     assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
-    s = os1.awq_scales(xm, os1.awq_grid()[best], wm)
+    alpha, duo = os1.awq_candidates()[best]
+    s = os1.awq_scales(xm, alpha, wm if duo else None)
     for n in "ab":
         np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
 
@@ -362,7 +364,7 @@ def test_awq_search_samples_scores_the_grid_on_those_batches_and_the_statistics_
     ys = [batches[0] / 2, batches[4] / 2]  # the loss: the first and the last batch only
     losses = _mlp_losses(cfg, w0, ys, xm, wm, spec)
     best = int(np.argmin(losses))
-    assert rows[0]["alpha"] == os1.awq_grid()[best]
+    assert (rows[0]["alpha"], rows[0]["duo"]) == os1.awq_candidates()[best]
     assert rows[0]["error"] == pytest.approx(losses[best], rel=1e-12)
     assert be.calls == {"record": 1, "module": 1 + 20}
 

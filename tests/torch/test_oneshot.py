@@ -510,6 +510,14 @@ def test_awq_block_search_gives_one_alpha_and_one_scale_vector_per_input_group()
     for bad in (0, 1.5, "all"):
         with pytest.raises(ConfigError, match="search_samples"):
             make(AwqQuantizer, build("llama"), {"quant_bits": 4, "search_samples": bad})
+    for bad in (1, 0, "Both", None):  # 1 / 0 are not True / False
+        with pytest.raises(ConfigError, match=r"'duo_scaling'.*True, False or 'both'"):
+            make(AwqQuantizer, build("llama"), {"quant_bits": 4, "duo_scaling": bad})
+    both = make(AwqQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16, "duo_scaling": "both", "n_grid": 4})
+    both.calibrate(batches(), progress=False)
+    # 'both' with n_grid 4: alpha in {0, 1}, each without then with duo scaling
+    assert {(r["alpha"], r["duo"]) for r in both.oneshot_rows} <= {(0.0, False), (0.0, True), (1.0, False), (1.0, True)}
+    assert "duo" in str(both.report()) and "alpha" in str(both.report())
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
