@@ -250,18 +250,26 @@ def hessian_factor(damped_hessian: np.ndarray, damp: float | None = None) -> np.
     return _inverse_factor_t(damped_hessian, damp).T
 
 
-def _inverse_factor_t(h: np.ndarray, damp: float | None) -> np.ndarray:
-    """``U^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`."""
+def _inverse_factor_t(h: np.ndarray | list[np.ndarray], damp: float | None) -> np.ndarray:
+    """``U^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`. ``h`` may be a one-element list
+    holding the caller's only reference to its (scratch) damped Hessian: it is taken out and dropped once it
+    is factored, so the peak holds about three ``n x n`` matrices instead of five (an LLM's down projection
+    has the largest ``n``)."""
+    h0 = h.pop() if isinstance(h, list) else h
+    del h
     try:
         try:
-            upper = np.linalg.cholesky(h[::-1, ::-1], upper=True)  # L^T, numpy >= 2.0
+            upper = np.linalg.cholesky(h0[::-1, ::-1], upper=True)  # L^T, numpy >= 2.0
         except TypeError:  # numpy 1.x: no upper=
-            upper = np.linalg.cholesky(h[::-1, ::-1]).T
+            upper = np.linalg.cholesky(h0[::-1, ::-1]).T
     except np.linalg.LinAlgError:
         hint = f" (damp={damp})" if damp is not None else ""
         raise ValueError(f"the damped Hessian is not positive definite{hint}: increase damp or use more "
                          f"calibration samples") from None
-    return _inv_lower(np.ascontiguousarray(upper[::-1, ::-1]))  # (R^T)^-1 = U^T, R^T = P L^T P
+    del h0
+    low = np.ascontiguousarray(upper[::-1, ::-1])  # R^T = P L^T P
+    del upper
+    return _inv_lower(low)  # (R^T)^-1 = U^T
 
 
 _INV_BASE = 64
@@ -269,18 +277,17 @@ _INV_BASE = 64
 
 def _inv_lower(low: np.ndarray) -> np.ndarray:
     """Inverse of a lower-triangular matrix by halves, ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1,
-    D^-1]]``: ``n^3 / 3`` flops, all in matrix products (numpy has no triangular inverse)."""
+    D^-1]]``: ``n^3 / 3`` flops, all in matrix products (numpy has no triangular inverse). Computed IN PLACE
+    (``low`` is overwritten and returned: no second ``n x n`` matrix)."""
     n = low.shape[0]
     if n <= _INV_BASE:
-        return np.tril(np.linalg.inv(low))
+        low[...] = np.tril(np.linalg.inv(low))
+        return low
     k = n // 2
-    ai = _inv_lower(low[:k, :k])
-    di = _inv_lower(low[k:, k:])
-    out = np.zeros_like(low)
-    out[:k, :k] = ai
-    out[k:, k:] = di
-    out[k:, :k] = -(di @ (low[k:, :k] @ ai))
-    return out
+    _inv_lower(low[:k, :k])
+    _inv_lower(low[k:, k:])
+    low[k:, :k] = -(low[k:, k:] @ (low[k:, :k] @ low[:k, :k]))
+    return low
 
 
 class _Sweep:
@@ -432,7 +439,10 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
         _check_nm_width(n_in, nm[1], sparse_pattern)  # type: ignore[arg-type]
         if bs % nm[1]:
             raise ValueError(f"block_size {bs} must be a multiple of M={nm[1]} of sparse_pattern {sparse_pattern!r}")
-    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(hd, damp), None)
+    box = [hd]
+    del hd
+    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(box, damp), None)
+    del w
     result_t = np.zeros_like(sweep.w)
     keep_t = np.ones(sweep.w.shape, dtype=bool)
     for i1 in range(0, n_in, bs):
@@ -595,11 +605,14 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     inv = np.empty(n_in, dtype=np.intp)
     inv[perm] = np.arange(n_in)
     gid = perm // gs  # group of the column at each sweep position
-    ut = _inverse_factor_t(hd[np.ix_(perm, perm)] if act_order else hd, damp)
+    box = [hd[np.ix_(perm, perm)] if act_order else hd]
+    del hd
+    ut = _inverse_factor_t(box, damp)
     if act_order:
         w = w[:, perm]
         keep = None if keep is None else keep[:, perm]
     sweep = _Sweep(np.ascontiguousarray(w.T), ut, None if keep is None else np.ascontiguousarray(keep.T))
+    del w, ut
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)

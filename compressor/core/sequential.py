@@ -588,6 +588,8 @@ def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list
             undo.before(t)
         backend.write(t, result)
         rows.append(row)
+        del result, weight, mask
+        release_freed_heap()  # the solver's matrices: the next layer's start on a trimmed heap
 
 
 def _output_error(outs: Sequence[Any], ref: Sequence[np.ndarray]) -> float:
@@ -777,6 +779,7 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
         else:
             if inputs is None:
                 inputs = backend.first_inputs(batches)
+                release_freed_heap()
             if tasks:
                 accs, observe = _observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)

@@ -418,6 +418,20 @@ def test_bad_data_is_refused_before_any_weight_changes():
     assert same_state(model, before) and not p.calibrated
 
 
+def test_inputs_embeds_batches_are_not_overwritten_by_the_in_place_advance():
+    """The block inputs are updated in place block after block; a Llama hands inputs_embeds straight to its
+    first block, so the caller's tensors must be copied, not overwritten (and give the same result)."""
+    model = build("llama")
+    with torch.no_grad():
+        embs = [model.get_input_embeddings()(b) for b in batches(2)]
+    given = [e.clone() for e in embs]
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5}).calibrate([{"inputs_embeds": e} for e in embs], progress=False)
+    assert all(torch.equal(e, g) for e, g in zip(embs, given))
+    ref = make(SparseGPTPruner, build("llama"), {"sparsity": 0.5}).calibrate(batches(2), progress=False)
+    for a, b in zip(p.get_modules_wrapper(), ref.get_modules_wrapper()):
+        assert torch.equal(a.weight_mask, b.weight_mask), a.name
+
+
 def test_ptq_takes_dicts_batch_encodings_and_refuses_nan():
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
