@@ -188,7 +188,7 @@ def test_a_layer_that_stops_sharing_its_leaders_input_is_an_error():
             self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.a(x) + self.b(x if x.shape[0] == 2 else x.clone())
+            return self.a(x) + self.b(x if x.shape[0] != 3 else x.clone())
 
     class Net(nn.Module):
         def __init__(self):
@@ -293,8 +293,9 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     h = target.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
     p.calibrate(calib, progress=False)
     h.remove()
-    # block 1 (the last) ran on batch 0 (which layers share an input), then once observed; no output pass
-    assert len(seen) == 1 + len(calib) and torch.equal(seen[0], seen[1])
+    # block 1 (the last) ran on the first sequence of batch 0 (which layers share an input), then once observed;
+    # no output pass
+    assert len(seen) == 1 + len(calib) and torch.equal(seen[0], seen[1][:1])
     seen = seen[1:]
 
     def inputs_of(m):
