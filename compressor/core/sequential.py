@@ -25,7 +25,7 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -219,10 +219,10 @@ class OneShotBackend(Protocol):
     ``set_weight``) change in the layer, and putting it back; with them a run that fails part way (any
     exception, KeyboardInterrupt) leaves every layer as it was.
     ``set_weight(task, weight)`` (canonical ``[out, in]``, float weight only) and ``block_output(block,
-    inputs) -> [array per input]`` (the block's hidden-state outputs): AWQ's block-output search
+    inputs) -> iterable of arrays, one per input`` (the block's hidden-state outputs): AWQ's block-output search
     (``awq_search: 'block'``).
     ``awq_parent(block, tasks) -> module or None``, ``record_calls(block, inputs, modules) -> [calls per
-    module]`` and ``module_output(module, calls) -> [array per call]``: the smallest module of the block holding
+    module]`` and ``module_output(module, calls) -> iterable of arrays, one per call``: the smallest module of the block holding
     ``tasks`` (None: the block itself), its call arguments recorded in one run of the block, and its (hidden-state)
     output on them, real tokens only; AWQ's parent-output search.
     ``advance(block, inputs)``: the block's outputs as :meth:`run_block` without observing, written over
@@ -592,9 +592,10 @@ def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list
         release_freed_heap()  # the solver's matrices: the next layer's start on a trimmed heap
 
 
-def _output_error(outs: Sequence[Any], ref: Sequence[np.ndarray]) -> float:
+def _output_error(outs: Iterable[Any], ref: Sequence[np.ndarray]) -> float:
     """Mean squared difference of a block's (or module's) outputs from the reference ones, accumulated in float64
-    over chunks of rows (no float64 copy of a whole output: the outputs may be float32)."""
+    over chunks of rows (no float64 copy of a whole output: the outputs may be float32). ``outs`` may be a
+    generator (the backends' ``module_output`` / ``block_output`` are): one output alive at a time."""
     total, n = 0.0, 0
     for o, r in zip(outs, ref):
         o = np.asarray(o)
@@ -612,35 +613,35 @@ def _output_error(outs: Sequence[Any], ref: Sequence[np.ndarray]) -> float:
     return total / max(n, 1)
 
 
-def _awq_parents(backend: OneShotBackend, block: Any, inputs: list[Any], groups: list[list[LayerTask]]
-                 ) -> list[tuple[Any, Any] | None]:
-    """Per group: ``(module, its recorded calls)`` of the smallest module of the block that holds the group's layers
-    (self_attn for q / k / v, mlp for gate / up): AWQ's loss is that module's output, as AutoAWQ / llmcompressor
-    take it; recorded in ONE run of the float block. ``None``: the block itself (no such module, or a backend
-    without ``awq_parent`` / ``record_calls`` / ``module_output``)."""
+def _awq_parent_modules(backend: OneShotBackend, block: Any, groups: list[list[LayerTask]]) -> list[Any]:
+    """Per group: the smallest module of the block that holds the group's layers (self_attn for q / k / v, mlp for
+    gate / up): AWQ's loss is that module's output, as AutoAWQ / llmcompressor take it. ``None``: the block
+    itself (no such module, or a backend without ``awq_parent`` / ``record_calls`` / ``module_output``)."""
     parent_of = getattr(backend, "awq_parent", None)
-    record = getattr(backend, "record_calls", None)
-    if parent_of is None or record is None or getattr(backend, "module_output", None) is None:
+    if parent_of is None or getattr(backend, "record_calls", None) is None or \
+            getattr(backend, "module_output", None) is None:
         return [None] * len(groups)
-    parents = [parent_of(block, g) for g in groups]
-    distinct: list[Any] = []
-    for p in parents:
-        if p is not None and not any(p is q for q in distinct):
-            distinct.append(p)
-    if not distinct:
-        return [None] * len(groups)
-    calls = record(block, inputs, distinct)
-    by_id = {id(p): c for p, c in zip(distinct, calls)}
-    out: list[tuple[Any, Any] | None] = []
-    for p in parents:
-        if p is None:
-            out.append(None)
-        elif not by_id[id(p)]:
-            raise ModelError(f"AWQ: module {getattr(p, 'name', type(p).__name__)!r}, which holds layers of block "
-                             f"{block!r}, was not called when the block ran on the calibration inputs")
-        else:
-            out.append((p, by_id[id(p)]))
-    return out
+    return [parent_of(block, g) for g in groups]
+
+
+def _record_float(backend: OneShotBackend, block: Any, inputs: list[Any], module: Any,
+                  done: list[tuple[LayerTask, np.ndarray, np.ndarray]]) -> Any:
+    """``module``'s recorded calls in one run of the FLOAT block (the layers of the block already compressed,
+    ``done``: ``(task, float weight, compressed weight)``, run with their float weights for it and get their
+    compressed ones back): each parent is recorded just before its group is searched, so one parent's inputs
+    are in memory at a time, and they are what recording all parents in one float run gives."""
+    for t, w_float, _ in done:
+        backend.set_weight(t, w_float)  # type: ignore[attr-defined]
+    try:
+        calls = backend.record_calls(block, inputs, [module])[0]  # type: ignore[attr-defined]
+    finally:
+        for t, _, w_done in done:
+            backend.set_weight(t, w_done)  # type: ignore[attr-defined]
+    release_freed_heap()  # the recording run's (and a backend's merging of the calls) transient buffers
+    if not calls:
+        raise ModelError(f"AWQ: module {getattr(module, 'name', type(module).__name__)!r}, which holds layers of "
+                         f"block {block!r}, was not called when the block ran on the calibration inputs")
+    return calls
 
 
 def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: list[Any], tasks: list[LayerTask],
@@ -661,15 +662,22 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
                          f"awq_search: 'layer'")
     # the grid is scored on a subset of the calibration batches (``search_samples``); statistics use all
     inputs = search_inputs(backend, inputs, tasks[0].config.get("search_samples", AWQ_SEARCH_SAMPLES))
-    parents = dict(zip(map(id, multi), _awq_parents(backend, block, inputs, multi)))
+    parents = dict(zip(map(id, multi), _awq_parent_modules(backend, block, multi)))
     run = getattr(backend, "block_output", None)
     if run is None and any(p is None for p in parents.values()):
         raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output); give "
                          f"awq_search: 'layer'")
     block_ref: list[Any] = []
+    floats = {t.name: np.asarray(backend.read_weight(t)[0], np.float64) for t in tasks}
+    done: list[tuple[LayerTask, np.ndarray, np.ndarray]] = []  # compressed so far: (task, float, compressed)
+
+    def compressed(ts: list[LayerTask]) -> None:
+        done.extend((t, floats[t.name], np.asarray(backend.read_weight(t)[0], np.float64)) for t in ts)
+
     for group in groups.values():
         if len(group) == 1:
             _compress_layers(backend, method, group, accs, rows, name, undo)
+            compressed(group)
             continue
         stats = accs[group[0].name]
         _check_seen(method, group[0], stats)
@@ -681,30 +689,37 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
         parent = parents[id(group)]
         if parent is None:  # the whole block's output vs the block before quantization
             if not block_ref:
-                block_ref.append(run(block, inputs))
+                block_ref.append(list(run(block, inputs)))
 
-            def forward(run: Any = run) -> list[Any]:
+            def forward(run: Any = run) -> Iterable[Any]:
                 return run(block, inputs)
             ref = block_ref[0]
         else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
-            module, calls = parent
+            module, calls = parent, _record_float(backend, block, inputs, parent, done)
 
-            def forward(module: Any = module, calls: Any = calls) -> list[Any]:
+            def forward(module: Any = module, calls: Any = calls) -> Iterable[Any]:
                 return backend.module_output(module, calls)  # type: ignore[attr-defined]
-            ref = forward()
+            ref = list(forward())
+        release_freed_heap()  # the module runs' transients, interleaved with the kept references
 
         def block_loss(cand: dict[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
                        ref: Any = ref) -> float:
             for t in group:
                 set_weight(t, cand[t.name])
-            return _output_error(forward(), ref)
+            err = _output_error(forward(), ref)
+            release_freed_heap()
+            return err
 
         results = method.search_group(group, weights, stats, block_loss)
-        del ref
+        del ref, forward, block_loss
+        if parent is not None:
+            del calls
         for t, r in zip(group, results):
             row = _row(t, method, r, name)
             backend.write(t, r)
             rows.append(row)
+        compressed(group)
+        release_freed_heap()
 
 
 def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, str] | None = None

@@ -382,7 +382,7 @@ class KerasOneShotBackend:
             def run(args: tuple, kwargs: dict) -> Any:
                 return _hidden_of(block(*args, **kwargs), block)
             fn = self._compiled[id(block)] = tf.function(run, reduce_retracing=True)
-        return [np.asarray(fn(inp.args, inp.kwargs), dtype=np.float64) for inp in inputs]
+        return (np.asarray(fn(inp.args, inp.kwargs), dtype=np.float64) for inp in inputs)  # lazily, as module_output
 
     # -- AWQ: the parent layer of a group of layers
     def awq_parent(self, block: Any, tasks: list[LayerTask]) -> Any:
@@ -442,7 +442,7 @@ class KerasOneShotBackend:
             def run(args: tuple, kwargs: dict) -> Any:
                 return _hidden_of(layer(*args, **kwargs), layer)
             fn = self._compiled[id(layer)] = tf.function(run, reduce_retracing=True)
-        return [np.asarray(fn(c.args, c.kwargs)) for c in calls]
+        return (np.asarray(fn(c.args, c.kwargs)) for c in calls)  # lazily: AWQ scores each output as it comes
 
     def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
         with self._observing(observe):

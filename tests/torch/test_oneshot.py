@@ -24,7 +24,7 @@ from compressor.torch import (
     SparseGPTPruner,
     WandaPruner,
 )
-from compressor.torch.oneshot import TorchOneShotBackend, calibration_batches
+from compressor.torch.oneshot import TorchOneShotBackend, _Input, _merged_calls, calibration_batches
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -417,6 +417,42 @@ def test_bad_data_is_refused_before_any_weight_changes():
     with pytest.raises(ConfigError, match="num_samples must be a positive int"):
         p.calibrate(batches(1), num_samples=0)
     assert same_state(model, before) and not p.calibrated
+
+
+def test_awq_parent_calls_are_merged_only_where_they_differ_in_the_hidden_state_alone():
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, hidden_states, bias=None, scale=1.0):
+            return self.lin(hidden_states) * scale + (0 if bias is None else bias)
+
+    torch.manual_seed(0)
+    mod = Parent()
+    shared = torch.randn(1, 3, 4)  # a batch-1 tensor every call shares (a causal mask, a rotary table)
+    calls = [_Input((), {"hidden_states": torch.randn(2, 3, 4), "bias": shared, "scale": 2.0}, ("kw", "hidden_states"),
+                    None) for _ in range(5)]
+    with torch.no_grad():
+        want = torch.cat([mod(**c.kwargs) for c in calls])
+    merged = _merged_calls(mod, list(calls))
+    assert len(merged) == 1 and merged[0].kwargs["hidden_states"].shape == (10, 3, 4)
+    with torch.no_grad():
+        assert torch.allclose(mod(**merged[0].kwargs), want, rtol=0, atol=1e-6)
+    # a per-call tensor argument, a different plain value, or a batch-sized tensor: not merged there
+    own = [_Input((), {**c.kwargs, "bias": torch.randn(1, 3, 4)}, c.where, None) for c in calls[:2]]
+    assert len(_merged_calls(mod, own)) == 2
+    scaled = [calls[0], _Input((), {**calls[1].kwargs, "scale": 3.0}, calls[1].where, None)]
+    assert len(_merged_calls(mod, scaled)) == 2
+    per_row = torch.randn(2, 3, 4)
+    rows = [_Input((), {**c.kwargs, "bias": per_row}, c.where, None) for c in calls[:2]]
+    assert len(_merged_calls(mod, rows)) == 2
+    # a module whose output depends on the batch as a whole (batch mean): the check keeps the calls apart
+    class BatchMean(nn.Module):
+        def forward(self, hidden_states, bias=None, scale=1.0):
+            return hidden_states - hidden_states.mean(dim=0, keepdim=True)
+
+    assert len(_merged_calls(BatchMean(), list(calls))) == 5
 
 
 def test_inputs_embeds_batches_are_not_overwritten_by_the_in_place_advance():
