@@ -80,7 +80,14 @@ def _weight(weight: Any, what: str = "weight") -> np.ndarray:
 
 
 def _hessian(hessian: Any, n_in: int) -> np.ndarray:
-    h = np.array(hessian, dtype=np.float64, copy=True)
+    """A float64 copy of ``hessian`` to damp in place; a one-element list hands over the caller's only reference
+    (:meth:`GramAccumulator.gram_for_solver`): that array itself is used (and changed), no copy."""
+    if isinstance(hessian, list) and len(hessian) == 1:
+        h = hessian.pop()
+        if not (isinstance(h, np.ndarray) and h.dtype == np.float64 and h.flags.c_contiguous and h.flags.writeable):
+            h = np.array(h, dtype=np.float64, copy=True)
+    else:
+        h = np.array(hessian, dtype=np.float64, copy=True)
     if h.shape != (n_in, n_in):
         raise ValueError(f"hessian must be [in, in] = [{n_in}, {n_in}] for a weight with {n_in} input columns, "
                          f"got shape {h.shape}")
@@ -186,6 +193,17 @@ class GramAccumulator:
             self._sq += np.einsum("ti,ti->i", a64, a64)
         self.abs_sum += np.abs(a64).sum(axis=0)
         self.count += a.shape[0]
+
+    def gram_for_solver(self) -> np.ndarray | list[np.ndarray]:
+        """What GPTQ / SparseGPT take as ``hessian``: ``gram``, or, once the driver has set ``consumable`` (no
+        later layer reads this accumulator), ``[gram]``: the solver then damps and factors that very array
+        instead of a copy (one ``in x in`` float64 matrix less at the peak of the widest layer) and the
+        accumulator gives it up."""
+        if getattr(self, "consumable", False) and self.gram is not None:
+            box = [self.gram]
+            self.gram = None
+            return box
+        return self.gram  # type: ignore[return-value]
 
     @property
     def sq_sum(self) -> np.ndarray:
@@ -443,7 +461,7 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
     del hd
     sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(box, damp), None)
     del w
-    result_t = np.zeros_like(sweep.w)
+    result_t = sweep.w  # row p is final once fixed and never read again: the result is written over it
     keep_t = np.ones(sweep.w.shape, dtype=bool)
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
@@ -466,8 +484,8 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
                 keep_t[p:p + nm[1]] = _nm_keep(sal, *nm).T
             wc = sweep.current(p, i1, p)
             q = np.where(keep_t[p], wc, 0.0)
-            result_t[p] = q
             sweep.fix(p, wc, q)
+            result_t[p] = q  # after fix: wc may be a view of this very row
         sweep.end_block(i1, i2)
     return SparseGPTResult(weight=np.ascontiguousarray(result_t.T), mask=np.ascontiguousarray(keep_t.T),
                            error=sweep.error, dead=dead)
@@ -616,8 +634,8 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)
-    codes_t = np.zeros((n_in, out))
-    deq_t = np.zeros((n_in, out))
+    codes_t = np.zeros((n_in, out), dtype=np.int32)
+    deq_t = sweep.w  # row p is final once fixed and never read again: the dequantized values go over it
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
         for p in range(i1, i2):
@@ -632,8 +650,8 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
             if sweep.keep is not None:
                 c = np.where(sweep.keep[p], c, zp[g])
                 dq = np.where(sweep.keep[p], dq, 0.0)
-            codes_t[p], deq_t[p] = c, dq
             sweep.fix(p, wc, dq)
+            codes_t[p], deq_t[p] = c, dq  # after fix: wc may be a view of this very row
         sweep.end_block(i1, i2)
     if act_order:
         codes_t, deq_t = codes_t[inv], deq_t[inv]

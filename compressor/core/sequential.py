@@ -295,7 +295,7 @@ class SparseGPTMethod(OneShotMethod):
     def compress(self, task, weight, mask, stats):
         c = task.config
         sparsity, pattern = _sparsity(c)
-        r = os1.sparsegpt_prune(weight, stats.gram, sparsity, pattern, damp=c.get("damp", os1.DEFAULT_DAMP),
+        r = os1.sparsegpt_prune(weight, stats.gram_for_solver(), sparsity, pattern, damp=c.get("damp", os1.DEFAULT_DAMP),
                                 block_size=c.get("block_size", os1.DEFAULT_BLOCK_SIZE),
                                 mask_scope=c.get("mask_scope", "block"))
         keep = r.mask if mask is None else (r.mask & mask)
@@ -312,7 +312,7 @@ class GptqMethod(OneShotMethod):
 
     def compress(self, task, weight, mask, stats):
         c = task.config
-        q = os1.gptq_quantize(weight, stats.gram, quant_spec_of(c, "GptqQuantizer"),
+        q = os1.gptq_quantize(weight, stats.gram_for_solver(), quant_spec_of(c, "GptqQuantizer"),
                               damp=c.get("damp", os1.DEFAULT_DAMP), block_size=c.get("block_size", os1.DEFAULT_BLOCK_SIZE),
                               act_order=c.get("act_order", False), mask=mask)
         return LayerResult(weight=q.dequantized, mask=mask, quantized=q, info={"error": q.error})
@@ -578,10 +578,13 @@ def _check_seen(method: OneShotMethod, task: LayerTask, stats: os1.GramAccumulat
 def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list[LayerTask],
                      accs: dict[str, os1.GramAccumulator], rows: list[dict[str, Any]], block: str,
                      undo: _Undo | None = None) -> None:
-    for t in tasks:
+    later = [id(accs[t.name]) if accs.get(t.name) is not None else None for t in tasks]
+    for i, t in enumerate(tasks):
         weight, mask = backend.read_weight(t)
         stats = accs.get(t.name)
         _check_seen(method, t, stats)
+        if stats is not None and id(stats) not in later[i + 1:]:
+            stats.consumable = True  # type: ignore[attr-defined]  # no later layer reads it: the solver may take it
         result = method.compress(t, np.asarray(weight, np.float64), mask, stats)
         row = _row(t, method, result, block)
         if undo is not None:
