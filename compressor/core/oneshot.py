@@ -161,6 +161,8 @@ class GramAccumulator:
         self.gram: np.ndarray | None = np.zeros((self.in_features,) * 2) if gram else None
         self._sq = np.zeros(self.in_features)
         self.abs_sum = np.zeros(self.in_features)
+        #: set by the driver when no later layer reads this accumulator (see :meth:`gram_for_solver`)
+        self.consumable = False
 
     def add(self, x: Any) -> None:
         """Accumulate a batch of input rows ``x`` (``[..., in]``); NaN / inf or a wrong width is a ValueError.
@@ -199,7 +201,7 @@ class GramAccumulator:
         later layer reads this accumulator), ``[gram]``: the solver then damps and factors that very array
         instead of a copy (one ``in x in`` float64 matrix less at the peak of the widest layer) and the
         accumulator gives it up."""
-        if getattr(self, "consumable", False) and self.gram is not None:
+        if self.consumable and self.gram is not None:
             box = [self.gram]
             self.gram = None
             return box

@@ -584,7 +584,7 @@ def _compress_layers(backend: OneShotBackend, method: OneShotMethod, tasks: list
         stats = accs.get(t.name)
         _check_seen(method, t, stats)
         if stats is not None and id(stats) not in later[i + 1:]:
-            stats.consumable = True  # type: ignore[attr-defined]  # no later layer reads it: the solver may take it
+            stats.consumable = True  # no later layer reads it: the solver may take it
         result = method.compress(t, np.asarray(weight, np.float64), mask, stats)
         row = _row(t, method, result, block)
         if undo is not None:
