@@ -116,6 +116,28 @@ def test_clipgrad_does_not_corrupt_shared_gradients():
     assert torch.equal(x.grad, torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
 
 
+def test_swapping_quant_grad_back_and_forth_takes_effect_and_subclasses_are_seen():
+    model = identity_linear()
+    q = YourQuantizer(model, [{"quant_types": ["output"], "quant_bits": 8, "op_types": ["Linear"]}])
+    q.compress()
+
+    def grad_of_x():
+        x = torch.tensor([[0.4, -2.0, 1.0, 3.6]], requires_grad=True)
+        model(x).sum().backward()
+        return x.grad
+
+    assert not q._default_grad and torch.equal(grad_of_x(), torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+    q.quant_grad = QuantGrad  # back to the default: plain STE (this quantizer records no range)
+    assert q._default_grad and torch.equal(grad_of_x(), torch.ones(1, 4))
+    q.quant_grad = ClipGrad
+    assert torch.equal(grad_of_x(), torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+
+    class ClassLevel(YourQuantizer):
+        quant_grad = ClipGrad
+
+    assert ClassLevel._default_grad is False and QAT_Quantizer._default_grad is True and BNNQuantizer._default_grad is False
+
+
 # ---------------------------------------------------------------------------------- seed 002 (canonical)
 class WrapperStyle(TorchQuantizer):
     def __init__(self, model, config_list, optimizer=None):
