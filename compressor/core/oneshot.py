@@ -57,13 +57,18 @@ __all__ = [
     "SparseGPTResult", "sparsegpt_prune",
     "QuantSpec", "QuantizedWeight", "rtn_quantize", "gptq_quantize",
     "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "AwqSearch", "awq_search",
-    "awq_linear_loss", "layer_output_error",
+    "awq_linear_loss", "layer_output_error", "awq_clip_ratios", "awq_clip_search", "AWQ_CLIP_GRID",
+    "AWQ_CLIP_MAX_SHRINK",
 ]
 
 _NP = NumpyOps()
 DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK_SIZE = 128
 AWQ_N_GRID = 20
+#: AWQ's weight clipping search (AutoAWQ's ``auto_clip``): ratios ``1 - i / AWQ_CLIP_GRID`` for
+#: ``i < AWQ_CLIP_MAX_SHRINK * AWQ_CLIP_GRID`` of each group's largest magnitude (1.0, 0.95, ..., 0.55)
+AWQ_CLIP_GRID = 20
+AWQ_CLIP_MAX_SHRINK = 0.5
 AWQ_MIN_SCALE = 1e-4  # the AWQ reference's clamp of mean|x|^alpha
 #: rows per float32 Gram product (:meth:`GramAccumulator.add`): bounds the float32 rounding of one partial sum
 GRAM_F32_ROWS = 1024
@@ -733,15 +738,61 @@ class AwqWeight:
     effective: np.ndarray
 
 
-def awq_quantize(weight: Any, scales: Any, spec: QuantSpec) -> AwqWeight:
+def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None) -> AwqWeight:
     """AWQ's scaled round to nearest: ``Q(W * s) / s`` with ``Q`` = :func:`rtn_quantize` (salient input
-    channels, large ``s``, lose less to rounding)."""
+    channels, large ``s``, lose less to rounding). ``clip``: ``[out, n_groups]`` limits (from
+    :func:`awq_clip_search`): ``W * s`` is clamped to ``[-limit, limit]`` per group before rounding."""
     w = _weight(weight)
     s = np.asarray(scales, dtype=np.float64)
     if s.shape != (w.shape[1],) or not np.all(np.isfinite(s)) or np.any(s <= 0):
         raise ValueError(f"scales must be {w.shape[1]} finite positive values (one per input column)")
-    qw = rtn_quantize(w * s[None, :], spec)
+    ws = w * s[None, :]
+    if clip is not None:
+        lim = np.asarray(clip, dtype=np.float64)[:, np.arange(w.shape[1]) // spec.group_width(w.shape[1])]
+        ws = np.clip(ws, -lim, lim)
+    qw = rtn_quantize(ws, spec)
     return AwqWeight(quantized=qw, scales=s, effective=qw.dequantized / s[None, :])
+
+
+def awq_clip_ratios(n_grid: int = AWQ_CLIP_GRID, max_shrink: float = AWQ_CLIP_MAX_SHRINK) -> np.ndarray:
+    """The clipping search's ratios of a group's largest magnitude: ``1 - i / n_grid`` for ``i <
+    max_shrink * n_grid`` (AutoAWQ's grid; 1.0 first: no clipping, plain round to nearest)."""
+    return 1.0 - np.arange(max(1, int(max_shrink * n_grid))) / n_grid
+
+
+def awq_clip_search(weight: Any, gram: Any, scales: Any, spec: QuantSpec, ratios: Any = None) -> np.ndarray:
+    """AWQ's weight clipping (AutoAWQ's ``auto_clip``, after the scales are chosen): per output row and
+    input group of ``W * s``, the limit ``ratio * max|group|`` (ratios: :func:`awq_clip_ratios`) whose round to
+    nearest minimises that group's share of the output error, ``d_g H'_gg d_g^T`` with ``d_g`` the group's
+    weights minus their clipped, quantized values and ``H' = diag(1/s) H diag(1/s)`` the Gram matrix of the
+    scaled input ``X / s`` (the error over EVERY calibration token, exactly; AutoAWQ estimates it on 512 sampled
+    tokens). Ties keep the larger limit. Returns the ``[out, n_groups]`` limits for :func:`awq_quantize`."""
+    w = _weight(weight)
+    s = np.asarray(scales, dtype=np.float64)
+    n_out, n_in = w.shape
+    h = np.asarray(gram, dtype=np.float64)
+    if h.shape != (n_in, n_in) or not np.all(np.isfinite(h)):
+        raise ValueError(f"gram must be a finite [{n_in}, {n_in}] matrix, got shape {h.shape}")
+    gs = spec.group_width(n_in)
+    starts = _group_starts(n_in, gs)
+    ws = w * s[None, :]
+    # the diagonal blocks of diag(1/s) H diag(1/s), one per group (the whole scaled matrix is never formed)
+    blocks = [h[a:a + gs, a:a + gs] / s[a:a + gs, None] / s[None, a:a + gs] for a in starts]
+    amax = np.maximum.reduceat(np.abs(ws), starts, axis=1)
+    best_lim = amax.copy()
+    best_err = np.full(amax.shape, np.inf)
+    gidx = np.arange(n_in) // gs
+    for r in awq_clip_ratios() if ratios is None else np.asarray(ratios, dtype=np.float64):
+        lim = amax * r
+        d = ws - rtn_quantize(np.clip(ws, -lim[:, gidx], lim[:, gidx]), spec).dequantized
+        err = np.empty_like(amax)
+        for g, a in enumerate(starts):
+            dg = d[:, a:a + gs]
+            err[:, g] = np.einsum("ij,ij->i", dg @ blocks[g], dg)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_lim = np.where(better, lim, best_lim)
+    return best_lim
 
 
 @dataclass(frozen=True)

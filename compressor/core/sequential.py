@@ -99,6 +99,9 @@ def search_inputs(backend: Any, inputs: list[Any], samples: int | None) -> list[
 AWQ_SEARCHES = ("block", "layer")
 #: ``search_samples`` when the config does not say (None: every calibration batch)
 AWQ_SEARCH_SAMPLES: int | None = None
+#: last name components of the layers AWQ's clipping search leaves alone (attention query / key projections,
+#: as AutoAWQ's name rule; names starting with ``q_`` / ``k_`` or holding ``qkv`` too)
+AWQ_CLIP_SKIP = frozenset({"q", "k", "query", "key", "c_attn", "query_key_value", "wq", "wk"})
 #: ``quant_range``: the symmetric code range (``narrow``: the project's convention; ``full``: compressed-tensors')
 QUANT_RANGES = ("narrow", "full")
 
@@ -120,6 +123,9 @@ ONESHOT_KEYS: dict[str, KeySpec] = {s.name: s for s in [
     KeySpec("awq_search", _choice(AWQ_SEARCHES), f"one of {list(AWQ_SEARCHES)} (AWQ: 'block' (default) searches one "
                                                  f"alpha per group of layers that read the same input, on the block's "
                                                  f"output error; 'layer': each layer alone, on its own output error)"),
+    KeySpec("apply_clip", _bool, "True or False (AWQ: True (default): after the scales, search a clipping range "
+                                 "per group of the scaled weight on the output error, as AutoAWQ; query / key "
+                                 "projections are not clipped)"),
     KeySpec("search_samples", _search_samples, "an int >= 1 or None (AWQ, awq_search 'block': how many calibration "
                                                 "sequences, spread evenly over the set, the alpha grid is scored on; "
                                                 "None: all of them. The statistics always use every sequence)"),
@@ -349,7 +355,13 @@ class AwqMethod(OneShotMethod):
     order, the ones before already quantized). A layer alone in its group (o_proj, down_proj) is searched on its own
     output error ``tr(D H D^T)``, ``D = W - Q(W s) / s`` (exactly ``||X W^T - X W'^T||^2`` from the Gram
     matrix: the reference's loss for a group whose parent module is the layer itself).
-    ``awq_search: 'layer'``: every layer alone, on its own output error."""
+    ``awq_search: 'layer'``: every layer alone, on its own output error.
+
+    Then, with ``apply_clip`` (default True, as AutoAWQ; llmcompressor 0.14 has no clipping), each layer's
+    scaled weight ``W s`` gets a clipping range per output row and group (:func:`~compressor.core.oneshot.awq_clip_search`:
+    the ratio of the group's largest magnitude, 1.0 down to 0.55, that minimises the group's output error on the
+    Gram matrix of ``X / s``), except the attention query / key projections (:meth:`clips`); the report's
+    ``clipped`` is the share of groups whose range was cut."""
 
     name = "awq"
     kind = "quantizer"
@@ -371,7 +383,7 @@ class AwqMethod(OneShotMethod):
             return float(np.sum((d @ h) * d))
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
-        return self.result(w, mask, found.scales, spec, self.info(found))
+        return self.result(task, w, mask, found.scales, spec, self.info(found), h)
 
     @staticmethod
     def info(found: os1.AwqSearch) -> dict[str, Any]:
@@ -379,10 +391,26 @@ class AwqMethod(OneShotMethod):
         return {"alpha": found.alpha, "duo": found.duo, "error": min(v for *_, v in found.losses)}
 
     @staticmethod
-    def result(w: np.ndarray, mask: np.ndarray | None, scales: np.ndarray, spec: os1.QuantSpec,
-               info: dict[str, Any]) -> LayerResult:
-        a = os1.awq_quantize(w, scales, spec)
+    def clips(task: LayerTask) -> bool:
+        """Whether ``task``'s weights get AWQ's clipping search: ``apply_clip`` (default True), except for the
+        attention query / key projections, whose error the per-group output error does not measure (their
+        outputs go through the softmax): AutoAWQ leaves them unclipped by name, and so does this rule, on the
+        layer's last name component (``q_proj``, ``k_proj``, ``query``, ``key``, a fused ``qkv`` / ``c_attn`` /
+        ``query_key_value``)."""
+        if not task.config.get("apply_clip", True):
+            return False
+        leaf = task.name.replace("/", ".").rsplit(".", 1)[-1].lower()
+        return not (leaf.startswith(("q_", "k_")) or leaf in AWQ_CLIP_SKIP or "qkv" in leaf)
+
+    def result(self, task: LayerTask, w: np.ndarray, mask: np.ndarray | None, scales: np.ndarray,
+               spec: os1.QuantSpec, info: dict[str, Any], gram: np.ndarray) -> LayerResult:
+        clip = os1.awq_clip_search(w, gram, scales, spec) if self.clips(task) else None
+        a = os1.awq_quantize(w, scales, spec, clip)
         eff = a.effective if mask is None else np.where(mask, a.effective, 0.0)
+        if clip is not None:
+            amax = np.maximum.reduceat(np.abs(w * scales[None, :]), np.arange(0, w.shape[1], a.quantized.group_size),
+                                       axis=1)
+            info = {**info, "clipped": float(np.mean(clip < amax))}  # share of groups whose range was cut
         return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales, info=info)
 
     def search_group(self, tasks: list[LayerTask], weights: list[tuple[np.ndarray, np.ndarray | None]],
@@ -407,7 +435,8 @@ class AwqMethod(OneShotMethod):
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
         info = {**self.info(found), "group": tasks[0].name}
-        return [self.result(w, m, found.scales, spec, dict(info)) for w, (_, m), spec in zip(ws, weights, specs)]
+        return [self.result(t, w, m, found.scales, spec, dict(info), stats.gram)
+                for t, w, (_, m), spec in zip(tasks, ws, weights, specs)]
 
 
 class OneShotReport(list):

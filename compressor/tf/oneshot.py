@@ -725,8 +725,8 @@ class RtnQuantizer(_OneShotQuantizer):
 class AwqQuantizer(_OneShotQuantizer):
     """AWQ (Lin et al. 2023): per-input-channel scales ``s`` searched on each layer's output error, then round to
     nearest; the kernel holds ``Q(W s) / s``. Config: ``quant_bits``, ``group_size``, ``quant_scheme``,
-    ``n_grid``, ``duo_scaling``."""
+    ``n_grid``, ``duo_scaling``, ``apply_clip``."""
 
     method = AwqMethod()
     config_keys = (*_OneShotQuantizer.config_keys, ONESHOT_KEYS["n_grid"], ONESHOT_KEYS["duo_scaling"],
-                   ONESHOT_KEYS["awq_search"], ONESHOT_KEYS["search_samples"])
+                   ONESHOT_KEYS["awq_search"], ONESHOT_KEYS["search_samples"], ONESHOT_KEYS["apply_clip"])

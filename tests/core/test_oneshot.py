@@ -503,6 +503,56 @@ def test_awq_beats_rtn_on_salient_channels():
     assert res.alpha > 0 and min(v for *_, v in res.losses) < 0.9 * e_rtn
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_awq_clip_search_picks_per_group_the_ratio_with_the_least_token_error(sym):
+    assert np.allclose(O.awq_clip_ratios(), [1.0 - i / 20 for i in range(10)])
+    assert O.awq_clip_ratios(10, 0.3).tolist() == [1.0, 0.9, 0.8]
+    rng = np.random.default_rng(3)
+    n_out, n_in, gs = 6, 16, 8
+    x = correlated_inputs(200, n_in, seed=3)
+    w = rng.standard_normal((n_out, n_in))
+    w[np.arange(n_out), rng.integers(0, n_in, n_out)] *= 6.0  # one outlier per row: clipping pays somewhere
+    s = np.exp(rng.uniform(-0.5, 0.5, n_in))
+    spec = O.QuantSpec(3, sym, gs)
+    lim = O.awq_clip_search(w, gram(x), s, spec)
+    assert lim.shape == (n_out, 2)
+    ws, xs = w * s, x / s  # the scaled weight and the input it sees
+    amax = np.stack([np.abs(ws[:, :gs]).max(1), np.abs(ws[:, gs:]).max(1)], axis=1)
+    for r in range(n_out):
+        for g in range(2):
+            cols = slice(g * gs, (g + 1) * gs)
+            errs = []
+            for ratio in O.awq_clip_ratios():  # brute force on the tokens themselves, this group alone
+                m = amax[r, g] * ratio
+                row = ws[r].copy()
+                row[cols] = np.clip(row[cols], -m, m)
+                q = O.rtn_quantize(row[None, :], spec).dequantized[0]
+                errs.append(float(np.sum((xs[:, cols] @ (ws[r, cols] - q[cols])) ** 2)))
+            best = int(np.argmin(errs))  # the first of equal errors: the larger limit
+            assert lim[r, g] == pytest.approx(amax[r, g] * O.awq_clip_ratios()[best], rel=1e-12), (r, g, errs)
+    assert np.any(lim < amax)  # some groups were clipped (the test can fail)
+    clipped = O.awq_quantize(w, s, spec, clip=lim)
+    plain = O.awq_quantize(w, s, spec)
+    assert O.layer_output_error(x, w, clipped.effective) < O.layer_output_error(x, w, plain.effective)
+    assert np.array_equal(O.awq_quantize(w, s, spec, clip=amax).effective, plain.effective)  # the full range: RTN
+
+
+def test_awq_clipping_skips_query_and_key_projections_by_name():
+    from compressor.core.sequential import AwqMethod, LayerTask
+
+    def clips(name, **cfg):
+        return AwqMethod.clips(LayerTask(name=name, in_features=8, config={"quant_bits": 4, **cfg}))
+
+    for name in ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "h.0.attn.c_attn",
+                 "decoder/layer_0/self_attention/query", "transformer_layer_0/attention/key", "blk.0.attn.qkv_proj",
+                 "h.0.self_attention.query_key_value"]:
+        assert not clips(name), name
+    for name in ["model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.up_proj",
+                 "h.0.mlp.c_fc", "decoder/layer_0/self_attention/value", "transformer_layer_0/ffn/kernel_q"]:
+        assert clips(name), name
+    assert not clips("model.layers.0.mlp.up_proj", apply_clip=False)
+
+
 # ------------------------------------------------------------------------------------------- properties
 @settings(max_examples=25, deadline=None)
 @given(out=st.integers(1, 5), groups=st.integers(1, 4), bits=st.sampled_from([2, 3, 4, 8]), sym=st.booleans(),

@@ -40,13 +40,12 @@ ONESHOT = {
 
 
 def llama(seed=0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)).eval()
+    pytest.importorskip("transformers")
+    from tests.torch.test_packed import VOCAB as vocab
+    from tests.torch.test_packed import llama as build
+
+    assert vocab == VOCAB
+    return build(seed, hidden=64, ffn=128)
 
 
 def calib(on="cpu"):

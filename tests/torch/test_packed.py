@@ -34,12 +34,12 @@ F32_TOL, BF16_TOL = 2e-6, 2e-2
 VOCAB = 64
 
 
-def llama(seed=0):
+def llama(seed=0, hidden=32, ffn=64):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)).eval()
 
 

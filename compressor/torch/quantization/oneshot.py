@@ -13,7 +13,7 @@ The integer form is kept on the wrapper for a low-bit export, in the canonical `
 Config keys: ``quant_bits`` (2..8; ``quant_types`` defaults to ``['weight']``, the only type), ``group_size``
 (input columns per group; default one group per output channel), ``quant_scheme`` (``'symmetric'``
 (default) / ``'affine'``, or the ``per_channel_*`` names); GPTQ ``damp``, ``block_size``, ``act_order``; AWQ
-``n_grid``, ``duo_scaling``. A layer already pruned by a pruner (its wrapper under the quantizer's) keeps its
+``n_grid``, ``duo_scaling``, ``apply_clip``. A layer already pruned by a pruner (its wrapper under the quantizer's) keeps its
 zeros. RTN needs no calibration data: ``RtnQuantizer(model, config).calibrate()``.
 """
 
@@ -124,8 +124,9 @@ class RtnQuantizer(_OneShotQuantizer):
 class AwqQuantizer(_OneShotQuantizer):
     """AWQ (Lin et al. 2023): per-input-channel scales ``s = mean|X|^alpha`` (grid over alpha, by the layer's
     output error on the calibration data), then round to nearest of ``W * s``; the layer computes with
-    ``Q(W s) / s``."""
+    ``Q(W s) / s``; with ``apply_clip`` (default) the scaled weight's range is clipped per group first (AutoAWQ's
+    clipping search)."""
 
     method_class = AwqMethod
     config_keys = (*_OneShotQuantizer.config_keys, *oneshot_key_specs("n_grid", "duo_scaling", "awq_search",
-                                                                          "search_samples"))
+                                                                          "search_samples", "apply_clip"))
