@@ -55,7 +55,9 @@ TRAINED = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num
            "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
 LARGE = {**TRAINED, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 10,
          "num_attention_heads": 8, "num_key_value_heads": 8}
-METHODS = ("sparsegpt50", "wanda50", "gptq_w4g128", "awq_w4g128", "rtn_w4g128")
+METHODS = ("sparsegpt50", "wanda50", "gptq_w4g128", "awq_w4g128", "rtn_w4g128", "awq_w4g128_s16", "awq_w4g128_noclip")
+#: methods llmcompressor has no counterpart of (its AWQ has no clipping and scores the grid on every sample)
+OURS_ONLY = {"awq_w4g128_s16"}
 DEFAULT_WEIGHTS = os.environ.get("COMPRESSOR_LLM_WEIGHTS", "/work/llmcache/llama-bytes-seed0-steps260.pt")
 DEFAULT_LLMC = os.environ.get("LLMCOMPRESSOR_PYTHON", "/tmp/llmc/bin/python")
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -103,6 +105,8 @@ def _ours(method: str, model, calib, batch: int):
         "wanda50": ("WandaPruner", {"sparsity": 0.5}),
         "gptq_w4g128": ("GptqQuantizer", {"quant_bits": 4, "group_size": 128}),
         "awq_w4g128": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128}),
+        "awq_w4g128_s16": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "search_samples": 16}),
+        "awq_w4g128_noclip": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "apply_clip": False}),
         "rtn_w4g128": ("RtnQuantizer", {"quant_bits": 4, "group_size": 128}),
     }[method]
 
@@ -133,6 +137,7 @@ def _llmc(method: str, model, calib, batch: int):
         "wanda50": lambda: WandaPruningModifier(sparsity=0.5, mask_structure="0:0", targets=targets, ignore=ignore),
         "gptq_w4g128": lambda: GPTQModifier(scheme="W4A16", targets=targets, ignore=ignore),
         "awq_w4g128": lambda: AWQModifier(scheme="W4A16", targets=targets, ignore=ignore),
+        "awq_w4g128_noclip": lambda: AWQModifier(scheme="W4A16", targets=targets, ignore=ignore),
         "rtn_w4g128": lambda: QuantizationModifier(scheme="W4A16", targets=targets, ignore=ignore),
     }[method]()
     rows = [{"input_ids": torch.from_numpy(c), "attention_mask": torch.ones(len(c), dtype=torch.long)} for c in calib]
@@ -323,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                 res: dict[str, list[dict]] = {s: [] for s in sides}
                 for _ in range(a.repeat):
                     for s in sides:  # interleaved, so load drift hits both sides alike
+                        if s == "llmc" and method in OURS_ONLY:
+                            continue
                         py = sys.executable if s == "ours" else a.llmc_python
                         r = _spawn(py, s, method, d, a.batch, a.timeout)
                         res[s].append(r)
