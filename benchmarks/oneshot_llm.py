@@ -55,9 +55,9 @@ TRAINED = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num
            "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
 LARGE = {**TRAINED, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 10,
          "num_attention_heads": 8, "num_key_value_heads": 8}
-METHODS = ("sparsegpt50", "wanda50", "gptq_w4g128", "awq_w4g128", "rtn_w4g128", "awq_w4g128_s16", "awq_w4g128_noclip")
-#: methods llmcompressor has no counterpart of (its AWQ has no clipping and scores the grid on every sample)
-OURS_ONLY = {"awq_w4g128_s16"}
+METHODS = ("sparsegpt50", "wanda50", "gptq_w4g128", "awq_w4g128", "rtn_w4g128", "awq_w4g128_full", "awq_w4g128_noclip")
+#: methods whose llmcompressor run would repeat another row's (its AWQ: no clipping, the grid scored on every sample)
+OURS_ONLY = {"awq_w4g128_full", "awq_w4g128_noclip"}
 DEFAULT_WEIGHTS = os.environ.get("COMPRESSOR_LLM_WEIGHTS", "/work/llmcache/llama-bytes-seed0-steps260.pt")
 DEFAULT_LLMC = os.environ.get("LLMCOMPRESSOR_PYTHON", "/tmp/llmc/bin/python")
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -105,8 +105,9 @@ def _ours(method: str, model, calib, batch: int):
         "wanda50": ("WandaPruner", {"sparsity": 0.5}),
         "gptq_w4g128": ("GptqQuantizer", {"quant_bits": 4, "group_size": 128}),
         "awq_w4g128": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128}),
-        "awq_w4g128_s16": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "search_samples": 16}),
-        "awq_w4g128_noclip": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "apply_clip": False}),
+        "awq_w4g128_full": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "search_samples": None}),
+        "awq_w4g128_noclip": ("AwqQuantizer", {"quant_bits": 4, "group_size": 128, "search_samples": None,
+                                               "apply_clip": False}),
         "rtn_w4g128": ("RtnQuantizer", {"quant_bits": 4, "group_size": 128}),
     }[method]
 
@@ -137,7 +138,6 @@ def _llmc(method: str, model, calib, batch: int):
         "wanda50": lambda: WandaPruningModifier(sparsity=0.5, mask_structure="0:0", targets=targets, ignore=ignore),
         "gptq_w4g128": lambda: GPTQModifier(scheme="W4A16", targets=targets, ignore=ignore),
         "awq_w4g128": lambda: AWQModifier(scheme="W4A16", targets=targets, ignore=ignore),
-        "awq_w4g128_noclip": lambda: AWQModifier(scheme="W4A16", targets=targets, ignore=ignore),
         "rtn_w4g128": lambda: QuantizationModifier(scheme="W4A16", targets=targets, ignore=ignore),
     }[method]()
     rows = [{"input_ids": torch.from_numpy(c), "attention_mask": torch.ones(len(c), dtype=torch.long)} for c in calib]

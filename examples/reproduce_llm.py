@@ -53,9 +53,12 @@ METHODS: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {
     "rtn_w3g128": [("RtnQuantizer", [{"quant_bits": 3, "group_size": 128, **DEFAULT[0]}])],
     "gptq_w3g128": [("GptqQuantizer", [{"quant_bits": 3, "group_size": 128, **DEFAULT[0]}])],
     "awq_w4g128": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
-    # llmcompressor 0.14's algorithm (no clipping search) and the grid scored on 16 of the 128 sequences
-    "awq_w4g128_noclip": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, "apply_clip": False, **DEFAULT[0]}])],
-    "awq_w4g128_s16": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, "search_samples": 16, **DEFAULT[0]}])],
+    # the grid scored on every sequence (the default takes 16), and llmcompressor 0.14's algorithm (that, without
+    # the clipping search)
+    "awq_w4g128_full": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, "search_samples": None,
+                                           **DEFAULT[0]}])],
+    "awq_w4g128_noclip": [("AwqQuantizer", [{"quant_bits": 4, "group_size": 128, "search_samples": None,
+                                             "apply_clip": False, **DEFAULT[0]}])],
     "sparsegpt24+gptq_w4g128": [("SparseGPTPruner", [{"sparse_pattern": "2:4", **DEFAULT[0]}]),
                                 ("GptqQuantizer", [{"quant_bits": 4, "group_size": 128, **DEFAULT[0]}])],
 }
