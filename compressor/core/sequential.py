@@ -649,6 +649,14 @@ def _output_error(outs: Iterable[Any], ref: Sequence[np.ndarray]) -> float:
     return total / max(n, 1)
 
 
+def _compact(weight: Any) -> np.ndarray:
+    """A weight kept only to be written back: float32 where that holds every value exactly (the weights of a
+    float32 / bf16 / fp16 model; half the bytes of the float64 canonical copy), float64 otherwise."""
+    a = np.asarray(weight, np.float64)
+    b = a.astype(np.float32)
+    return b if np.array_equal(b, a) else a
+
+
 def _awq_parent_modules(backend: OneShotBackend, block: Any, groups: list[list[LayerTask]]) -> list[Any]:
     """Per group: the smallest module of the block that holds the group's layers (self_attn for q / k / v, mlp for
     gate / up): AWQ's loss is that module's output, as AutoAWQ / llmcompressor take it. ``None``: the block
@@ -704,11 +712,11 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
         raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output); give "
                          f"awq_search: 'layer'")
     block_ref: list[Any] = []
-    floats = {t.name: np.asarray(backend.read_weight(t)[0], np.float64) for t in tasks}
+    floats = {t.name: _compact(backend.read_weight(t)[0]) for t in tasks}
     done: list[tuple[LayerTask, np.ndarray, np.ndarray]] = []  # compressed so far: (task, float, compressed)
 
     def compressed(ts: list[LayerTask]) -> None:
-        done.extend((t, floats[t.name], np.asarray(backend.read_weight(t)[0], np.float64)) for t in ts)
+        done.extend((t, floats[t.name], _compact(backend.read_weight(t)[0])) for t in ts)
 
     for group in groups.values():
         if len(group) == 1:
