@@ -296,9 +296,11 @@ def _host(t: torch.Tensor) -> Any:
     return t.to("cpu", copy=True)
 
 
-#: the most tokens (rows x sequence) one merged AWQ parent call takes (:func:`_merged_calls`): on the issue-25
-#: Llama 1024 gave AWQ 156 -> 95 CPU-s; 8192 was no faster and its attention scores took ~400 MiB more
-MERGE_TOKENS = 1024
+#: the most tokens (rows x sequence) one merged AWQ parent call takes (:func:`_merged_calls`). On the issue-25
+#: Llama (256-token windows, one thread) 1024 and 256 (= no merging of its windows) took the same CPU time, full
+#: search 101.8 vs 101.5 s, default search 31.1 vs 30.3 s, and 256 peaked 60 / 24 MiB lower (the merged batch's
+#: attention scores); 8192 was no faster than 1024 and took ~400 MiB more. Shorter sequences are still merged.
+MERGE_TOKENS = 256
 
 
 def _hidden_key(c: _Input) -> Any:
@@ -350,7 +352,7 @@ def _merged_calls(module: nn.Module, calls: list[_Input]) -> list[_Input]:
     """AWQ runs each parent module once per grid point on every recorded call: consecutive calls that differ only
     in their hidden state (the usual case: one calibration batch per call, shared masks / rotary tables) are
     concatenated on the batch axis into calls of up to :data:`MERGE_TOKENS` tokens, so the module runs a few large
-    batches instead of many one-window ones (eager Hugging Face modules cost ~2x there). Checked once on the first
+    batches instead of many short ones. Checked once on the first
     merged call against the separate calls (same outputs to float32 rounding); any difference or error keeps
     the calls as recorded."""
     key = _hidden_key(calls[0]) if calls else None
