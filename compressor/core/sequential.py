@@ -712,11 +712,15 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
         raise ModelError(f"{type(backend).__name__} cannot run a block with candidate weights (block_output); give "
                          f"awq_search: 'layer'")
     block_ref: list[Any] = []
-    floats = {t.name: _compact(backend.read_weight(t)[0]) for t in tasks}
+    # a layer's float and compressed copies are kept only where a later group records its parent on the float block
+    order = list(groups.values())
+    keep = {t.name for i, g in enumerate(order) for t in g
+            if any(len(h) > 1 and parents[id(h)] is not None for h in order[i + 1:])}
+    floats = {t.name: _compact(backend.read_weight(t)[0]) for t in tasks if t.name in keep}
     done: list[tuple[LayerTask, np.ndarray, np.ndarray]] = []  # compressed so far: (task, float, compressed)
 
     def compressed(ts: list[LayerTask]) -> None:
-        done.extend((t, floats[t.name], _compact(backend.read_weight(t)[0])) for t in ts)
+        done.extend((t, floats.pop(t.name), _compact(backend.read_weight(t)[0])) for t in ts if t.name in keep)
 
     for group in groups.values():
         if len(group) == 1:
