@@ -339,6 +339,8 @@ def test_errors_before_the_model_changes():
         (ConfigError, "quant_scheme", lambda: GptqQuantizer(m, [{"quant_bits": 4, "quant_scheme": "weird", **DEFAULT}])),
         (ConfigError, "damp", lambda: SparseGPTPruner(m, [{"sparsity": 0.5, "damp": 2.0, **DEFAULT}])),
         (ConfigError, "sequential_targets", lambda: WandaPruner(m, [{"sparsity": 0.5, **DEFAULT}], sequential_targets=[3])),
+        (ConfigError, r"'apply_clip' = 1 is invalid.*True or False",
+         lambda: AwqQuantizer(m, [{"quant_bits": 4, "apply_clip": 1, **DEFAULT}])),
     ]
     for exc, match, make in checks:
         with pytest.raises(exc, match=match):

@@ -518,6 +518,10 @@ def test_config_and_model_errors_name_what_is_wrong_before_the_model_changes():
          ConfigError, "sequential_targets must be None or a non-empty list"),
         (lambda: SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["Embedding"]}]), ConfigError,
          r"'model.embed_tokens' \(Embedding\) is not a Linear layer"),
+        (lambda: AwqQuantizer(model, [{"quant_bits": 4, "apply_clip": "yes", "op_types": ["default"]}]), ConfigError,
+         r"'apply_clip' = 'yes' is invalid.*True or False"),
+        (lambda: GptqQuantizer(model, [{"quant_bits": 4, "apply_clip": True, "op_types": ["default"]}]), ConfigError,
+         r"unknown key 'apply_clip'"),
     ]
     for build_it, err, msg in cases:
         with warnings.catch_warnings():
