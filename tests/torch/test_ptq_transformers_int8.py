@@ -79,7 +79,11 @@ def test_bert_static_integer_matmuls(tmp_path) -> None:
     assert (ops["QLinearMatMul"], ops["MatMulIntegerToFloat"], ops["QGemm"]) == (0, 12, 2)
     assert ops["MatMul"] + ops["FusedMatMul"] == 4  # attention's activation x activation products stay float
     assert ops["Softmax"] == 2 and ops["LayerNormalization"] == 5
-    assert {"Softmax", "LayerNormalization", "Erf"} <= set(q.onnx_float_ops)
+    assert {"Softmax", "LayerNormalization", "Gelu"} <= set(q.onnx_float_ops)
+    # opset 20: GELU is one Gelu node between DQ and Q, as in quantize_static's graph; at opset 17 it was
+    # Div -> Erf -> Add -> Mul -> Mul reading x twice, which onnxruntime cannot fuse once its QDQ pass gives
+    # each reader of a DequantizeLinear its own copy (5 float kernels per GELU, ~7 % of BERT's int8 run time)
+    assert ops["Gelu"] == 2 and ops["Erf"] == 0
     assert vs_fake < 1e-3 and vs_float < 0.1
 
 
@@ -89,7 +93,7 @@ def test_bert_dynamic(tmp_path) -> None:
     # pooler + classifier: DynamicQuantizeMatMul; no float MatMul with a weight left
     assert (ops["DynamicQuantizeMatMul"], ops["MatMulIntegerToFloat"], ops["DynamicQuantizeLinear"]) == (8, 6, 2)
     assert ops["MatMulInteger"] == 0 and ops["QLinearMatMul"] == 0
-    assert {"Softmax": 2, "LayerNormalization": 5, "Erf": 2}.items() <= q.onnx_float_ops.items()
+    assert {"Softmax": 2, "LayerNormalization": 5, "Gelu": 2}.items() <= q.onnx_float_ops.items()
     assert all(v["input"] == "dynamic" for v in q.onnx_int8_summary.values())
     assert vs_fake < 1e-5 and vs_float < 0.05
 

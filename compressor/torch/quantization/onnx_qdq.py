@@ -139,7 +139,7 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
         w._export_qparams = {t: None for t in w.quant_types}
     # PRESERVE (the model is in eval mode): the TorchScript exporter's EVAL mode would fold every unfolded
     # Conv -> BatchNorm pair into new conv weights, which are then no longer the quantized ones
-    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 17, "do_constant_folding": True,
+    kwargs: dict[str, Any] = {"dynamo": False, "opset_version": 20, "do_constant_folding": True,
                               "training": torch.onnx.TrainingMode.PRESERVE}
     kwargs.update(onnx_kwargs)
     kwargs.pop("external_data", None)
@@ -565,12 +565,18 @@ def _dynamic_matmul(graph: _Graph, name: str, node: Any, codes: np.ndarray, scal
 FLOAT_REPORTED = {"Softmax", "LayerNormalization", "Erf", "Gelu", "FastGelu", "Tanh", "Sigmoid", "Div", "Sqrt", "Pow",
                   "ReduceMean", "MatMul", "Gemm", "Conv", "Add", "Mul", "Sub", "AveragePool", "GlobalAveragePool",
                   "Concat", "Clip", "Pad", "LSTM", "GRU"}
+#: ... of which onnxruntime runs these as one integer kernel (or folds them into the grid) when DequantizeLinear
+#: feeds them and QuantizeLinear reads their output; the others (Gelu, LayerNorm, Erf, Div ...) have no integer
+#: kernel and run in float between the two
+INTEGER_BETWEEN_QDQ = {"MatMul", "Gemm", "Conv", "Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool",
+                       "Sigmoid", "Softmax", "Clip", "Pad"}
 
 
 def float_ops(model: Any, made: set[str] = frozenset()) -> dict[str, int]:
     """``{op type: count}`` of the compute ops of an int8 ONNX graph that onnxruntime runs in float: those in
-    :data:`FLOAT_REPORTED` whose output is not quantized (read by a QuantizeLinear) -- Softmax, LayerNorm,
-    GELU (Erf), attention's activation x activation MatMuls, residual adds of float values ... -- other than a
+    :data:`FLOAT_REPORTED` with no integer kernel (:data:`INTEGER_BETWEEN_QDQ`), or whose output is not quantized
+    (read by a QuantizeLinear) -- Softmax, LayerNorm,
+    GELU (one Gelu node: the export is opset 20), attention's activation x activation MatMuls, residual adds of float values ... -- other than a
     MatMul / Gemm / Conv with a dequantized weight (an integer kernel with a float output) and the nodes of
     the dynamic-quantization pattern."""
     g = model.graph
@@ -584,7 +590,7 @@ def float_ops(model: Any, made: set[str] = frozenset()) -> dict[str, int]:
         if n.op_type not in FLOAT_REPORTED or any(o in made for o in n.output):
             continue
         users = readers.get(n.output[0], [])
-        if users and all(u.op_type == "QuantizeLinear" for u in users):
+        if n.op_type in INTEGER_BETWEEN_QDQ and users and all(u.op_type == "QuantizeLinear" for u in users):
             continue
         if n.op_type in ("MatMul", "Gemm", "Conv") and len(n.input) > 1:
             p = producer.get(n.input[1])
