@@ -37,7 +37,7 @@ from .errors import ConfigError, ModelError
 from .sparse_pattern import parse_sparse_pattern
 
 __all__ = ["LayerTask", "LayerResult", "OneShotBackend", "OneShotMethod", "WandaMethod", "SparseGPTMethod",
-           "GptqMethod", "RtnMethod", "AwqMethod", "OneShotReport", "ONESHOT_KEYS", "search_subset", "search_inputs", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of"]
+           "GptqMethod", "RtnMethod", "AwqMethod", "OneShotReport", "ONESHOT_KEYS", "search_subset", "search_inputs", "QUANT_SCHEME_KEY", "ONESHOT_SKIP_HINT", "weight_only_config", "run_sequential", "quant_spec_of", "FORWARD_DTYPES", "forward_in_float64"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -107,6 +107,28 @@ AWQ_SEARCH_SAMPLES: int | None = 16
 AWQ_CLIP_SKIP = frozenset({"q", "k", "query", "key", "c_attn", "query_key_value", "wq", "wk"})
 #: ``quant_range``: the symmetric code range (``narrow``: the project's convention; ``full``: compressed-tensors')
 QUANT_RANGES = ("narrow", "full")
+
+
+#: ``calibrate(forward_dtype=...)``: the dtype the blocks run in while their layers' input statistics are recorded
+#: and their (compressed) outputs handed to the next block
+FORWARD_DTYPES = ("auto", "float64", "model")
+
+
+def forward_in_float64(value: Any, what: str, on_cpu: bool) -> bool:
+    """Whether ``calibrate(forward_dtype=value)`` runs those block passes in float64 (the weights and inputs
+    widened exactly, the block's own casts kept: e.g. Hugging Face's RMSNorm and eager softmax still compute in
+    float32): ``'float64'`` always, ``'model'`` never (the model's own dtype, as llmcompressor), ``'auto'``
+    (default) on CPU only. Why: two frameworks' float32 forwards differ in the last bits (their GEMM, softmax
+    and norm kernels sum in other orders); GPTQ's rounding and SparseGPT's N:M / threshold choices flip near
+    ties, the error feedback carries each flip along its row, and the same weights and data gave perplexities
+    up to 5.6e-3 apart on PyTorch and Keras (examples/RESULTS.md); in float64 they agree to 1e-8. On a CPU the
+    cost is the float64 GEMMs of those passes (AWQ's search and the rest keep the model's dtype); on an
+    accelerator float64 is slow, hence the model's dtype there."""
+    if not isinstance(value, str) or value not in FORWARD_DTYPES:
+        raise ConfigError(f"{what}: forward_dtype must be one of {list(FORWARD_DTYPES)} ('auto': float64 on CPU, "
+                          f"the model's dtype on an accelerator; 'float64'; 'model': the model's own dtype), "
+                          f"got {value!r}")
+    return value == "float64" or (value == "auto" and on_cpu)
 
 
 #: the config keys of the one-shot methods (each compressor lists the ones it takes in ``config_keys``)

@@ -63,6 +63,7 @@ from ..core.sequential import (
     RtnMethod,
     SparseGPTMethod,
     WandaMethod,
+    forward_in_float64,
     quant_spec_of,
     run_sequential,
     weight_only_config,
@@ -224,11 +225,43 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
 
 
 # ------------------------------------------------------------------------------------------- the backend
+def _float64_of(v: Any) -> Any:
+    """``v`` (tensors / arrays in tuples / lists / dicts) with its floating values widened to float64."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(_float64_of(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _float64_of(x) for k, x in v.items()}
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None and tf.as_dtype(dtype).is_floating and tf.as_dtype(dtype) != tf.float64:
+        return tf.cast(v, tf.float64)
+    return v
+
+
+@contextmanager
+def _float64_policies(block: Any, on: bool) -> Iterator[bool]:
+    """Every layer of ``block`` computing in float64 while the body runs (``dtype_policy`` 'float64': the float32
+    variables are read widened, inputs are not cast down), the policies put back after. Yields whether it did:
+    not for a block holding a quantized layer (its policy carries the quantization mode)."""
+    layers = list(block._flatten_layers(include_self=True, recursive=True)) if on else []
+    if not layers or any(getattr(lay.dtype_policy, "quantization_mode", None) for lay in layers):
+        yield False
+        return
+    old = [lay.dtype_policy for lay in layers]
+    try:
+        for lay in layers:
+            lay.dtype_policy = "float64"
+        yield True
+    finally:
+        for lay, policy in zip(layers, old):
+            lay.dtype_policy = policy
+
+
 class KerasOneShotBackend:
     """The Keras side of :func:`compressor.core.sequential.run_sequential` for one compressor."""
 
-    def __init__(self, compressor: Any, blocks: list[tuple[str, Any]]) -> None:
+    def __init__(self, compressor: Any, blocks: list[tuple[str, Any]], float64: bool = False) -> None:
         self.c = compressor
+        self.float64 = float64  # run_block in float64 (core.sequential.forward_in_float64)
         self.model = compressor.bound_model
         self._blocks = list(blocks)
         self.tasks = {w.name: LayerTask(w.name, w.config, compressor._layouts[w.name].n_in, w)
@@ -337,9 +370,13 @@ class KerasOneShotBackend:
 
     def run_block(self, block: Any, inputs: list[BlockInput], observe: dict[str, Callable[[Any], None]] | None) -> list[BlockInput]:
         out = []
-        with self._observing(observe):
+        with self._observing(observe), _float64_policies(block, self.float64) as wide:
             for inp in inputs:
-                out.append(inp.with_hidden(_hidden_of(inp.call(block), block)))
+                if wide:
+                    h = _hidden_of(block(*_float64_of(inp.args), **_float64_of(inp.kwargs)), block)
+                    out.append(inp.with_hidden(tf.cast(h, inp.hidden.dtype)))
+                else:
+                    out.append(inp.with_hidden(_hidden_of(inp.call(block), block)))
         return out
 
     def shared_inputs(self, block: Any, inputs: list[BlockInput], tasks: list[LayerTask]) -> dict[str, str]:
@@ -580,12 +617,16 @@ class _OneShot:
             quant_spec_of(config, self._what)
 
     # -- calibration
-    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True) -> Any:
+    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True,
+                  forward_dtype: str = "auto") -> Any:
         """Run the one-shot algorithm on ``data`` (see :mod:`compressor.tf.calibration_data` for the forms; at most
         ``num_samples`` sequences) block by block and leave the model compressed. ``progress``: a line per
-        block on stderr (True), nothing (False) or a file. Bad data is an error before the model changes.
-        Returns self."""
+        block on stderr (True), nothing (False) or a file. ``forward_dtype``: the dtype of the block passes that
+        record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the model's dtype on
+        an accelerator; 'float64'; 'model'; see :func:`compressor.core.sequential.forward_in_float64`). Bad data
+        is an error before the model changes. Returns self."""
         what = f"{self._what}.calibrate"
+        float64 = forward_in_float64(forward_dtype, what, not tf.config.list_logical_devices("GPU"))
         batches: list[Any] = []
         if self.method.statistics is not None or data is not None:
             if data is None:
@@ -607,7 +648,7 @@ class _OneShot:
                 warnings.warn(f"{what}: the repeated layers {[p for p, _ in blocks]} are not a chain of blocks ({why}); "
                               f"calibrating the whole model in one pass instead", RuntimeWarning, stacklevel=2)
                 blocks = []
-        backend = KerasOneShotBackend(self, blocks)
+        backend = KerasOneShotBackend(self, blocks, float64)
         with remapper_off():
             rows = run_sequential(backend, self.method, batches, progress=progress)
         self.rows = OneShotReport(rows)

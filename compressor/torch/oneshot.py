@@ -46,6 +46,7 @@ from ..core.sequential import (
     LayerTask,
     OneShotMethod,
     OneShotReport,
+    forward_in_float64,
     run_sequential,
 )
 from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
@@ -391,11 +392,25 @@ def _merged_calls(module: nn.Module, calls: list[_Input]) -> list[_Input]:
     return out
 
 
+def _float64_of(v: Any) -> Any:
+    """``v`` (tensors in tuples / lists / dicts) with its floating tensors widened to float64."""
+    if torch.is_tensor(v):
+        return v.to(torch.float64) if v.is_floating_point() and v.dtype != torch.float64 else v
+    if isinstance(v, tuple):
+        return tuple(_float64_of(x) for x in v)
+    if isinstance(v, list):
+        return [_float64_of(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _float64_of(x) for k, x in v.items()}
+    return v
+
+
 class TorchOneShotBackend:
     """The torch adapter of :class:`compressor.core.sequential.OneShotBackend` for one compressor."""
 
-    def __init__(self, compressor: Any, targets: Sequence[str] | None):
+    def __init__(self, compressor: Any, targets: Sequence[str] | None, float64: bool = False):
         self.compressor = compressor
+        self.float64 = float64  # run_block / advance in float64 (core.sequential.forward_in_float64)
         self.model: nn.Module = compressor.bound_model
         self.what = type(compressor).__name__
         self.wrappers: list[nn.Module] = list(compressor.get_modules_wrapper())
@@ -555,17 +570,30 @@ class TorchOneShotBackend:
         self._shared = out
         return out
 
+    def _caller(self, block: nn.Module) -> Callable[[_Input], Any]:
+        """``inp -> block(*inp.args, **inp.kwargs)``; with :attr:`float64` the block runs on float64 copies of its
+        floating parameters and buffers (``torch.func.functional_call``: the module's own tensors are not
+        touched, its hooks still fire) and of the call's floating tensors."""
+        if not self.float64:
+            return lambda inp: block(*inp.args, **inp.kwargs)
+        seen: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
+        wide = {n: seen.setdefault(id(t), t.to(torch.float64) if t.is_floating_point() else t)
+                for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
+        return lambda inp: torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs))
+
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
         state: dict[str, Any] = {}
         handles = self._observing(observe, lambda: state.get("keep"))
         outs: list[_Input] = []
+        call = self._caller(block)
         try:
             for inp in inputs:
                 state["keep"] = inp.keep
-                out = block(*inp.args, **inp.kwargs)
+                out = call(inp)
                 if observe is None:
-                    outs.append(inp.with_hidden(_hidden_of(out)))
+                    h = inp.hidden()
+                    outs.append(inp.with_hidden(_hidden_of(out).to(h.dtype) if torch.is_tensor(h) else _hidden_of(out)))
         finally:
             for h in handles:
                 h.remove()
@@ -582,10 +610,13 @@ class TorchOneShotBackend:
         the activations then never move, and the allocator is left with only the block's transient buffers to
         reuse (allocating each output anew while its input is freed grew the heap by ~3/4 of the activations
         on the issue-25 Llama)."""
+        call = self._caller(block)
         for i in range(len(inputs)):
             inp = inputs[i]
             h = inp.hidden()
-            out = _hidden_of(block(*inp.args, **inp.kwargs))
+            out = _hidden_of(call(inp))
+            if self.float64 and torch.is_tensor(h) and out.dtype != h.dtype:
+                out = out.to(h.dtype)
             if (out is not h and out.shape == h.shape and out.dtype == h.dtype and out.device == h.device
                     and not h.requires_grad):
                 try:
@@ -832,22 +863,27 @@ class OneShotMixin:
     def _oneshot_write(self, wrapper: nn.Module, result: LayerResult) -> None:
         """Install the method's result in ``wrapper`` (the weight is written already)."""
 
-    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True) -> Any:
+    def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True,
+                  forward_dtype: str = "auto") -> Any:
         """Run the one-shot method on the calibration ``data`` (a tensor of token ids, a tuple of positional
         inputs, a dict / ``BatchEncoding`` of keyword inputs, or a DataLoader / list / iterable of those;
         ``num_samples``: at most that many sequences), block by block, and leave the model compressed.
-        ``progress``: one line per block on stderr (True), a file, or False. Bad data raises before any weight
+        ``progress``: one line per block on stderr (True), a file, or False. ``forward_dtype``: the dtype of the
+        block passes that record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the
+        model's dtype on an accelerator; 'float64'; 'model'; see
+        :func:`compressor.core.sequential.forward_in_float64`). Bad data raises before any weight
         changes. Returns self."""
         what = type(self).__name__
         method = self.method_class()
         model: nn.Module = self.bound_model  # type: ignore[attr-defined]
         device = _model_device(model)
+        float64 = forward_in_float64(forward_dtype, f"{what}.calibrate", device.type == "cpu")
         if method.statistics is None and data is None:
             batches: list[tuple[tuple, dict[str, Any]]] = []
         else:
             batches = [(_to(a, device), _to(k, device))
                        for _, a, k in calibration_batches(data, f"{what}.calibrate", num_samples=num_samples)]
-        backend = TorchOneShotBackend(self, self.sequential_targets)
+        backend = TorchOneShotBackend(self, self.sequential_targets, float64)
         modes = {m: m.training for m in model.modules()}
         try:
             model.eval()

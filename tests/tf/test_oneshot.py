@@ -142,7 +142,7 @@ def test_block_2_statistics_come_from_the_compressed_block_1():
     m = lm()
     dense = m.get_weights()
     w_up = m.decoder[1].up.kernel.numpy()
-    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False)
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="model")
     got = m.decoder[1].up.kernel.numpy()
     pruned0 = [v.numpy() for v in m.decoder[0].weights]
     p.strip()
@@ -163,6 +163,57 @@ def test_block_2_statistics_come_from_the_compressed_block_1():
     ref.set_weights(dense)
     dense0 = [v.numpy() for v in ref.decoder[0].weights]
     assert not np.array_equal(got, expected(dense0))
+
+
+def test_forward_dtype_float64_statistics_are_those_of_a_float64_forward():
+    """'auto' on CPU = 'float64': block 1's statistics are those of a float64 model (built under a float64 dtype
+    policy, the compressed weights loaded) whose block 0 output is rounded to float32, as the engine keeps the
+    activations in the model's dtype between blocks; the model's variables and policies stay float32."""
+    m = lm()
+    dense = m.get_weights()
+    w_up = m.decoder[1].up.kernel.numpy()
+    SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False)
+    got = m.decoder[1].up.kernel.numpy()
+    assert all(v.dtype == "float32" for v in m.weights)
+    assert all(lay.dtype_policy.name == "float32" for lay in m._flatten_layers(include_self=True, recursive=True))
+    pruned0 = [v.numpy() for v in m.decoder[0].weights]
+    keras.config.set_dtype_policy("float64")
+    try:
+        ref = TinyLM()
+        ref(CALIB[:1])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    ref.set_weights([w.astype(np.float64) for w in dense])
+    for v, val in zip(ref.decoder[0].weights, pruned0):
+        v.assign(val.astype(np.float64))
+    seen = []
+    orig = ref.decoder[1].up.call
+
+    def grab(x, *a, **k):
+        seen.append(np.asarray(x))
+        return orig(x, *a, **k)
+
+    object.__setattr__(ref.decoder[1].up, "call", grab)
+    for b in (CALIB[:8], CALIB[8:]):
+        h = ref.decoder[0](ref.embed(b))
+        ref.decoder[1](tf.cast(tf.cast(h, "float32"), "float64"))
+    object.__delattr__(ref.decoder[1].up, "call")
+    assert all(x.dtype == np.float64 for x in seen)
+    acc = os1.GramAccumulator(WIDTH)
+    for x in seen:
+        acc.add(x.reshape(-1, WIDTH))
+    np.testing.assert_array_equal(got, os1.sparsegpt_prune(w_up.T.astype(np.float64), acc.gram, 0.5).weight.T.astype(np.float32))
+
+
+def test_forward_dtype_bad_value_is_a_config_error_before_the_model_changes():
+    m = lm()
+    before = m.get_weights()
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}])
+    for bad in ("fp64", None, "float16"):
+        with pytest.raises(ConfigError, match=r"forward_dtype must be one of \['auto', 'float64', 'model'\]"):
+            p.calibrate(CALIB, progress=False, forward_dtype=bad)
+    p.strip()
+    assert all(np.array_equal(a, b) for a, b in zip(before, m.get_weights())) and not p.calibrated
 
 
 def test_gptq_closer_than_rtn_codes_in_range_and_kernel_is_the_dequantized_grid():

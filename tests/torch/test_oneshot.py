@@ -4,6 +4,7 @@ calibration-data helper shared with PtqQuantizer."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -291,7 +292,7 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     v_before = value.weight.detach().double().numpy().copy()
     seen = []
     h = target.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-    p.calibrate(calib, progress=False)
+    p.calibrate(calib, progress=False, forward_dtype="model")  # the float32 passes (float64: the next test)
     h.remove()
     # block 1 (the last) ran on the first sequence of batch 0 (which layers share an input), then once observed;
     # no output pass
@@ -319,6 +320,47 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
     np.testing.assert_array_equal(target.weight.detach().numpy(), ref.weight.astype(np.float32))
     np.testing.assert_array_equal(value.weight.detach().numpy(),
                                   os1.sparsegpt_prune(v_before, acc.gram, 0.5).weight.astype(np.float32))
+
+
+
+def test_forward_dtype_float64_records_float64_inputs_of_the_compressed_blocks_and_leaves_the_model_float32():
+    """'auto' on CPU = 'float64': block 1's layers see float64 inputs, equal to a float64 forward of the compressed
+    model whose block 0 output is rounded to float32 (the activations are kept in the model's dtype between
+    blocks); the model's own tensors stay float32, and the result differs from the float32 passes'."""
+    calib = batches(3)
+    model, same = build("llama"), build("llama")
+    make(SparseGPTPruner, same, {"sparsity": 0.5}).calibrate(calib, progress=False, forward_dtype="model")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    params = {n: t for n, t in model.named_parameters()}
+    seen = []
+    h = model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    p.calibrate(calib, progress=False)  # forward_dtype 'auto'
+    h.remove()
+    seen = [t for t in seen if t.dtype == torch.float64]
+    assert len(seen) == len(calib)  # the observed pass ran in float64 (the sharing probe in float32)
+    assert all(t.dtype == torch.float32 and params[n] is t for n, t in model.named_parameters())
+    ref = copy.deepcopy(model).double()  # the compressed weights, in float64
+    ref.model.layers[0].register_forward_hook(
+        lambda m, a, out: out.float().double() if torch.is_tensor(out) else (out[0].float().double(), *out[1:]))
+    got = []
+    ref.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda m, a: got.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for b in calib:
+            ref(b, use_cache=False)
+    for a, b in zip(seen, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # SparseGPT's weight updates follow the float64 statistics: not the float32 passes' weights bit for bit
+    assert not torch.equal(model.model.layers[1].mlp.down_proj.weight, same.model.layers[1].mlp.down_proj.weight)
+
+
+def test_forward_dtype_bad_value_is_a_config_error_before_the_model_changes():
+    model = build("llama")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    before = state(model)
+    for bad in ("fp64", None, torch.float64):
+        with pytest.raises(ConfigError, match=r"forward_dtype must be one of \['auto', 'float64', 'model'\]"):
+            p.calibrate(batches(2), progress=False, forward_dtype=bad)
+        assert same_state(model, before) and not p.calibrated
 
 
 def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
