@@ -17,8 +17,8 @@ the compressor classes. No tracing of the model:
   ``(args, kwargs)`` and stop. A block runs on the stored arguments with the hidden state (its first
   argument) replaced; its output (or the first element of a tuple output) is the next block's hidden state.
 * **layer inputs**: each selected layer's ``call`` (and ``quantized_call``, used by Keras-quantized layers)
-  is wrapped on the instance while a block runs, passing float64 rows ``[tokens, in]`` to the core
-  accumulator (the layer's float32 input, converted only there, as on torch). Every wrapped call is
+  is wrapped on the instance while a block runs, passing rows ``[tokens, in]`` to the core accumulator (the
+  layer's float32 input as it is, half precision widened to float32, as on torch). Every wrapped call is
   restored afterwards, also on errors.
 * **weights** in core's canonical ``[out, in]`` layout: ``Dense`` ``[in, out]`` transposed
   (:mod:`compressor.tf.layout`); ``EinsumDense`` from its equation: the kernel axes contracted with the
