@@ -72,6 +72,8 @@ AWQ_CLIP_MAX_SHRINK = 0.5
 AWQ_MIN_SCALE = 1e-4  # the AWQ reference's clamp of mean|x|^alpha
 #: rows per float32 Gram product (:meth:`GramAccumulator.add`): bounds the float32 rounding of one partial sum
 GRAM_F32_ROWS = 1024
+#: float64 values per row chunk of the per-channel sums of :meth:`GramAccumulator.add` (2 MiB)
+SUM_CHUNK_VALUES = 1 << 18
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -185,9 +187,14 @@ class GramAccumulator:
             raise ValueError(f"layer input must end with the layer's input dimension {self.in_features}, "
                              f"got shape {a.shape}")
         a = a.reshape(-1, self.in_features)
-        if not np.all(np.isfinite(a)):
+        # the per-channel sums over row chunks (no float64 copy of the whole batch: two of them were the
+        # largest transients of a calibration pass, 24 MiB for a 2048 x 768 float32 input), where that
+        # reproduces the whole-array sums bit for bit: numpy sums a C-contiguous [rows, >= 2] array's axis 0
+        # row after row, and each chunk's first row carries the sum so far
+        chunked = self.in_features >= 2 and a.flags.c_contiguous
+        step = max(1, SUM_CHUNK_VALUES // self.in_features) if chunked else max(a.shape[0], 1)
+        if not all(np.isfinite(a[i:i + step]).all() for i in range(0, a.shape[0], step)):
             raise ValueError("calibration inputs contain NaN or inf")
-        a64 = np.asarray(a, dtype=np.float64)
         if self.gram is not None:
             low = a if a.dtype == np.float32 else a.astype(np.float32)
             if low is a or np.array_equal(low, a):
@@ -195,10 +202,31 @@ class GramAccumulator:
                     c = low[i:i + GRAM_F32_ROWS]
                     self.gram += c.T @ c
             else:
+                a64 = np.asarray(a, dtype=np.float64)
                 self.gram += a64.T @ a64
+                del a64
+        if not chunked:
+            a64 = np.asarray(a, dtype=np.float64)
+            if self.gram is None:
+                self._sq += np.einsum("ti,ti->i", a64, a64)
+            self.abs_sum += np.abs(a64).sum(axis=0)
         else:
-            self._sq += np.einsum("ti,ti->i", a64, a64)
-        self.abs_sum += np.abs(a64).sum(axis=0)
+            abs_acc = sq_acc = None
+            for i in range(0, a.shape[0], step):
+                c64 = np.asarray(a[i:i + step], dtype=np.float64)
+                if self.gram is None:
+                    sq = c64 * c64
+                    if sq_acc is not None:
+                        sq[0] += sq_acc
+                    sq_acc = sq.sum(axis=0)
+                c64 = np.abs(c64, out=c64) if c64.base is None else np.abs(c64)
+                if abs_acc is not None:
+                    c64[0] += abs_acc
+                abs_acc = c64.sum(axis=0)
+            if sq_acc is not None:
+                self._sq += sq_acc
+            if abs_acc is not None:
+                self.abs_sum += abs_acc
         self.count += a.shape[0]
 
     def gram_for_solver(self) -> np.ndarray | list[np.ndarray]:

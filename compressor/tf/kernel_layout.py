@@ -44,7 +44,14 @@ class KernelLayout:
         return np.transpose(w.reshape(permuted), np.argsort(self.perm))
 
     def rows(self, x: Any) -> np.ndarray:
-        return np.asarray(x, dtype=np.float64).reshape(-1, self.n_in)
+        """``x`` as rows ``[tokens, in]`` for core's accumulator: float32 / float64 as they are (core takes float32
+        products of float32 values whatever the dtype: a float64 copy changed no statistic and was a transient
+        of twice the input's bytes per observed call), half precision widened to float32, other dtypes float64."""
+        a = np.asarray(x)
+        if a.dtype != np.float32 and a.dtype != np.float64:
+            floating = np.issubdtype(a.dtype, np.floating) or a.dtype.name in ("bfloat16", "float16")
+            a = a.astype(np.float32 if floating and a.dtype.itemsize < 4 else np.float64)
+        return a.reshape(-1, self.n_in)
 
 
 def _einsum_layout(name: str, equation: str, shape: tuple[int, ...]) -> KernelLayout:

@@ -168,6 +168,27 @@ def test_gram_of_float32_rows_is_float32_products_summed_in_float64_whatever_dty
     assert np.array_equal(acc.gram, fine.T @ fine)
 
 
+@pytest.mark.parametrize("gram", [True, False])
+def test_channel_sums_over_row_chunks_equal_the_whole_batch_sums_bit_for_bit(gram):
+    rng = np.random.default_rng(4)
+    width = 96
+    rows = 3 * (O.SUM_CHUNK_VALUES // width) + 5  # four chunks
+    x = (rng.standard_normal((rows, width)) * rng.standard_normal(width) ** 3).astype(np.float32)
+    x64 = x.astype(np.float64)
+    acc = O.GramAccumulator(width, gram=gram)
+    acc.add(x[:3])
+    acc.add(x.reshape(1, rows, width))
+    assert np.array_equal(acc.abs_sum, np.abs(x64[:3]).sum(axis=0) + np.abs(x64).sum(axis=0))
+    if not gram:
+        assert np.array_equal(acc.sq_sum, np.einsum("ti,ti->i", x64[:3], x64[:3]) + np.einsum("ti,ti->i", x64, x64))
+    bad = x.copy()
+    bad[-1, 0] = np.inf  # in the last chunk: nothing of the batch is added
+    before = (acc.abs_sum.copy(), acc.sq_sum.copy(), acc.count)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        acc.add(bad)
+    assert np.array_equal(acc.abs_sum, before[0]) and np.array_equal(acc.sq_sum, before[1]) and acc.count == before[2]
+
+
 def test_gram_accumulator_refuses_bad_batches_and_empty():
     acc = O.GramAccumulator(3)
     with pytest.raises(ValueError, match="input dimension 3"):

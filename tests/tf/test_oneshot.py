@@ -558,3 +558,59 @@ def test_quant_range_full_uses_the_signed_int4_grid():
             np.testing.assert_array_equal(w, deq.astype(np.float32))
     with pytest.raises(ConfigError, match="quant_range"):
         GptqQuantizer(lm(), [{"quant_bits": 4, "quant_range": "wide", **DEFAULT}])
+
+
+class _MaskedBlock(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.proj = keras.layers.Dense(WIDTH, name="proj")
+
+    def call(self, x, tables=None, keep=None):
+        cos, sin = tables
+        return x + self.proj(x * cos[None] + sin[None]) * keep[None, :, None]
+
+
+class _MaskedLM(keras.Model):
+    """Each call makes its own keep mask / rotary-like tables (as a Llama's call), the same values on every batch
+    of one length."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.embed = keras.layers.Embedding(VOCAB, WIDTH, name="embed")
+        self.decoder = [_MaskedBlock(name=f"block{i}") for i in range(2)]
+
+    def call(self, ids):
+        n = ids.shape[1]
+        tables = (tf.constant(np.linspace(0.5, 1.5, n * WIDTH, dtype=np.float32).reshape(n, WIDTH)),
+                  tf.constant(np.full((n, WIDTH), 0.25, np.float32)))
+        keep = tf.constant((np.arange(n) % 3 != 0).astype(np.float32))
+        x = self.embed(ids)
+        for b in self.decoder:
+            x = b(x, tables=tables, keep=keep)
+        return x
+
+
+def test_block_inputs_share_repeated_arguments_and_advance_replaces_them_in_place():
+    from compressor.tf.oneshot import KerasOneShotBackend
+
+    keras.utils.set_random_seed(0)
+    m = _MaskedLM()
+    m(CALIB[:1])
+    p = SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}])
+    be = KerasOneShotBackend(p, p._blocks)
+    batches = [CALIB[:4], CALIB[4:8], CALIB[8:12, :9]]  # the last one shorter: its tables differ
+    first = be.first_inputs(batches)
+    assert first[1].kwargs["keep"] is first[0].kwargs["keep"] and first[1].kwargs["tables"] is first[0].kwargs["tables"]
+    assert first[2].kwargs["keep"] is not first[1].kwargs["keep"] and first[2].kwargs["tables"] is not first[1].kwargs["tables"]
+    assert first[1].hidden is not first[0].hidden
+    for inp, b in zip(first, batches):  # the shared arguments hold what each batch's own call made
+        np.testing.assert_array_equal(np.asarray(inp.hidden), m.embed(b).numpy())
+    block = be.blocks()[0][1]
+    seen = []
+    assert be.run_block(block, first, {"block0/proj": lambda x: seen.append(x.shape)}) == []  # outputs dropped
+    assert seen == [(48, WIDTH), (48, WIDTH), (36, WIDTH)]
+    expected = [np.asarray(o.hidden) for o in be.run_block(block, first, None)]
+    same = be.advance(block, first)
+    assert same is first and len(first) == 3
+    for inp, e in zip(first, expected):
+        np.testing.assert_array_equal(np.asarray(inp.hidden), e)
