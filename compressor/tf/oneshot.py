@@ -246,6 +246,10 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
 
 
 # ------------------------------------------------------------------------------------------- the backend
+#: tokens per float64 block call (:meth:`KerasOneShotBackend._call`): the batch is sliced by sequences to stay under it
+FLOAT64_PASS_TOKENS = 512
+
+
 def _float64_of(v: Any) -> Any:
     """``v`` (tensors / arrays in tuples / lists / dicts) with its floating values widened to float64."""
     if isinstance(v, (tuple, list)):
@@ -430,15 +434,26 @@ class KerasOneShotBackend:
                 del inp, h
         return inputs
 
-    @staticmethod
-    def _call(block: Any, inp: BlockInput, wide: bool) -> Any:
+    def _call(self, block: Any, inp: BlockInput, wide: bool) -> Any:
         """The block's hidden-state output on ``inp``; ``wide``: the block's layers compute in float64 (see
         :func:`_float64_policies`), the call's floating inputs are widened and the output is handed back in the
-        hidden state's own dtype (the activations stay in the model's dtype between blocks)."""
+        hidden state's own dtype (the activations stay in the model's dtype between blocks). A wide call runs
+        on slices of at most :data:`FLOAT64_PASS_TOKENS` tokens of the batch: TensorFlow's CPU allocator keeps
+        the most tensor memory ever alive at once, and a float64 pass over a whole batch of 8 x 256 tokens
+        left +63 MiB there on the issue-25 Llama (slices of 2 sequences: see examples/RESULTS.md)."""
         if not wide:
             return _hidden_of(inp.call(block), block)
-        h = _hidden_of(block(*_float64_of(inp.args), **_float64_of(inp.kwargs)), block)
-        return tf.cast(h, inp.hidden.dtype)
+        h = inp.hidden
+        rows = self.batch_rows(inp)
+        per_row = int(np.prod(h.shape[1:-1])) if len(h.shape) > 2 else 1
+        step = max(1, FLOAT64_PASS_TOKENS // max(per_row, 1))
+        outs = []
+        for i in range(0, rows, step):
+            part = inp if step >= rows else self.take_rows(inp, list(range(i, min(i + step, rows))))
+            out = _hidden_of(block(*_float64_of(part.args), **_float64_of(part.kwargs)), block)
+            outs.append(tf.cast(out, h.dtype))
+            del part, out
+        return outs[0] if len(outs) == 1 else tf.concat(outs, axis=0)
 
     def shared_inputs(self, block: Any, inputs: list[BlockInput], tasks: list[LayerTask]) -> dict[str, str]:
         """``{layer: earlier layer}`` for the block's layers called with the very same input tensor as an earlier

@@ -205,6 +205,35 @@ def test_forward_dtype_float64_statistics_are_those_of_a_float64_forward():
     np.testing.assert_array_equal(got, os1.sparsegpt_prune(w_up.T.astype(np.float64), acc.gram, 0.5).weight.T.astype(np.float32))
 
 
+def test_forward_dtype_float64_runs_the_block_on_slices_of_the_batch(monkeypatch):
+    """A float64 block call covers at most FLOAT64_PASS_TOKENS tokens (TensorFlow's allocator keeps its peak):
+    with 24 tokens a slice, each 8-sequence batch of 12 tokens runs as 4 calls of 2 sequences; the layers see
+    the same rows as one call on the whole batch, and the pruned kernels match the unsliced run's."""
+    import compressor.tf.oneshot as tfo
+
+    whole = lm()
+    SparseGPTPruner(whole, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
+    m = lm()
+    monkeypatch.setattr(tfo, "FLOAT64_PASS_TOKENS", 24)
+    seen = []
+    up = m.decoder[1].up
+    orig = up.call
+
+    def grab(x, *a, **k):
+        seen.append(np.asarray(x))
+        return orig(x, *a, **k)
+
+    object.__setattr__(up, "call", grab)
+    try:
+        SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
+    finally:
+        object.__delattr__(up, "call")
+    observed = [x for x in seen if x.dtype == np.float64]
+    assert [x.shape[0] for x in observed] == [2] * 8  # 16 sequences, 2 per float64 call
+    for a, b in zip(whole.weights, m.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+
+
 def test_forward_dtype_bad_value_is_a_config_error_before_the_model_changes():
     m = lm()
     before = m.get_weights()
