@@ -248,6 +248,9 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
 # ------------------------------------------------------------------------------------------- the backend
 #: tokens per float64 block call (:meth:`KerasOneShotBackend._call`): the batch is sliced by sequences to stay under it
 FLOAT64_PASS_TOKENS = 512
+#: tokens per call of AWQ's search passes (:meth:`KerasOneShotBackend._sliced`; the torch side merges its recorded
+#: calls up to 256 tokens)
+SEARCH_PASS_TOKENS = 512
 
 
 def _float64_of(v: Any) -> Any:
@@ -495,7 +498,24 @@ class KerasOneShotBackend:
             def run(args: tuple, kwargs: dict) -> Any:
                 return _hidden_of(block(*args, **kwargs), block)
             fn = self._compiled[id(block)] = tf.function(run, reduce_retracing=True)
-        return (np.asarray(fn(inp.args, inp.kwargs), dtype=np.float64) for inp in inputs)  # lazily, as module_output
+        return (np.asarray(self._sliced(fn, inp), dtype=np.float64) for inp in inputs)  # lazily, as module_output
+
+    def _sliced(self, fn: Any, inp: BlockInput) -> Any:
+        """``fn(inp.args, inp.kwargs)`` over slices of the batch of at most :data:`SEARCH_PASS_TOKENS` tokens, the
+        outputs concatenated: AWQ's search runs a module 20 times per group and TensorFlow's CPU pool keeps the
+        largest call's transients (attention scores of 8 sequences of 256 tokens: +33-41 MiB a block)."""
+        h = inp.hidden
+        rows = self.batch_rows(inp)
+        per_row = int(np.prod(h.shape[1:-1])) if len(h.shape) > 2 else 1
+        step = max(1, SEARCH_PASS_TOKENS // max(per_row, 1))
+        if step >= rows:
+            return fn(inp.args, inp.kwargs)
+        outs = []
+        for i in range(0, rows, step):
+            part = self.take_rows(inp, list(range(i, min(i + step, rows))))
+            outs.append(np.asarray(fn(part.args, part.kwargs)))
+            del part
+        return np.concatenate(outs, axis=0)
 
     # -- AWQ: the parent layer of a group of layers
     def awq_parent(self, block: Any, tasks: list[LayerTask]) -> Any:
@@ -555,7 +575,7 @@ class KerasOneShotBackend:
             def run(args: tuple, kwargs: dict) -> Any:
                 return _hidden_of(layer(*args, **kwargs), layer)
             fn = self._compiled[id(layer)] = tf.function(run, reduce_retracing=True)
-        return (np.asarray(fn(c.args, c.kwargs)) for c in calls)  # lazily: AWQ scores each output as it comes
+        return (np.asarray(self._sliced(fn, c)) for c in calls)  # lazily: AWQ scores each output as it comes
 
     def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
         with self._observing(observe):

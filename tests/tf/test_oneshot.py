@@ -234,6 +234,32 @@ def test_forward_dtype_float64_runs_the_block_on_slices_of_the_batch(monkeypatch
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
 
 
+def test_awq_search_passes_run_on_slices_of_the_batch(monkeypatch):
+    """AWQ's search runs its module on at most SEARCH_PASS_TOKENS tokens a call (TensorFlow's allocator keeps the
+    largest call's transients): with 24 tokens, 2 sequences of 12 a call; the scales and codes are the unsliced
+    run's."""
+    import compressor.tf.oneshot as tfo
+
+    cfg = [{"quant_bits": 4, "group_size": 8, "search_samples": None, **DEFAULT}]
+    whole = AwqQuantizer(lm(), cfg).calibrate(CALIB, progress=False)
+    sizes = []
+    real = tfo.KerasOneShotBackend._sliced
+
+    def spy(self, fn, inp):
+        out = real(self, fn, inp)
+        sizes.append((self.batch_rows(inp), out.shape[0]))
+        return out
+
+    monkeypatch.setattr(tfo, "SEARCH_PASS_TOKENS", 24)
+    monkeypatch.setattr(tfo.KerasOneShotBackend, "_sliced", spy)
+    m = lm()
+    sliced = AwqQuantizer(m, cfg).calibrate(CALIB, progress=False)
+    assert sizes and all(a == b == 8 for a, b in sizes)  # whole 8-sequence outputs, computed 2 sequences a call
+    for w, v in zip(whole.modules_wrapper, sliced.modules_wrapper):
+        np.testing.assert_allclose(w.awq_scales.numpy(), v.awq_scales.numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(w.weight_codes.numpy(), v.weight_codes.numpy())
+
+
 def test_forward_dtype_bad_value_is_a_config_error_before_the_model_changes():
     m = lm()
     before = m.get_weights()
