@@ -56,12 +56,12 @@ def calib(on="cpu"):
 HELD = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(99))
 
 
-def compress(name, model, data):
+def compress(name, model, data, forward_dtype="auto"):
     cls, cfg = ONESHOT[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         c = cls(model, [{**cfg, "op_types": ["default"]}])
-    return c.calibrate(None if name == "rtn" else data, progress=False)
+    return c.calibrate(None if name == "rtn" else data, progress=False, forward_dtype=forward_dtype)
 
 
 def on_device(model, kind):
@@ -74,11 +74,12 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("name", list(ONESHOT))
 @pytest.mark.parametrize("data_on", ["cuda", "cpu"])
-def test_one_shot_on_a_cuda_model_gives_the_cpu_masks_and_codes(name, data_on):
+@pytest.mark.parametrize("forward_dtype", ["model", "float64"])  # 'auto' is 'model' on the GPU, 'float64' on CPU
+def test_one_shot_on_a_cuda_model_gives_the_cpu_masks_and_codes(name, data_on, forward_dtype):
     cpu_model = llama()
-    cpu = compress(name, cpu_model, calib())
+    cpu = compress(name, cpu_model, calib(), forward_dtype)
     gpu_model = llama().cuda()
-    gpu = compress(name, gpu_model, calib(data_on))
+    gpu = compress(name, gpu_model, calib(data_on), forward_dtype)
     assert on_device(gpu_model, "cuda")
     wc = {w.name: w for w in cpu.get_modules_wrapper()}
     wg = {w.name: w for w in gpu.get_modules_wrapper()}
