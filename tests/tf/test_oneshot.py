@@ -4,6 +4,8 @@ causal mask, gelu FFN) -> Dense head; vocab 64, width 32), and the calibration d
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -120,8 +122,9 @@ def test_sparsegpt_exact_sparsity_and_closer_to_dense_than_magnitude_and_wanda_2
     assert np.isfinite(m2(HELD).numpy()).all()
 
 
-def _inputs_of(model, layer, batches, block0_weights=None):
-    """Float32 inputs of ``layer`` (captured by a test-side wrapped call) on each batch."""
+@contextlib.contextmanager
+def _grabbing(layer):
+    """The inputs of ``layer``'s calls while the body runs (a test-side wrapped ``call``), as arrays."""
     seen = []
     orig = layer.call
 
@@ -131,10 +134,16 @@ def _inputs_of(model, layer, batches, block0_weights=None):
 
     object.__setattr__(layer, "call", grab)
     try:
-        for b in batches:
-            model(b)
+        yield seen
     finally:
         object.__delattr__(layer, "call")
+
+
+def _inputs_of(model, layer, batches, block0_weights=None):
+    """Float32 inputs of ``layer`` (captured by a test-side wrapped call) on each batch."""
+    with _grabbing(layer) as seen:
+        for b in batches:
+            model(b)
     return seen
 
 
@@ -186,18 +195,10 @@ def test_forward_dtype_float64_statistics_are_those_of_a_float64_forward():
     ref.set_weights([w.astype(np.float64) for w in dense])
     for v, val in zip(ref.decoder[0].weights, pruned0):
         v.assign(val.astype(np.float64))
-    seen = []
-    orig = ref.decoder[1].up.call
-
-    def grab(x, *a, **k):
-        seen.append(np.asarray(x))
-        return orig(x, *a, **k)
-
-    object.__setattr__(ref.decoder[1].up, "call", grab)
-    for b in (CALIB[:8], CALIB[8:]):
-        h = ref.decoder[0](ref.embed(b))
-        ref.decoder[1](tf.cast(tf.cast(h, "float32"), "float64"))
-    object.__delattr__(ref.decoder[1].up, "call")
+    with _grabbing(ref.decoder[1].up) as seen:
+        for b in (CALIB[:8], CALIB[8:]):
+            h = ref.decoder[0](ref.embed(b))
+            ref.decoder[1](tf.cast(tf.cast(h, "float32"), "float64"))
     assert all(x.dtype == np.float64 for x in seen)
     acc = os1.GramAccumulator(WIDTH)
     for x in seen:
@@ -215,19 +216,8 @@ def test_forward_dtype_float64_runs_the_block_on_slices_of_the_batch(monkeypatch
     SparseGPTPruner(whole, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
     m = lm()
     monkeypatch.setattr(tfo, "FLOAT64_PASS_TOKENS", 24)
-    seen = []
-    up = m.decoder[1].up
-    orig = up.call
-
-    def grab(x, *a, **k):
-        seen.append(np.asarray(x))
-        return orig(x, *a, **k)
-
-    object.__setattr__(up, "call", grab)
-    try:
+    with _grabbing(m.decoder[1].up) as seen:
         SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
-    finally:
-        object.__delattr__(up, "call")
     observed = [x for x in seen if x.dtype == np.float64]
     assert [x.shape[0] for x in observed] == [2] * 8  # 16 sequences, 2 per float64 call
     for a, b in zip(whole.weights, m.weights):
