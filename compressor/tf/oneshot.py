@@ -446,17 +446,21 @@ class KerasOneShotBackend:
         left +63 MiB there on the issue-25 Llama (slices of 2 sequences: see examples/RESULTS.md)."""
         if not wide:
             return _hidden_of(inp.call(block), block)
+        dtype = inp.hidden.dtype
+        outs = self._by_slices(inp, FLOAT64_PASS_TOKENS, lambda part: tf.cast(
+            _hidden_of(block(*_float64_of(part.args), **_float64_of(part.kwargs)), block), dtype))
+        return outs[0] if len(outs) == 1 else tf.concat(outs, axis=0)
+
+    def _by_slices(self, inp: BlockInput, tokens: int, fn: Callable[[BlockInput], Any]) -> list[Any]:
+        """``fn`` on ``inp`` cut by sequences into slices of at most ``tokens`` tokens (``inp`` itself when it fits;
+        at least one sequence a slice), the outputs in order."""
         h = inp.hidden
         rows = self.batch_rows(inp)
         per_row = int(np.prod(h.shape[1:-1])) if len(h.shape) > 2 else 1
-        step = max(1, FLOAT64_PASS_TOKENS // max(per_row, 1))
-        outs = []
-        for i in range(0, rows, step):
-            part = inp if step >= rows else self.take_rows(inp, list(range(i, min(i + step, rows))))
-            out = _hidden_of(block(*_float64_of(part.args), **_float64_of(part.kwargs)), block)
-            outs.append(tf.cast(out, h.dtype))
-            del part, out
-        return outs[0] if len(outs) == 1 else tf.concat(outs, axis=0)
+        step = max(1, tokens // max(per_row, 1))
+        if step >= rows:
+            return [fn(inp)]
+        return [fn(self.take_rows(inp, list(range(i, min(i + step, rows))))) for i in range(0, rows, step)]
 
     def shared_inputs(self, block: Any, inputs: list[BlockInput], tasks: list[LayerTask]) -> dict[str, str]:
         """``{layer: earlier layer}`` for the block's layers called with the very same input tensor as an earlier
@@ -504,18 +508,8 @@ class KerasOneShotBackend:
         """``fn(inp.args, inp.kwargs)`` over slices of the batch of at most :data:`SEARCH_PASS_TOKENS` tokens, the
         outputs concatenated: AWQ's search runs a module 20 times per group and TensorFlow's CPU pool keeps the
         largest call's transients (attention scores of 8 sequences of 256 tokens: +33-41 MiB a block)."""
-        h = inp.hidden
-        rows = self.batch_rows(inp)
-        per_row = int(np.prod(h.shape[1:-1])) if len(h.shape) > 2 else 1
-        step = max(1, SEARCH_PASS_TOKENS // max(per_row, 1))
-        if step >= rows:
-            return fn(inp.args, inp.kwargs)
-        outs = []
-        for i in range(0, rows, step):
-            part = self.take_rows(inp, list(range(i, min(i + step, rows))))
-            outs.append(np.asarray(fn(part.args, part.kwargs)))
-            del part
-        return np.concatenate(outs, axis=0)
+        outs = self._by_slices(inp, SEARCH_PASS_TOKENS, lambda part: np.asarray(fn(part.args, part.kwargs)))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
 
     # -- AWQ: the parent layer of a group of layers
     def awq_parent(self, block: Any, tasks: list[LayerTask]) -> Any:

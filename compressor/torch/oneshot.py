@@ -571,15 +571,21 @@ class TorchOneShotBackend:
         return out
 
     def _caller(self, block: nn.Module) -> Callable[[_Input], Any]:
-        """``inp -> block(*inp.args, **inp.kwargs)``; with :attr:`float64` the block runs on float64 copies of its
-        floating parameters and buffers (``torch.func.functional_call``: the module's own tensors are not
-        touched, its hooks still fire) and of the call's floating tensors."""
+        """``inp ->`` the block's hidden-state output on ``inp``; with :attr:`float64` the block runs on float64
+        copies of its floating parameters and buffers (``torch.func.functional_call``: the module's own tensors
+        are not touched, its hooks still fire) and of the call's floating tensors, and the output comes back in
+        the hidden state's dtype (the activations stay in the model's dtype between blocks)."""
         if not self.float64:
-            return lambda inp: block(*inp.args, **inp.kwargs)
+            return lambda inp: _hidden_of(block(*inp.args, **inp.kwargs))
         seen: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
         wide = {n: seen.setdefault(id(t), t.to(torch.float64) if t.is_floating_point() else t)
                 for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
-        return lambda inp: torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs))
+
+        def call(inp: _Input) -> Any:
+            out = _hidden_of(torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs)))
+            h = inp.hidden()
+            return out.to(h.dtype) if torch.is_tensor(h) else out
+        return call
 
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
@@ -592,8 +598,7 @@ class TorchOneShotBackend:
                 state["keep"] = inp.keep
                 out = call(inp)
                 if observe is None:
-                    h = inp.hidden()
-                    outs.append(inp.with_hidden(_hidden_of(out).to(h.dtype) if torch.is_tensor(h) else _hidden_of(out)))
+                    outs.append(inp.with_hidden(out))
         finally:
             for h in handles:
                 h.remove()
@@ -614,9 +619,7 @@ class TorchOneShotBackend:
         for i in range(len(inputs)):
             inp = inputs[i]
             h = inp.hidden()
-            out = _hidden_of(call(inp))
-            if self.float64 and torch.is_tensor(h) and out.dtype != h.dtype:
-                out = out.to(h.dtype)
+            out = call(inp)
             if (out is not h and out.shape == h.shape and out.dtype == h.dtype and out.device == h.device
                     and not h.requires_grad):
                 try:
