@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from ..core.sequential import (
 )
 from .layout import canonical_shape, from_canonical, in_out_features, to_canonical
 from .modules import innermost_module
+from .pruning.wrapper import PrunerModuleWrapper
 
 __all__ = ["ONESHOT_DEFAULT_TYPES", "calibration_batches", "forward_inputs", "find_blocks", "TorchOneShotBackend",
            "OneShotMixin", "OneShotReport"]
@@ -498,12 +500,16 @@ class TorchOneShotBackend:
             handle.remove()
         return store
 
-    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any]) -> list[Any]:
-        handles = []
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any]
+                   ) -> tuple[list[Any], Callable[[], None]]:
+        """Pre-hooks that hand each observed layer's input rows to ``observe[name]``, and a ``reset()`` to call after
+        each call of the block: it drops the references to that call's tensors (each call then starts on the same
+        heap: kept into the next call, they made the allocator place that call's buffers elsewhere)."""
+        handles: list[Any] = []
         if not observe:
-            return handles
+            return handles, lambda: None
         last: list[Any] = [None, -1, None]  # (tensor, version, its rows): q / k / v read one hidden state
-        fed: dict[str, Any] = {}  # layer -> the input it got last
+        fed: dict[str, Any] = {}  # layer -> a weak reference to the input it got last (not kept alive by this)
         shared = self._shared
 
         def rows(t: torch.Tensor) -> np.ndarray:
@@ -524,18 +530,23 @@ class TorchOneShotBackend:
             lead = shared.get(w.name)
             if fn is not None:
                 def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn, name: str = w.name) -> None:
-                    fed[name] = args[0]
+                    fed[name] = weakref.ref(args[0])
                     fn(rows(args[0]))
             elif lead is not None and lead in observe:
                 def pre(module: nn.Module, args: tuple, lead: str = lead, name: str = w.name) -> None:
-                    if fed.get(lead) is not args[0]:
+                    got = fed.get(lead)
+                    if got is None or got() is not args[0]:
                         raise ModelError(f"{self.what}.calibrate: layer {name!r} read the same input as {lead!r} on "
                                          f"the first calibration batch but not on a later one (data-dependent "
                                          f"control flow?); their statistics cannot be shared")
             else:
                 continue
             handles.append(w.register_forward_pre_hook(pre))
-        return handles
+
+        def reset() -> None:
+            last[:] = [None, -1, None]
+            fed.clear()
+        return handles, reset
 
     def shared_inputs(self, block: nn.Module, inputs: list[_Input], tasks: list[LayerTask]) -> dict[str, str]:
         """``{layer: earlier layer}`` for the block's layers that read the very same tensor as an earlier one on
@@ -570,19 +581,80 @@ class TorchOneShotBackend:
         self._shared = out
         return out
 
+    def _float64_units(self, block: nn.Module) -> list[nn.Module]:
+        """The modules of ``block`` whose tensors :meth:`_caller` widens to float64 only while they run: each of
+        this compressor's wrappers in the block, or the outermost wrapper around it (a layer wrapped twice, e.g.
+        pruned then quantized: the outer wrapper's forward reads the inner layer's weight itself), i.e. the
+        chain of modules that each hold the next as ``.module``."""
+        parent: dict[int, nn.Module] = {}
+        for m in block.modules():
+            for c in m.children():
+                parent.setdefault(id(c), m)
+        units: dict[int, nn.Module] = {}
+        inside = {id(m) for m in block.modules()}
+        for w in self.wrappers:
+            if id(w) not in inside or w is block:
+                continue
+            u = w
+            while (p := parent.get(id(u))) is not None and p is not block and getattr(p, "module", None) is u:
+                u = p
+            units.setdefault(id(u), u)
+        return list(units.values())
+
     def _caller(self, block: nn.Module) -> Callable[[_Input], Any]:
-        """``inp ->`` the block's hidden-state output on ``inp``; with :attr:`float64` the block runs on float64
-        copies of its floating parameters and buffers (``torch.func.functional_call``: the module's own tensors
-        are not touched, its hooks still fire) and of the call's floating tensors, and the output comes back in
-        the hidden state's dtype (the activations stay in the model's dtype between blocks)."""
+        """``inp ->`` the block's hidden-state output on ``inp``; with :attr:`float64` the block runs in float64
+        on float64 copies of its floating parameters and buffers and of the call's floating tensors (the
+        module's own tensors are not touched, its hooks still fire), and the output comes back in the hidden
+        state's dtype (the activations stay in the model's dtype between blocks). The copies of the tensors
+        outside the wrapped layers (norms, layers not selected) are made once and swapped in with
+        ``torch.func.functional_call``; each wrapped layer's tensors are copied when it is called and dropped
+        when it returns: one layer's float64 weight alive at a time, not the block's (half the float64 pass's
+        extra memory on the issue-25 Llama: examples/RESULTS.md)."""
         if not self.float64:
             return lambda inp: _hidden_of(block(*inp.args, **inp.kwargs))
+        units = self._float64_units(block)
+        named = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+        in_units = {id(t) for u in units for t in [*u.parameters(), *u.buffers()]}
+        unit_names = {f"{n}." for n, m in block.named_modules(remove_duplicate=False) if any(m is u for u in units)}
+        outside = {id(t) for n, t in named if not any(n.startswith(p) for p in unit_names)}
         seen: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
         wide = {n: seen.setdefault(id(t), t.to(torch.float64) if t.is_floating_point() else t)
-                for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
+                for n, t in named if id(t) not in in_units or id(t) in outside}
+        swapped: list[tuple[list[tuple[dict[str, Any], str, torch.Tensor]], list[tuple[nn.Module, Any]]]] = []
+
+        def widen(module: nn.Module, args: Any) -> None:
+            own = []
+            for m in module.modules():
+                for d in (m._parameters, m._buffers):
+                    for n, t in d.items():
+                        if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+                            own.append((d, n, t))
+            # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
+            # them (else it would mask the copies again on every call) and gets its own mark back after
+            masked = [m for m in module.modules() if isinstance(m, PrunerModuleWrapper) and not m.is_stale()]
+            marks = [(m, m.__dict__.get("_seen")) for m in masked]
+            for d, n, t in own:
+                d[n] = t.to(torch.float64)
+            for m in masked:
+                m._mark_masked()
+            swapped.append((own, marks))
+
+        def narrow(module: nn.Module, args: Any, out: Any) -> None:
+            own, marks = swapped.pop()
+            for d, n, t in own:
+                d[n] = t
+            for m, mark in marks:
+                object.__setattr__(m, "_seen", mark)
 
         def call(inp: _Input) -> Any:
-            out = _hidden_of(torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs)))
+            handles = [h for u in units for h in (u.register_forward_pre_hook(widen), u.register_forward_hook(narrow))]
+            try:
+                out = _hidden_of(torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs)))
+            finally:
+                for h in handles:
+                    h.remove()
+                while swapped:  # a layer that raised: its own tensors back
+                    narrow(block, None, None)
             h = inp.hidden()
             return out.to(h.dtype) if torch.is_tensor(h) else out
         return call
@@ -590,15 +662,17 @@ class TorchOneShotBackend:
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
         state: dict[str, Any] = {}
-        handles = self._observing(observe, lambda: state.get("keep"))
+        handles, reset = self._observing(observe, lambda: state.get("keep"))
         outs: list[_Input] = []
         call = self._caller(block)
         try:
             for inp in inputs:
                 state["keep"] = inp.keep
                 out = call(inp)
+                reset()
                 if observe is None:
                     outs.append(inp.with_hidden(out))
+                del out
         finally:
             for h in handles:
                 h.remove()
@@ -632,11 +706,12 @@ class TorchOneShotBackend:
 
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:
         state: dict[str, Any] = {}
-        handles = self._observing(observe, lambda: state.get("keep"))
+        handles, reset = self._observing(observe, lambda: state.get("keep"))
         try:
             for i, (args, kwargs) in enumerate(batches):
                 state["keep"] = _keep_mask(kwargs)
                 self._call_model(i, args, kwargs)
+                reset()
         finally:
             for h in handles:
                 h.remove()

@@ -353,6 +353,36 @@ def test_forward_dtype_float64_records_float64_inputs_of_the_compressed_blocks_a
     assert not torch.equal(model.model.layers[1].mlp.down_proj.weight, same.model.layers[1].mlp.down_proj.weight)
 
 
+@pytest.mark.parametrize("cls, cfg", [(SparseGPTPruner, {"sparsity": 0.5}),
+                                      (GptqQuantizer, {"quant_bits": 4, "group_size": 16})])
+def test_float64_pass_widens_one_wrapped_layer_at_a_time(cls, cfg):
+    """The float64 passes copy a wrapped layer's tensors to float64 only while that layer runs: when a layer of
+    block 1 returns, its own weight is float64 and every other wrapped layer's still float32 (the pruner's layer
+    runs its own forward, the quantizer's wrapper computes with the weight itself: both covered); the probe run
+    that finds shared inputs is float32 throughout."""
+    from compressor.torch.modules import innermost_module
+
+    model = build("llama")
+    p = make(cls, model, cfg)
+    block = model.model.layers[1]
+    wrapped = {n: m for n, m in block.named_modules() if any(m is w for w in p.get_modules_wrapper())}
+    assert sorted(wrapped) == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
+                               "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    seen: dict[str, set[tuple[str, ...]]] = {n: set() for n in wrapped}
+
+    def record(name):
+        def hook(module, args, out):
+            seen[name].add(tuple(sorted(n for n, w in wrapped.items()
+                                        if innermost_module(w)._parameters["weight"].dtype == torch.float64)))
+        return hook
+    handles = [w.register_forward_hook(record(n)) for n, w in wrapped.items()]
+    p.calibrate(batches(2), progress=False)  # 'auto': float64 on CPU
+    for h in handles:
+        h.remove()
+    assert seen == {n: {(), (n,)} for n in wrapped}
+    assert all(t.dtype == torch.float32 for t in model.parameters())
+
+
 def test_forward_dtype_bad_value_is_a_config_error_before_the_model_changes():
     model = build("llama")
     p = make(SparseGPTPruner, model, {"sparsity": 0.5})
