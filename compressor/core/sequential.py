@@ -25,7 +25,7 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -441,10 +441,10 @@ class AwqMethod(OneShotMethod):
 
     def search_group(self, tasks: list[LayerTask], weights: list[tuple[np.ndarray, np.ndarray | None]],
                      stats: os1.GramAccumulator, block_loss: Callable[[dict[str, np.ndarray]], float]
-                     ) -> list[LayerResult]:
+                     ) -> Iterator[LayerResult]:
         """One ``alpha`` for ``tasks`` (layers that read one input, statistics ``stats``): ``block_loss({layer:
         candidate effective weight})`` is the block's output error with those weights. Returns one result per
-        task (the group's ``alpha`` and loss in ``info``)."""
+        task (the group's ``alpha`` and loss in ``info``), computed as the iterator is consumed."""
         c = tasks[0].config
         specs = [quant_spec_of(t.config, "AwqQuantizer") for t in tasks]
         ws = [w if m is None else np.where(m, w, 0.0) for w, m in weights]
@@ -461,8 +461,9 @@ class AwqMethod(OneShotMethod):
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
         info = {**self.info(found), "group": tasks[0].name}
-        return [self.result(t, w, m, found.scales, spec, dict(info), stats.gram)
-                for t, w, (_, m), spec in zip(tasks, ws, weights, specs)]
+        # one at a time, as they are written (a group's results side by side: several weight-sized arrays each)
+        return (self.result(t, w, m, found.scales, spec, dict(info), stats.gram)
+                for t, w, (_, m), spec in zip(tasks, ws, weights, specs))
 
 
 class OneShotReport(list):
@@ -788,6 +789,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             row = _row(t, method, r, name)
             backend.write(t, r)
             rows.append(row)
+            del r  # before the next result is computed
         compressed(group)
         release_freed_heap()
 

@@ -189,6 +189,53 @@ def test_channel_sums_over_row_chunks_equal_the_whole_batch_sums_bit_for_bit(gra
     assert np.array_equal(acc.abs_sum, before[0]) and np.array_equal(acc.sq_sum, before[1]) and acc.count == before[2]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gram_in_column_blocks_is_exactly_symmetric_and_the_product_of_the_rows(monkeypatch, dtype):
+    """The Gram products run in column blocks (GRAM_COLS: no second [in, in] temporary), the upper part and its
+    mirror from one product: the result is exactly symmetric and the rows' product to rounding whatever the
+    block width (both backends run this same code, so their Grams agree bit for bit either way)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 21)).astype(dtype)
+    if dtype == np.float64:
+        x = x + 1e-9  # not float32 values: the float64 product
+    whole = O.GramAccumulator(21)
+    whole.add(x)  # 21 < GRAM_COLS: one block
+    monkeypatch.setattr(O, "GRAM_COLS", 4)  # six blocks, the last one 1 column wide
+    blocks = O.GramAccumulator(21)
+    blocks.add(x[:15])
+    blocks.add(x[15:])
+    x64 = x.astype(np.float64)
+    expected = x64.T @ x64
+    assert np.array_equal(blocks.gram, blocks.gram.T)
+    tol = (1e-5 if dtype == np.float32 else 1e-12) * np.abs(expected).max()  # float32 products: float32 rounding
+    np.testing.assert_allclose(blocks.gram, expected, rtol=0, atol=tol)
+    np.testing.assert_allclose(whole.gram, expected, rtol=0, atol=tol)
+    assert np.array_equal(whole.gram, whole.gram.T)
+
+
+def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight_bit_for_bit(monkeypatch):
+    """RTN, AWQ's scaled quantization and its clipping search handle rows in chunks of ROW_CHUNK_VALUES values
+    (their temporaries: a few chunks, not a few weight copies); each row is its own, so chunking changes no bit."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((13, 40)) * rng.uniform(0.1, 3.0, (13, 1))
+    x = rng.standard_normal((64, 40))
+    gram, s = x.T @ x, rng.uniform(0.5, 2.0, 40)
+    spec = O.QuantSpec(bits=4, group_size=16, symmetric=False)
+    whole = (O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec))
+    whole_awq = O.awq_quantize(w, s, spec, whole[1])
+    monkeypatch.setattr(O, "ROW_CHUNK_VALUES", 3 * 40 + 1)  # chunks of 3 rows, the last one 1 row
+    assert [(c.start, c.stop) for c in O._row_chunks(13, 40)] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
+    rtn, clip = O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec)
+    awq = O.awq_quantize(w, s, spec, clip)
+    for f in ("codes", "scale", "zero_point", "dequantized"):
+        np.testing.assert_array_equal(getattr(rtn, f), getattr(whole[0], f))
+        np.testing.assert_array_equal(getattr(awq.quantized, f), getattr(whole_awq.quantized, f))
+    assert rtn.codes.dtype == np.int32
+    np.testing.assert_array_equal(clip, whole[1])
+    np.testing.assert_array_equal(awq.effective, whole_awq.effective)
+    assert np.all(clip <= np.maximum.reduceat(np.abs(w * s), np.arange(0, 40, 16), axis=1))  # limits cut, not raise
+
+
 def test_gram_accumulator_refuses_bad_batches_and_empty():
     acc = O.GramAccumulator(3)
     with pytest.raises(ValueError, match="input dimension 3"):
