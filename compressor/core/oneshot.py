@@ -56,7 +56,7 @@ __all__ = [
     "wanda_scores", "wanda_mask",
     "SparseGPTResult", "sparsegpt_prune",
     "QuantSpec", "QuantizedWeight", "rtn_quantize", "gptq_quantize",
-    "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "AwqSearch", "awq_search",
+    "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "awq_effective", "AwqSearch", "awq_search",
     "awq_linear_loss", "layer_output_error", "awq_clip_ratios", "awq_clip_search", "AWQ_CLIP_GRID",
     "AWQ_CLIP_MAX_SHRINK",
 ]
@@ -81,8 +81,10 @@ GRAM_COLS = 256
 
 
 # ------------------------------------------------------------------------------------------- validation
-def _weight(weight: Any, what: str = "weight") -> np.ndarray:
-    w = np.array(weight, dtype=np.float64, copy=True)
+def _weight(weight: Any, what: str = "weight", copy: bool = True) -> np.ndarray:
+    """``weight`` as a checked float64 ``[out, in]`` array: a copy, or with ``copy=False`` the array itself where it
+    already is float64 (for callers that only read it)."""
+    w = np.array(weight, dtype=np.float64, copy=True) if copy else np.asarray(weight, dtype=np.float64)
     if w.ndim != 2 or 0 in w.shape:
         raise ValueError(f"{what} must be a non-empty 2-D array in the [out, in] layout, got shape {w.shape}")
     if not np.all(np.isfinite(w)):
@@ -643,33 +645,45 @@ def _row_chunks(n_rows: int, n_cols: int) -> Iterator[slice]:
         yield slice(r0, min(r0 + step, n_rows))
 
 
+def _rtn_rows(weight: np.ndarray, spec: QuantSpec, scaled_by: np.ndarray | None, clip: np.ndarray | None
+              ) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Round to nearest of ``clip(W * scaled_by, -clip, clip)`` (both optional) chunk of rows by chunk of rows
+    (:func:`_row_chunks`): ``(rows, codes, dequantized, scale, zero point)`` of each chunk."""
+    n_out, n_in = weight.shape
+    gs = spec.group_width(n_in)
+    starts = _group_starts(n_in, gs)
+    qmin, qmax = spec.qrange
+    gidx = np.arange(n_in) // gs
+    s = None if scaled_by is None else scaled_by[None, :]
+    for rows in _row_chunks(n_out, n_in):
+        wc = weight[rows] if s is None else weight[rows] * s
+        if clip is not None:
+            lim = clip[rows][:, gidx]
+            wc = np.clip(wc, -lim, lim, out=wc if s is not None else None)
+            del lim
+        sc, z = spec.params_from_range(np.minimum.reduceat(wc, starts, axis=1), np.maximum.reduceat(wc, starts, axis=1),
+                                       qmin, qmax)
+        c, d = spec.quantize(wc, sc[:, gidx], z[:, gidx])
+        yield rows, c, d, sc, z
+
+
 def rtn_quantize(weight: Any, spec: QuantSpec, *, scaled_by: Any = None, clip: Any = None) -> QuantizedWeight:
     """Round to nearest (the baseline of GPTQ and AWQ): per group of ``spec.group_size`` input columns of
     each row, scale / zero point from the group's min and max, then ``round`` (half to even) and clip.
     GPTQ with ``H = I`` gives exactly this. ``scaled_by`` (``[in]``) / ``clip`` (``[out, n_groups]``
     limits): quantize ``clip(W * scaled_by, -clip, clip)`` instead (AWQ, :func:`awq_quantize`); rows are
     handled in chunks (:func:`_row_chunks`), each row on its own."""
-    w = _weight(weight)
+    w = _weight(weight, copy=False)
     n_out, n_in = w.shape
     gs = spec.group_width(n_in)
-    starts = _group_starts(n_in, gs)
-    qmin, qmax = spec.qrange
-    gidx = np.arange(n_in) // gs
-    s = None if scaled_by is None else np.asarray(scaled_by, dtype=np.float64)[None, :]
-    lim_all = None if clip is None else np.asarray(clip, dtype=np.float64)
+    n_groups = len(_group_starts(n_in, gs))
     codes = np.empty((n_out, n_in), dtype=np.int32)
     deq = np.empty((n_out, n_in))
-    scale = np.empty((n_out, len(starts)))
-    zp = np.empty((n_out, len(starts)))
-    for rows in _row_chunks(n_out, n_in):
-        wc = w[rows] if s is None else w[rows] * s
-        if lim_all is not None:
-            lim = lim_all[rows][:, gidx]
-            wc = np.clip(wc, -lim, lim, out=wc if wc.base is None else None)
-            del lim
-        sc, z = spec.params_from_range(np.minimum.reduceat(wc, starts, axis=1), np.maximum.reduceat(wc, starts, axis=1),
-                                       qmin, qmax)
-        c, d = spec.quantize(wc, sc[:, gidx], z[:, gidx])
+    scale = np.empty((n_out, n_groups))
+    zp = np.empty((n_out, n_groups))
+    s = None if scaled_by is None else np.asarray(scaled_by, dtype=np.float64)
+    lim = None if clip is None else np.asarray(clip, dtype=np.float64)
+    for rows, c, d, sc, z in _rtn_rows(w, spec, s, lim):
         codes[rows], deq[rows], scale[rows], zp[rows] = c, d, sc, z
     return QuantizedWeight(codes=codes, scale=scale, zero_point=zp, group_size=gs, spec=spec, dequantized=deq)
 
@@ -775,13 +789,29 @@ def awq_candidates(n_grid: int = AWQ_N_GRID, duo_scaling: bool | str = True) -> 
 
 def awq_weight_mean(weight: Any, group_size: int | None = None) -> np.ndarray:
     """AutoAWQ's weight statistic for ``duo`` scaling: ``|W|`` normalised by each group's max ``|W|`` (per
-    row, groups of ``group_size`` input columns), then averaged over the output rows: ``[in]``."""
-    w = np.abs(_weight(weight))
-    n_in = w.shape[1]
+    row, groups of ``group_size`` input columns), then averaged over the output rows: ``[in]``. ``weight``
+    may be a list of weights with the same inputs (q / k / v): the mean over all their rows, as of their
+    concatenation (row chunks summed in row order: the same bits, without the concatenated copy)."""
+    several = isinstance(weight, (list, tuple)) and bool(weight) and all(np.ndim(w) == 2 for w in weight)
+    parts = [_weight(w, copy=False) for w in weight] if several else [_weight(weight, copy=False)]
+    n_in = parts[0].shape[1]
+    if any(p.shape[1] != n_in for p in parts):
+        raise ValueError(f"weights must share their input dimension, got shapes {[p.shape for p in parts]}")
     gs = n_in if group_size is None or group_size == -1 or group_size >= n_in else int(group_size)
     starts = _group_starts(n_in, gs)
-    gmax = np.maximum.reduceat(w, starts, axis=1)[:, np.arange(n_in) // gs]
-    return (w / np.where(gmax > 0, gmax, 1.0)).mean(axis=0)
+    gidx = np.arange(n_in) // gs
+    total, n_rows = None, 0
+    for w in parts:
+        for rows in _row_chunks(*w.shape):
+            a = np.abs(w[rows])
+            gmax = np.maximum.reduceat(a, starts, axis=1)[:, gidx]
+            a /= np.where(gmax > 0, gmax, 1.0)
+            del gmax
+            if total is not None:
+                a[0] += total  # numpy sums axis 0 row after row: carrying the sum keeps the whole-array bits
+            total = a.sum(axis=0)
+            n_rows += a.shape[0]
+    return total / n_rows
 
 
 def awq_scales(x_abs_mean: Any, alpha: float, w_mean: Any = None) -> np.ndarray:
@@ -817,7 +847,7 @@ def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None) ->
     """AWQ's scaled round to nearest: ``Q(W * s) / s`` with ``Q`` = :func:`rtn_quantize` (salient input
     channels, large ``s``, lose less to rounding). ``clip``: ``[out, n_groups]`` limits (from
     :func:`awq_clip_search`): ``W * s`` is clamped to ``[-limit, limit]`` per group before rounding."""
-    w = _weight(weight)
+    w = _weight(weight, copy=False)
     s = np.asarray(scales, dtype=np.float64)
     if s.shape != (w.shape[1],) or not np.all(np.isfinite(s)) or np.any(s <= 0):
         raise ValueError(f"scales must be {w.shape[1]} finite positive values (one per input column)")
@@ -826,6 +856,19 @@ def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None) ->
     for rows in _row_chunks(*eff.shape):
         np.divide(qw.dequantized[rows], s[None, :], out=eff[rows])
     return AwqWeight(quantized=qw, scales=s, effective=eff)
+
+
+def awq_effective(weight: Any, scales: Any, spec: QuantSpec) -> np.ndarray:
+    """``awq_quantize(weight, scales, spec).effective`` (``Q(W s) / s``) alone, row chunk by row chunk: what the
+    AWQ search scores for each candidate, without the codes / dequantized copies of the weight."""
+    w = _weight(weight, copy=False)
+    s = np.asarray(scales, dtype=np.float64)
+    if s.shape != (w.shape[1],) or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"scales must be {w.shape[1]} finite positive values (one per input column)")
+    eff = np.empty(w.shape)
+    for rows, _, d, _, _ in _rtn_rows(w, spec, s, None):
+        np.divide(d, s[None, :], out=eff[rows])
+    return eff
 
 
 def awq_clip_ratios(n_grid: int = AWQ_CLIP_GRID, max_shrink: float = AWQ_CLIP_MAX_SHRINK) -> np.ndarray:
@@ -841,7 +884,7 @@ def awq_clip_search(weight: Any, gram: Any, scales: Any, spec: QuantSpec, ratios
     weights minus their clipped, quantized values and ``H' = diag(1/s) H diag(1/s)`` the Gram matrix of the
     scaled input ``X / s`` (the error over EVERY calibration token, exactly; AutoAWQ estimates it on 512 sampled
     tokens). Ties keep the larger limit. Returns the ``[out, n_groups]`` limits for :func:`awq_quantize`."""
-    w = _weight(weight)
+    w = _weight(weight, copy=False)
     s = np.asarray(scales, dtype=np.float64)
     n_out, n_in = w.shape
     h = np.asarray(gram, dtype=np.float64)

@@ -405,7 +405,7 @@ class AwqMethod(OneShotMethod):
         w_mean = os1.awq_weight_mean(w, spec.group_size) if duo is not False else None
 
         def loss(s: np.ndarray) -> float:
-            d = w - os1.awq_quantize(w, s, spec).effective
+            d = w - os1.awq_effective(w, s, spec)
             return float(np.sum((d @ h) * d))
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
@@ -449,13 +449,13 @@ class AwqMethod(OneShotMethod):
         specs = [quant_spec_of(t.config, "AwqQuantizer") for t in tasks]
         ws = [w if m is None else np.where(m, w, 0.0) for w, m in weights]
         duo = c.get("duo_scaling", True)
-        w_mean = (os1.awq_weight_mean(np.concatenate(ws, axis=0), specs[0].group_size)
+        w_mean = (os1.awq_weight_mean(ws, specs[0].group_size)
                   if duo is not False else None)
 
         def loss(s: np.ndarray) -> float:
             cand = {}
             for t, w, (_, m), spec in zip(tasks, ws, weights, specs):
-                eff = os1.awq_quantize(w, s, spec).effective
+                eff = os1.awq_effective(w, s, spec)
                 cand[t.name] = eff if m is None else np.where(m, eff, 0.0)
             return block_loss(cand)
 

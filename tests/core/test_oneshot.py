@@ -214,7 +214,7 @@ def test_gram_in_column_blocks_is_exactly_symmetric_and_the_product_of_the_rows(
 
 
 def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight_bit_for_bit(monkeypatch):
-    """RTN, AWQ's scaled quantization and its clipping search handle rows in chunks of ROW_CHUNK_VALUES values
+    """RTN, AWQ's scaled quantization, its weight mean and its clipping search handle rows in chunks of ROW_CHUNK_VALUES values
     (their temporaries: a few chunks, not a few weight copies); each row is its own, so chunking changes no bit."""
     rng = np.random.default_rng(6)
     w = rng.standard_normal((13, 40)) * rng.uniform(0.1, 3.0, (13, 1))
@@ -223,6 +223,9 @@ def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight
     spec = O.QuantSpec(bits=4, group_size=16, symmetric=False)
     whole = (O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec))
     whole_awq = O.awq_quantize(w, s, spec, whole[1])
+    w2 = rng.standard_normal((5, 40))
+    whole_mean = O.awq_weight_mean(np.concatenate([w, w2]), 16)
+    w_before = w.copy()
     monkeypatch.setattr(O, "ROW_CHUNK_VALUES", 3 * 40 + 1)  # chunks of 3 rows, the last one 1 row
     assert [(c.start, c.stop) for c in O._row_chunks(13, 40)] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
     rtn, clip = O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec)
@@ -233,6 +236,11 @@ def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight
     assert rtn.codes.dtype == np.int32
     np.testing.assert_array_equal(clip, whole[1])
     np.testing.assert_array_equal(awq.effective, whole_awq.effective)
+    np.testing.assert_array_equal(O.awq_effective(w, s, spec), O.awq_quantize(w, s, spec).effective)
+    # the duo-scaling weight mean of two weights read as one (q / k / v): their concatenation's, no copy of it
+    np.testing.assert_array_equal(O.awq_weight_mean([w, w2], 16), whole_mean)
+    assert whole_mean.shape == (40,) and np.all((whole_mean > 0) & (whole_mean <= 1))
+    np.testing.assert_array_equal(w, w_before)  # read in place (no copy), never written
     assert np.all(clip <= np.maximum.reduceat(np.abs(w * s), np.arange(0, 40, 16), axis=1))  # limits cut, not raise
 
 
