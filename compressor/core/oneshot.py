@@ -83,8 +83,14 @@ GRAM_COLS = 256
 # ------------------------------------------------------------------------------------------- validation
 def _weight(weight: Any, what: str = "weight", copy: bool = True) -> np.ndarray:
     """``weight`` as a checked float64 ``[out, in]`` array: a copy, or with ``copy=False`` the array itself where it
-    already is float64 (for callers that only read it)."""
-    w = np.array(weight, dtype=np.float64, copy=True) if copy else np.asarray(weight, dtype=np.float64)
+    is float32 or float64 (for callers that only read it, a chunk of rows at a time, widened to float64 there:
+    :func:`_rows64`)."""
+    if copy:
+        w = np.array(weight, dtype=np.float64, copy=True)
+    else:
+        w = np.asarray(weight)
+        if w.dtype not in (np.float32, np.float64):
+            w = np.asarray(w, dtype=np.float64)
     if w.ndim != 2 or 0 in w.shape:
         raise ValueError(f"{what} must be a non-empty 2-D array in the [out, in] layout, got shape {w.shape}")
     if not np.all(np.isfinite(w)):
@@ -636,6 +642,11 @@ def _group_starts(n_in: int, gs: int) -> np.ndarray:
     return np.arange(0, n_in, gs)
 
 
+def _rows64(w: np.ndarray, rows: slice) -> np.ndarray:
+    """Rows ``rows`` of ``w`` (float32 or float64) as float64 (a view where ``w`` is float64)."""
+    return np.asarray(w[rows], dtype=np.float64)
+
+
 def _row_chunks(n_rows: int, n_cols: int) -> Iterator[slice]:
     """Slices of at most :data:`ROW_CHUNK_VALUES` values (whole rows, at least one) covering ``n_rows`` rows:
     the row-independent weight computations (round to nearest, AWQ's scaling and clipping) run per chunk, so
@@ -656,10 +667,10 @@ def _rtn_rows(weight: np.ndarray, spec: QuantSpec, scaled_by: np.ndarray | None,
     gidx = np.arange(n_in) // gs
     s = None if scaled_by is None else scaled_by[None, :]
     for rows in _row_chunks(n_out, n_in):
-        wc = weight[rows] if s is None else weight[rows] * s
+        wc = _rows64(weight, rows) if s is None else _rows64(weight, rows) * s
         if clip is not None:
             lim = clip[rows][:, gidx]
-            wc = np.clip(wc, -lim, lim, out=wc if s is not None else None)
+            wc = np.clip(wc, -lim, lim, out=wc if wc.base is None else None)
             del lim
         sc, z = spec.params_from_range(np.minimum.reduceat(wc, starts, axis=1), np.maximum.reduceat(wc, starts, axis=1),
                                        qmin, qmax)
@@ -803,7 +814,7 @@ def awq_weight_mean(weight: Any, group_size: int | None = None) -> np.ndarray:
     total, n_rows = None, 0
     for w in parts:
         for rows in _row_chunks(*w.shape):
-            a = np.abs(w[rows])
+            a = np.abs(_rows64(w, rows))
             gmax = np.maximum.reduceat(a, starts, axis=1)[:, gidx]
             a /= np.where(gmax > 0, gmax, 1.0)
             del gmax
@@ -899,7 +910,7 @@ def awq_clip_search(weight: Any, gram: Any, scales: Any, spec: QuantSpec, ratios
     out = np.empty((n_out, len(starts)))
     # rows are independent (each row's groups have their own range): in chunks of rows (_row_chunks)
     for rows in _row_chunks(n_out, n_in):
-        ws = w[rows] * s[None, :]
+        ws = _rows64(w, rows) * s[None, :]
         amax = np.maximum.reduceat(np.abs(ws), starts, axis=1)
         best_lim = amax.copy()
         best_err = np.full(amax.shape, np.inf)

@@ -452,18 +452,36 @@ class AwqMethod(OneShotMethod):
         w_mean = (os1.awq_weight_mean(ws, specs[0].group_size)
                   if duo is not False else None)
 
+        def candidate(i: int, s: np.ndarray) -> np.ndarray:
+            eff = os1.awq_effective(ws[i], s, specs[i])
+            m = weights[i][1]
+            return eff if m is None else np.where(m, eff, 0.0)
+
         def loss(s: np.ndarray) -> float:
-            cand = {}
-            for t, w, (_, m), spec in zip(tasks, ws, weights, specs):
-                eff = os1.awq_effective(w, s, spec)
-                cand[t.name] = eff if m is None else np.where(m, eff, 0.0)
-            return block_loss(cand)
+            # each layer's candidate weight is computed when block_loss reads it, and not kept: one at a time
+            return block_loss(_Lazy({t.name: (lambda i=i: candidate(i, s)) for i, t in enumerate(tasks)}))
 
         found = os1.awq_search(stats.abs_mean(), loss, c.get("n_grid", os1.AWQ_N_GRID), w_mean, duo)
         info = {**self.info(found), "group": tasks[0].name}
         # one at a time, as they are written (a group's results side by side: several weight-sized arrays each)
         return (self.result(t, w, m, found.scales, spec, dict(info), stats.gram)
                 for t, w, (_, m), spec in zip(tasks, ws, weights, specs))
+
+
+class _Lazy(Mapping):
+    """A read-only mapping whose values are computed by their zero-argument functions on every read, not stored."""
+
+    def __init__(self, makers: dict[str, Callable[[], Any]]):
+        self._makers = makers
+
+    def __getitem__(self, key: str) -> Any:
+        return self._makers[key]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
 
 
 class OneShotReport(list):
@@ -755,7 +773,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
         weights = []
         for t in group:
             w, m = backend.read_weight(t)
-            weights.append((np.asarray(w, np.float64), m))
+            weights.append((_compact(w), m))  # float32 where exact: the search reads it a chunk of rows at a time
             undo.before(t)
         parent = parents[id(group)]
         if parent is None:  # the whole block's output vs the block before quantization
@@ -773,7 +791,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             ref = list(forward())
         release_freed_heap()  # the module runs' transients, interleaved with the kept references
 
-        def block_loss(cand: dict[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
+        def block_loss(cand: Mapping[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
                        ref: Any = ref) -> float:
             for t in group:
                 set_weight(t, cand[t.name])

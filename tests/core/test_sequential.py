@@ -446,3 +446,44 @@ def test_the_undo_copies_go_to_a_temporary_file_and_come_back_exactly():
     for n in before:
         np.testing.assert_array_equal(be.w[n], before[n])
     assert undo.spill.file is None and undo.saved == []
+
+
+def test_awq_group_search_scores_each_candidate_on_the_layers_effective_weights_computed_when_read():
+    """AwqMethod.search_group hands block_loss a mapping of candidate weights: each read is Q(W s) / s of that
+    layer for the candidate's scales (masked weights stay 0), computed then and not stored; the chosen alpha is
+    the grid point of the smallest loss, and the results carry those scales."""
+    rng = np.random.default_rng(7)
+    cfg = {"quant_bits": {"weight": 4}, "group_size": 8}
+    tasks = [LayerTask("q", cfg, 16), LayerTask("k", cfg, 16)]
+    wq, wk = rng.standard_normal((6, 16)), rng.standard_normal((4, 16))
+    mask = np.ones_like(wk, dtype=bool)
+    mask[:, ::2] = False
+    x = rng.standard_normal((50, 16)) * np.linspace(0.1, 3.0, 16)
+    stats = os1.GramAccumulator(16)
+    stats.add(x)
+    spec = quant_spec_of(cfg, "AwqQuantizer")
+    target = x @ np.concatenate([wq, np.where(mask, wk, 0.0)]).T
+    seen = []
+
+    def block_loss(cand):
+        assert sorted(cand) == ["k", "q"]
+        first, again = cand["q"], cand["q"]
+        assert first is not again and np.array_equal(first, again)  # computed on each read
+        seen.append((first, cand["k"]))
+        return float(np.sum((x @ np.concatenate([first, cand["k"]]).T - target) ** 2))
+
+    results = list(AwqMethod().search_group(tasks, [(wq.astype(np.float32), None), (wk, mask)], stats, block_loss))
+    grid = os1.awq_candidates(os1.AWQ_N_GRID, True)
+    w_mean = os1.awq_weight_mean(np.concatenate([wq.astype(np.float32).astype(np.float64), np.where(mask, wk, 0.0)]), 8)
+    losses = []
+    for (alpha, duo), (q, k) in zip(grid, seen, strict=True):
+        s = os1.awq_scales(stats.abs_mean(), alpha, w_mean if duo else None)
+        np.testing.assert_array_equal(q, os1.awq_quantize(wq.astype(np.float32), s, spec).effective)
+        np.testing.assert_array_equal(k, np.where(mask, os1.awq_quantize(np.where(mask, wk, 0.0), s, spec).effective, 0.0))
+        losses.append(float(np.sum((x @ np.concatenate([q, k]).T - target) ** 2)))
+    best = int(np.argmin(losses))
+    assert [r.info["alpha"] for r in results] == [grid[best][0]] * 2
+    s_best = os1.awq_scales(stats.abs_mean(), *((grid[best][0], w_mean) if grid[best][1] else (grid[best][0], None)))
+    for r in results:
+        np.testing.assert_array_equal(r.scales, s_best)
+    assert np.all(results[1].weight[~mask] == 0)
