@@ -854,14 +854,19 @@ class AwqWeight:
     effective: np.ndarray
 
 
+def _awq_scales_arg(scales: Any, n_in: int) -> np.ndarray:
+    s = np.asarray(scales, dtype=np.float64)
+    if s.shape != (n_in,) or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"scales must be {n_in} finite positive values (one per input column)")
+    return s
+
+
 def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None) -> AwqWeight:
     """AWQ's scaled round to nearest: ``Q(W * s) / s`` with ``Q`` = :func:`rtn_quantize` (salient input
     channels, large ``s``, lose less to rounding). ``clip``: ``[out, n_groups]`` limits (from
     :func:`awq_clip_search`): ``W * s`` is clamped to ``[-limit, limit]`` per group before rounding."""
     w = _weight(weight, copy=False)
-    s = np.asarray(scales, dtype=np.float64)
-    if s.shape != (w.shape[1],) or not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise ValueError(f"scales must be {w.shape[1]} finite positive values (one per input column)")
+    s = _awq_scales_arg(scales, w.shape[1])
     qw = rtn_quantize(w, spec, scaled_by=s, clip=clip)
     eff = np.empty_like(qw.dequantized)
     for rows in _row_chunks(*eff.shape):
@@ -873,9 +878,7 @@ def awq_effective(weight: Any, scales: Any, spec: QuantSpec) -> np.ndarray:
     """``awq_quantize(weight, scales, spec).effective`` (``Q(W s) / s``) alone, row chunk by row chunk: what the
     AWQ search scores for each candidate, without the codes / dequantized copies of the weight."""
     w = _weight(weight, copy=False)
-    s = np.asarray(scales, dtype=np.float64)
-    if s.shape != (w.shape[1],) or not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise ValueError(f"scales must be {w.shape[1]} finite positive values (one per input column)")
+    s = _awq_scales_arg(scales, w.shape[1])
     eff = np.empty(w.shape)
     for rows, _, d, _, _ in _rtn_rows(w, spec, s, None):
         np.divide(d, s[None, :], out=eff[rows])

@@ -440,7 +440,7 @@ class AwqMethod(OneShotMethod):
         return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales, info=info)
 
     def search_group(self, tasks: list[LayerTask], weights: list[tuple[np.ndarray, np.ndarray | None]],
-                     stats: os1.GramAccumulator, block_loss: Callable[[dict[str, np.ndarray]], float]
+                     stats: os1.GramAccumulator, block_loss: Callable[[Mapping[str, np.ndarray]], float]
                      ) -> Iterator[LayerResult]:
         """One ``alpha`` for ``tasks`` (layers that read one input, statistics ``stats``): ``block_loss({layer:
         candidate effective weight})`` is the block's output error with those weights. Returns one result per

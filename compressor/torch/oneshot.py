@@ -631,12 +631,12 @@ class TorchOneShotBackend:
                             own.append((d, n, t))
             # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
             # them (else it would mask the copies again on every call) and gets its own mark back after
-            masked = [m for m in module.modules() if isinstance(m, PrunerModuleWrapper) and not m.is_stale()]
-            marks = [(m, m.__dict__.get("_seen")) for m in masked]
+            marks = [(m, mark) for m in module.modules() if isinstance(m, PrunerModuleWrapper)
+                     if (mark := m.masked_mark()) is not None]
             for d, n, t in own:
                 d[n] = t.to(torch.float64)
-            for m in masked:
-                m._mark_masked()
+            for m, _ in marks:
+                m.set_mark()
             swapped.append((own, marks))
 
         def narrow(module: nn.Module, args: Any, out: Any) -> None:
@@ -644,7 +644,7 @@ class TorchOneShotBackend:
             for d, n, t in own:
                 d[n] = t
             for m, mark in marks:
-                object.__setattr__(m, "_seen", mark)
+                m.set_mark(mark)
 
         def call(inp: _Input) -> Any:
             handles = [h for u in units for h in (u.register_forward_pre_hook(widen), u.register_forward_hook(narrow))]

@@ -291,6 +291,19 @@ class PrunerModuleWrapper(ReadThrough):
                 t.mul_(m)
         self._mark_masked()
 
+    _NO_MARK = object()
+
+    def masked_mark(self) -> Any:
+        """What records the layer as masked now (None when its tensors changed since they were last masked): a
+        caller that swaps the layer's tensors for copies of them (the one-shot float64 pass) gives it back with
+        :meth:`set_mark` when the layer's own tensors are back."""
+        return None if self.is_stale() else self._seen
+
+    def set_mark(self, mark: Any = _NO_MARK) -> None:
+        """Record the layer's current tensors as masked (no argument: they are copies of masked tensors, so the
+        forward need not mask them again), or put back a ``mark`` from :meth:`masked_mark`."""
+        object.__setattr__(self, "_seen", self._versions() if mark is PrunerModuleWrapper._NO_MARK else mark)
+
     def is_stale(self) -> bool:
         """True if the weights or masks changed since the layer was last masked."""
         return self._versions() != self._seen
