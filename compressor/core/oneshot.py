@@ -39,6 +39,7 @@ references do. ``U`` comes from one Cholesky of ``H`` (reversed) and one triangu
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,13 +75,34 @@ AWQ_MIN_SCALE = 1e-4  # the AWQ reference's clamp of mean|x|^alpha
 GRAM_F32_ROWS = 1024
 #: float64 values per row chunk of the per-channel sums of :meth:`GramAccumulator.add` (512 KiB)
 SUM_CHUNK_VALUES = 1 << 16
-#: values per row chunk of the row-independent weight computations (:func:`_row_chunks`: 512 KiB float64)
+#: values per row chunk of the row-independent weight computations (:func:`row_chunks`: 512 KiB float64)
 ROW_CHUNK_VALUES = 1 << 16
 #: columns per block of the Gram products of :meth:`GramAccumulator.add` (bounds their temporaries)
 GRAM_COLS = 256
 
 
 # ------------------------------------------------------------------------------------------- validation
+#: arrays of at least this many bytes that live long and are freed as a whole (the Gram matrices, which the
+#: solvers then factor in place) get pages of their own (:func:`own_pages`)
+OWN_PAGES_BYTES = 1 << 20
+
+
+def own_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """A zero float64 array of ``shape`` in an anonymous memory map of its own (below :data:`OWN_PAGES_BYTES`:
+    ``np.zeros``). Its pages go back to the OS the moment the array is dropped, and it never sits in the
+    allocator's heap between the calibration pass's short-lived buffers: a Gram matrix there (an LLM down
+    projection's: 18 MiB at width 1536) left a hole that those buffers split when it was freed, and glibc
+    raised its mmap threshold past it, so every later buffer of that size came from the heap too."""
+    n = int(np.prod(shape, dtype=np.int64)) * 8
+    if n < OWN_PAGES_BYTES:
+        return np.zeros(shape)
+    try:
+        buf = mmap.mmap(-1, n)
+    except (OSError, ValueError):  # no anonymous maps here: the allocator's memory
+        return np.zeros(shape)
+    return np.frombuffer(buf, dtype=np.float64).reshape(shape)
+
+
 def _weight(weight: Any, what: str = "weight", copy: bool = True) -> np.ndarray:
     """``weight`` as a checked float64 ``[out, in]`` array: a copy, or with ``copy=False`` the array itself where it
     is float32 or float64 (for callers that only read it, a chunk of rows at a time, widened to float64 there:
@@ -182,7 +204,7 @@ class GramAccumulator:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         self.in_features = int(in_features)
         self.count = 0
-        self.gram: np.ndarray | None = np.zeros((self.in_features,) * 2) if gram else None
+        self.gram: np.ndarray | None = own_pages((self.in_features,) * 2) if gram else None
         self._sq = np.zeros(self.in_features)
         self.abs_sum = np.zeros(self.in_features)
         #: set by the driver when no later layer reads this accumulator (see :meth:`gram_for_solver`)
@@ -336,25 +358,62 @@ def hessian_factor(damped_hessian: np.ndarray, damp: float | None = None) -> np.
 
 
 def _inverse_factor_t(h: np.ndarray | list[np.ndarray], damp: float | None) -> np.ndarray:
-    """``U^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`. ``h`` may be a one-element list
-    holding the caller's only reference to its (scratch) damped Hessian: it is taken out and dropped once it
-    is factored, so the peak holds about three ``n x n`` matrices instead of five (an LLM's down projection
-    has the largest ``n``)."""
-    h0 = h.pop() if isinstance(h, list) else h
+    """``U^T`` (lower triangular, C-contiguous) of :func:`hessian_factor`, computed IN the damped Hessian's own
+    array: a blocked Cholesky of the reversed matrix (:func:`_cholesky_lower_inplace`), one blocked transpose,
+    a triangular inverse by halves (:func:`_inv_lower`), each in place with block-sized temporaries. ``h`` may be
+    a one-element list holding the caller's only reference to its (scratch) damped Hessian: that array is
+    taken and becomes the result; an array is copied first (the caller's is not changed). So the solver's
+    peak holds ONE ``n x n`` matrix where LAPACK's factor through numpy held three (input, its work copy,
+    output): on an LLM's down projection (``n`` = 11008) 0.9 GiB instead of 2.8."""
+    a = h.pop() if isinstance(h, list) else np.array(h, dtype=np.float64, copy=True)
     del h
+    n = a.shape[0]
     try:
-        try:
-            upper = np.linalg.cholesky(h0[::-1, ::-1], upper=True)  # L^T, numpy >= 2.0
-        except TypeError:  # numpy 1.x: no upper=
-            upper = np.linalg.cholesky(h0[::-1, ::-1]).T
+        # P H P = L L^T with P the reversal: L (lower) is written over the lower triangle of the reversed view,
+        # i.e. R = P L P (upper, H = R R^T) over the upper triangle of ``a``
+        _cholesky_lower_inplace(a[::-1, ::-1])
     except np.linalg.LinAlgError:
         hint = f" (damp={damp})" if damp is not None else ""
         raise ValueError(f"the damped Hessian is not positive definite{hint}: increase damp or use more "
                          f"calibration samples") from None
-    del h0
-    low = np.ascontiguousarray(upper[::-1, ::-1])  # R^T = P L^T P
-    del upper
-    return _inv_lower(low)  # (R^T)^-1 = U^T
+    # R^T (lower) into the lower triangle, zeros above: block by block
+    b = _FACTOR_BLOCK
+    for i0 in range(0, n, b):
+        i1 = min(i0 + b, n)
+        a[i0:i1, i0:i1] = np.triu(a[i0:i1, i0:i1]).T
+        for j0 in range(i1, n, b):
+            j1 = min(j0 + b, n)
+            a[j0:j1, i0:i1] = a[i0:i1, j0:j1].T
+            a[i0:i1, j0:j1] = 0.0
+    return _inv_lower(a)  # (R^T)^-1 = U^T
+
+
+#: block width of the in-place factorization (:func:`_cholesky_lower_inplace`, the transpose): its temporaries
+#: are ``n x`` this many columns
+_FACTOR_BLOCK = 128
+
+
+def _cholesky_lower_inplace(a: np.ndarray) -> None:
+    """Cholesky ``A = L L^T`` of a symmetric positive definite ``a`` (any strides; its lower triangle is read),
+    written over ``a``'s lower triangle (the upper one is left as scratch): right-looking, in blocks of
+    :data:`_FACTOR_BLOCK` columns (LAPACK's factor on each diagonal block, the panel by the block's triangular
+    inverse, the trailing lower triangle updated one block column at a time). Not positive definite:
+    ``np.linalg.LinAlgError``."""
+    n = a.shape[0]
+    b = _FACTOR_BLOCK
+    for k0 in range(0, n, b):
+        k1 = min(k0 + b, n)
+        d = np.tril(a[k0:k1, k0:k1])
+        d += np.tril(d, -1).T  # the symmetric diagonal block from its lower triangle
+        low = np.linalg.cholesky(d)
+        a[k0:k1, k0:k1] = low
+        if k1 == n:
+            break
+        panel = a[k1:, k0:k1] @ np.tril(np.linalg.inv(low)).T  # L21 = A21 L11^-T
+        a[k1:, k0:k1] = panel
+        for j0 in range(k1, n, b):  # A22 -= L21 L21^T, lower part, one block column at a time
+            j1 = min(j0 + b, n)
+            a[j0:, j0:j1] -= panel[j0 - k1:] @ panel[j0 - k1:j1 - k1].T
 
 
 _INV_BASE = 64
@@ -363,7 +422,9 @@ _INV_BASE = 64
 def _inv_lower(low: np.ndarray) -> np.ndarray:
     """Inverse of a lower-triangular matrix by halves, ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1,
     D^-1]]``: ``n^3 / 3`` flops, all in matrix products (numpy has no triangular inverse). Computed IN PLACE
-    (``low`` is overwritten and returned: no second ``n x n`` matrix)."""
+    (``low`` is overwritten and returned); the off-diagonal block is updated a chunk of rows, then a chunk of
+    columns at a time (each row of ``C A^-1`` needs only that row of ``C``, each column of ``D^-1 (C A^-1)`` only
+    that column): no temporary larger than ``n x`` :data:`_FACTOR_BLOCK`."""
     n = low.shape[0]
     if n <= _INV_BASE:
         low[...] = np.tril(np.linalg.inv(low))
@@ -371,7 +432,12 @@ def _inv_lower(low: np.ndarray) -> np.ndarray:
     k = n // 2
     _inv_lower(low[:k, :k])
     _inv_lower(low[k:, k:])
-    low[k:, :k] = -(low[k:, k:] @ (low[k:, :k] @ low[:k, :k]))
+    c, a_inv, d_inv = low[k:, :k], low[:k, :k], low[k:, k:]
+    step = _FACTOR_BLOCK
+    for r0 in range(0, n - k, step):
+        c[r0:r0 + step] = c[r0:r0 + step] @ a_inv
+    for c0 in range(0, k, step):
+        c[:, c0:c0 + step] = -(d_inv @ c[:, c0:c0 + step])
     return low
 
 
@@ -383,23 +449,29 @@ class _Sweep:
     ``w``: the columns with the corrections of every finished block applied; ``ut``: ``U^T`` (lower,
     contiguous), ``ud``: ``diag(U)``; ``keep``: keep-mask (masked entries read as 0 and so are never
     corrected, as llmcompressor's GPTQ on a sparse model); ``e``: the scaled errors ``(w_j - q_j) / U_jj`` of
-    the fixed columns.
+    the fixed columns of the current block only (row ``p - i1``; ``[block, out]``, as the reference's ``Err1``:
+    no second weight-sized array).
     """
 
-    def __init__(self, w0t: np.ndarray, ut: np.ndarray, keep_t: np.ndarray | None):
+    def __init__(self, w0t: np.ndarray, ut: np.ndarray, keep_t: np.ndarray | None, block: int):
         self.w = w0t
         self.ut = ut
         self.ud = np.diag(ut).copy()
         self.keep = keep_t
-        self.e = np.zeros_like(w0t)
+        self.e = np.zeros((min(block, w0t.shape[0]), w0t.shape[1]))
+        self.i1 = 0
         self.error = 0.0
+
+    def start_block(self, i1: int) -> None:
+        """The sweep enters the block starting at column ``i1``."""
+        self.i1 = i1
 
     def current(self, pos: Any, i1: int, p: int) -> np.ndarray:
         """Up-to-date values of the not yet fixed columns ``pos`` (all ``>= p``; ``p`` is the next column to
         fix, ``i1`` its block's start): the finished blocks' corrections plus ``-sum_{i1<=i<p} e_i U_i,pos``."""
         w = self.w[pos]
         if p > i1:
-            w = w - self.ut[pos, i1:p] @ self.e[i1:p]
+            w = w - self.ut[pos, i1:p] @ self.e[:p - i1]
         if self.keep is not None:
             w = np.where(self.keep[pos], w, 0.0)
         return w
@@ -407,13 +479,13 @@ class _Sweep:
     def fix(self, p: int, w: np.ndarray, q: np.ndarray) -> None:
         """Column ``p`` (current value ``w``) is fixed to ``q``."""
         d = w - q
-        self.e[p] = d / self.ud[p]
+        self.e[p - self.i1] = d / self.ud[p]
         self.error += 0.5 * float(np.dot(d, d)) / float(self.ud[p]) ** 2
 
     def end_block(self, i1: int, i2: int) -> None:
         """Apply the block ``[i1, i2)``'s corrections to the later columns (one GEMM)."""
         if i2 < self.w.shape[0]:
-            self.w[i2:] -= self.ut[i2:, i1:i2] @ self.e[i1:i2]
+            self.w[i2:] -= self.ut[i2:, i1:i2] @ self.e[:i2 - i1]
 
 
 def _prepare(weight: Any, hessian: Any, damp: float, mask: Any = None) -> tuple[np.ndarray, np.ndarray,
@@ -526,12 +598,13 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
             raise ValueError(f"block_size {bs} must be a multiple of M={nm[1]} of sparse_pattern {sparse_pattern!r}")
     box = [hd]
     del hd
-    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(box, damp), None)
+    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(box, damp), None, bs)
     del w
     result_t = sweep.w  # row p is final once fixed and never read again: the result is written over it
     keep_t = np.ones(sweep.w.shape, dtype=bool)
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
+        sweep.start_block(i1)
         if nm is None and s:
             cur = sweep.current(slice(i1, i2), i1, i1)
             sal = (np.abs(cur) / sweep.ud[i1:i2, None]).T  # [out, width]: canonical order for ties
@@ -586,6 +659,11 @@ class QuantSpec:
             return _q.quant_range(self.bits, "int", narrow=self.narrow)
         return _q.quant_range(self.bits, "uint")
 
+    @property
+    def code_dtype(self) -> np.dtype:
+        """The smallest integer dtype that holds every code: int8 (symmetric) / uint8 (affine); bits <= 8."""
+        return np.dtype(np.int8 if self.symmetric else np.uint8)
+
     def group_width(self, n_in: int) -> int:
         """Columns per group for a weight with ``n_in`` input columns."""
         g = self.group_size
@@ -616,10 +694,11 @@ class QuantSpec:
 class QuantizedWeight:
     """A weight-only quantized ``[out, in]`` weight.
 
-    ``codes``: int32 ``[out, in]``; ``scale`` / ``zero_point``: float64 ``[out, n_groups]`` (zero points are
+    ``codes``: ``[out, in]`` in ``spec.code_dtype`` (int8 symmetric / uint8 affine: 1 byte per weight); ``scale`` / ``zero_point``: float64 ``[out, n_groups]`` (zero points are
     integers; 0 for symmetric); group ``g`` is input columns ``[g * group_size, (g + 1) * group_size)``
     (original column order, also with ``act_order``: no ``g_idx`` needed); ``dequantized``: ``(codes -
-    zp) * scale`` per group, float64, exactly the values the algorithm settled on. ``error``: GPTQ's OBS
+    zp) * scale`` per group, float64, exactly the values the algorithm settled on (None where the caller
+    asked not to keep them: :func:`awq_quantize`). ``error``: GPTQ's OBS
     proxy loss (0 for RTN). ``perm``: the sweep order (``act_order``) or None.
     """
 
@@ -628,7 +707,7 @@ class QuantizedWeight:
     zero_point: np.ndarray
     group_size: int
     spec: QuantSpec
-    dequantized: np.ndarray
+    dequantized: np.ndarray | None
     error: float = 0.0
     perm: np.ndarray | None = None
     dead: np.ndarray | None = field(default=None)
@@ -647,7 +726,7 @@ def _rows64(w: np.ndarray, rows: slice) -> np.ndarray:
     return np.asarray(w[rows], dtype=np.float64)
 
 
-def _row_chunks(n_rows: int, n_cols: int) -> Iterator[slice]:
+def row_chunks(n_rows: int, n_cols: int) -> Iterator[slice]:
     """Slices of at most :data:`ROW_CHUNK_VALUES` values (whole rows, at least one) covering ``n_rows`` rows:
     the row-independent weight computations (round to nearest, AWQ's scaling and clipping) run per chunk, so
     their temporaries are a few chunks, not a few copies of the weight."""
@@ -659,14 +738,14 @@ def _row_chunks(n_rows: int, n_cols: int) -> Iterator[slice]:
 def _rtn_rows(weight: np.ndarray, spec: QuantSpec, scaled_by: np.ndarray | None, clip: np.ndarray | None
               ) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Round to nearest of ``clip(W * scaled_by, -clip, clip)`` (both optional) chunk of rows by chunk of rows
-    (:func:`_row_chunks`): ``(rows, codes, dequantized, scale, zero point)`` of each chunk."""
+    (:func:`row_chunks`): ``(rows, codes, dequantized, scale, zero point)`` of each chunk."""
     n_out, n_in = weight.shape
     gs = spec.group_width(n_in)
     starts = _group_starts(n_in, gs)
     qmin, qmax = spec.qrange
     gidx = np.arange(n_in) // gs
     s = None if scaled_by is None else scaled_by[None, :]
-    for rows in _row_chunks(n_out, n_in):
+    for rows in row_chunks(n_out, n_in):
         wc = _rows64(weight, rows) if s is None else _rows64(weight, rows) * s
         if clip is not None:
             lim = clip[rows][:, gidx]
@@ -683,12 +762,12 @@ def rtn_quantize(weight: Any, spec: QuantSpec, *, scaled_by: Any = None, clip: A
     each row, scale / zero point from the group's min and max, then ``round`` (half to even) and clip.
     GPTQ with ``H = I`` gives exactly this. ``scaled_by`` (``[in]``) / ``clip`` (``[out, n_groups]``
     limits): quantize ``clip(W * scaled_by, -clip, clip)`` instead (AWQ, :func:`awq_quantize`); rows are
-    handled in chunks (:func:`_row_chunks`), each row on its own."""
+    handled in chunks (:func:`row_chunks`), each row on its own."""
     w = _weight(weight, copy=False)
     n_out, n_in = w.shape
     gs = spec.group_width(n_in)
     n_groups = len(_group_starts(n_in, gs))
-    codes = np.empty((n_out, n_in), dtype=np.int32)
+    codes = np.empty((n_out, n_in), dtype=spec.code_dtype)
     deq = np.empty((n_out, n_in))
     scale = np.empty((n_out, n_groups))
     zp = np.empty((n_out, n_groups))
@@ -736,15 +815,16 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     if act_order:
         w = w[:, perm]
         keep = None if keep is None else keep[:, perm]
-    sweep = _Sweep(np.ascontiguousarray(w.T), ut, None if keep is None else np.ascontiguousarray(keep.T))
+    sweep = _Sweep(np.ascontiguousarray(w.T), ut, None if keep is None else np.ascontiguousarray(keep.T), bs)
     del w, ut
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)
-    codes_t = np.zeros((n_in, out), dtype=np.int32)
+    codes_t = np.zeros((n_in, out), dtype=spec.code_dtype)
     deq_t = sweep.w  # row p is final once fixed and never read again: the dequantized values go over it
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
+        sweep.start_block(i1)
         for p in range(i1, i2):
             g = gid[p]
             if not have[g]:
@@ -762,7 +842,7 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
         sweep.end_block(i1, i2)
     if act_order:
         codes_t, deq_t = codes_t[inv], deq_t[inv]
-    return QuantizedWeight(codes=np.ascontiguousarray(codes_t.T, dtype=np.int32), scale=np.ascontiguousarray(scale.T),
+    return QuantizedWeight(codes=np.ascontiguousarray(codes_t.T), scale=np.ascontiguousarray(scale.T),
                            zero_point=np.ascontiguousarray(zp.T), group_size=gs, spec=spec,
                            dequantized=np.ascontiguousarray(deq_t.T), error=sweep.error,
                            perm=perm if act_order else None, dead=dead)
@@ -813,7 +893,7 @@ def awq_weight_mean(weight: Any, group_size: int | None = None) -> np.ndarray:
     gidx = np.arange(n_in) // gs
     total, n_rows = None, 0
     for w in parts:
-        for rows in _row_chunks(*w.shape):
+        for rows in row_chunks(*w.shape):
             a = np.abs(_rows64(w, rows))
             gmax = np.maximum.reduceat(a, starts, axis=1)[:, gidx]
             a /= np.where(gmax > 0, gmax, 1.0)
@@ -861,16 +941,30 @@ def _awq_scales_arg(scales: Any, n_in: int) -> np.ndarray:
     return s
 
 
-def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None) -> AwqWeight:
+def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None, *,
+                 keep_dequantized: bool = True) -> AwqWeight:
     """AWQ's scaled round to nearest: ``Q(W * s) / s`` with ``Q`` = :func:`rtn_quantize` (salient input
     channels, large ``s``, lose less to rounding). ``clip``: ``[out, n_groups]`` limits (from
-    :func:`awq_clip_search`): ``W * s`` is clamped to ``[-limit, limit]`` per group before rounding."""
+    :func:`awq_clip_search`): ``W * s`` is clamped to ``[-limit, limit]`` per group before rounding.
+    ``keep_dequantized=False``: the result's ``quantized.dequantized`` (``Q(W s)``) is None, one weight-sized
+    float64 array less for a caller that needs only the codes and ``effective`` (the one-shot driver)."""
     w = _weight(weight, copy=False)
     s = _awq_scales_arg(scales, w.shape[1])
-    qw = rtn_quantize(w, spec, scaled_by=s, clip=clip)
-    eff = np.empty_like(qw.dequantized)
-    for rows in _row_chunks(*eff.shape):
-        np.divide(qw.dequantized[rows], s[None, :], out=eff[rows])
+    lim = None if clip is None else np.asarray(clip, dtype=np.float64)
+    n_out, n_in = w.shape
+    gs = spec.group_width(n_in)
+    n_groups = len(_group_starts(n_in, gs))
+    codes = np.empty((n_out, n_in), dtype=spec.code_dtype)
+    scale = np.empty((n_out, n_groups))
+    zp = np.empty((n_out, n_groups))
+    deq = np.empty((n_out, n_in)) if keep_dequantized else None
+    eff = np.empty((n_out, n_in))
+    for rows, c, d, sc, z in _rtn_rows(w, spec, s, lim):  # as rtn_quantize(w, spec, scaled_by=s, clip=lim)
+        codes[rows], scale[rows], zp[rows] = c, sc, z
+        if deq is not None:
+            deq[rows] = d
+        np.divide(d, s[None, :], out=eff[rows])
+    qw = QuantizedWeight(codes=codes, scale=scale, zero_point=zp, group_size=gs, spec=spec, dequantized=deq)
     return AwqWeight(quantized=qw, scales=s, effective=eff)
 
 
@@ -911,8 +1005,8 @@ def awq_clip_search(weight: Any, gram: Any, scales: Any, spec: QuantSpec, ratios
     gidx = np.arange(n_in) // gs
     ratios = awq_clip_ratios() if ratios is None else np.asarray(ratios, dtype=np.float64)
     out = np.empty((n_out, len(starts)))
-    # rows are independent (each row's groups have their own range): in chunks of rows (_row_chunks)
-    for rows in _row_chunks(n_out, n_in):
+    # rows are independent (each row's groups have their own range): in chunks of rows (row_chunks)
+    for rows in row_chunks(n_out, n_in):
         ws = _rows64(w, rows) * s[None, :]
         amax = np.maximum.reduceat(np.abs(ws), starts, axis=1)
         best_lim = amax.copy()

@@ -431,12 +431,16 @@ class AwqMethod(OneShotMethod):
     def result(self, task: LayerTask, w: np.ndarray, mask: np.ndarray | None, scales: np.ndarray,
                spec: os1.QuantSpec, info: dict[str, Any], gram: np.ndarray) -> LayerResult:
         clip = os1.awq_clip_search(w, gram, scales, spec) if self.clips(task) else None
-        a = os1.awq_quantize(w, scales, spec, clip)
-        eff = a.effective if mask is None else np.where(mask, a.effective, 0.0)
-        if clip is not None:
-            amax = np.maximum.reduceat(np.abs(w * scales[None, :]), np.arange(0, w.shape[1], a.quantized.group_size),
-                                       axis=1)
-            info = {**info, "clipped": float(np.mean(clip < amax))}  # share of groups whose range was cut
+        a = os1.awq_quantize(w, scales, spec, clip, keep_dequantized=False)
+        eff = a.effective
+        if mask is not None:
+            np.copyto(eff, 0.0, where=~mask)
+        if clip is not None:  # share of groups whose range was cut
+            starts = np.arange(0, w.shape[1], a.quantized.group_size)
+            cut = sum(int(np.count_nonzero(clip[r] < np.maximum.reduceat(np.abs(w[r] * scales[None, :]), starts,
+                                                                          axis=1)))
+                      for r in os1.row_chunks(*w.shape))
+            info = {**info, "clipped": cut / clip.size}
         return LayerResult(weight=eff, mask=mask, quantized=a.quantized, scales=a.scales, info=info)
 
     def search_group(self, tasks: list[LayerTask], weights: list[tuple[np.ndarray, np.ndarray | None]],

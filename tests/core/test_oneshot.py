@@ -227,15 +227,20 @@ def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight
     whole_mean = O.awq_weight_mean(np.concatenate([w, w2]), 16)
     w_before = w.copy()
     monkeypatch.setattr(O, "ROW_CHUNK_VALUES", 3 * 40 + 1)  # chunks of 3 rows, the last one 1 row
-    assert [(c.start, c.stop) for c in O._row_chunks(13, 40)] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
+    assert [(c.start, c.stop) for c in O.row_chunks(13, 40)] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
     rtn, clip = O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec)
     awq = O.awq_quantize(w, s, spec, clip)
     for f in ("codes", "scale", "zero_point", "dequantized"):
         np.testing.assert_array_equal(getattr(rtn, f), getattr(whole[0], f))
         np.testing.assert_array_equal(getattr(awq.quantized, f), getattr(whole_awq.quantized, f))
-    assert rtn.codes.dtype == np.int32
+    assert rtn.codes.dtype == np.uint8  # affine: 1 byte per code
     np.testing.assert_array_equal(clip, whole[1])
     np.testing.assert_array_equal(awq.effective, whole_awq.effective)
+    lean = O.awq_quantize(w, s, spec, clip, keep_dequantized=False)  # the one-shot driver's form: no Q(W s) copy
+    assert lean.quantized.dequantized is None
+    for f in ("codes", "scale", "zero_point"):
+        np.testing.assert_array_equal(getattr(lean.quantized, f), getattr(whole_awq.quantized, f))
+    np.testing.assert_array_equal(lean.effective, whole_awq.effective)
     np.testing.assert_array_equal(O.awq_effective(w, s, spec), O.awq_quantize(w, s, spec).effective)
     # the duo-scaling weight mean of two weights read as one (q / k / v): their concatenation's, no copy of it
     np.testing.assert_array_equal(O.awq_weight_mean([w, w2], 16), whole_mean)
@@ -281,6 +286,25 @@ def test_hessian_factor_is_the_cholesky_of_the_inverse():
     assert np.array_equal(ub, np.triu(ub)) and np.allclose(ub.T @ ub @ big, np.eye(200), rtol=0, atol=1e-8)
     with pytest.raises(ValueError, match="not positive definite"):
         O.hessian_factor(np.array([[1.0, 2.0], [2.0, 1.0]]))
+
+
+def test_hessian_factor_is_computed_in_the_handed_over_array(monkeypatch):
+    """The solvers hand their damped Hessian over (a one-element list): U^T is computed in that very array, no
+    second n x n matrix; blocks of any width (here 5 columns: uneven last blocks) give the same factor."""
+    big = O.damp_hessian(gram(correlated_inputs(400, 200, seed=1)))[0]
+    before = big.copy()
+    ref = O.hessian_factor(big)
+    np.testing.assert_array_equal(big, before)  # an array argument is copied, not changed
+    box = [big.copy()]
+    scratch = box[0]
+    ut = O._inverse_factor_t(box, 0.01)
+    assert box == [] and ut is scratch and ut.flags.c_contiguous
+    np.testing.assert_array_equal(ut.T, ref)
+    monkeypatch.setattr(O, "_FACTOR_BLOCK", 5)
+    small = O.hessian_factor(big)
+    assert np.array_equal(small, np.triu(small)) and np.allclose(small, ref, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="not positive definite"):
+        O.hessian_factor(np.diag([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0]))  # fails in the second block
 
 
 # ------------------------------------------------------------------------------------------------ Wanda
@@ -405,7 +429,7 @@ def test_rtn_hand_values_symmetric_affine_and_full_range():
     sym = O.rtn_quantize(w, O.QuantSpec(4))
     # scale = 2 / 7; w * 3.5 = [1.75, -3.5, 0.875, 7]: -3.5 rounds half to even -> -4
     assert sym.codes.tolist() == [[2, -4, 1, 7]] and sym.scale.tolist() == [[2 / 7]]
-    assert sym.zero_point.tolist() == [[0.0]] and sym.codes.dtype == np.int32
+    assert sym.zero_point.tolist() == [[0.0]] and sym.codes.dtype == np.int8
     assert np.allclose(sym.dequantized, [[4 / 7, -8 / 7, 2 / 7, 2.0]], rtol=0, atol=1e-15)
     full = O.rtn_quantize(w, O.QuantSpec(4, narrow=False))
     # [-8, 7], scale = 2 / 7.5: w * 3.75 = [1.875, -3.75, 0.9375, 7.5] -> 7.5 rounds to 8, clipped to 7
@@ -481,7 +505,8 @@ def test_gptq_keep_mask_2_4_then_int4_keeps_the_zeros():
     g = O.gptq_quantize(sp.weight, h, spec, mask=sp.mask)
     gi = g.group_index()
     assert (g.dequantized[~sp.mask] == 0.0).all()
-    assert np.array_equal(g.codes[~sp.mask], g.zero_point[:, gi][~sp.mask].astype(np.int32))
+    assert np.array_equal(g.codes[~sp.mask], g.zero_point[:, gi][~sp.mask].astype(np.uint8))
+    assert g.codes.dtype == np.uint8  # affine codes: 0..15 here, 1 byte each
     assert bool(P.is_nm(ops, g.dequantized != 0, 2, 4))
     ref = ref_gptq(sp.weight, h, 4, False, 8, mask=sp.mask)
     assert np.allclose(g.dequantized, ref, rtol=1e-9, atol=1e-9)
@@ -651,3 +676,31 @@ def test_property_gptq_codes_in_range_and_consistent(out, groups, bits, sym, gs,
     assert (sp.weight[~sp.mask] == 0).all()
     again = O.sparsegpt_prune(w, gram(x), sparse_pattern="2:4", block_size=4 * max(bs // 4, 1))
     assert np.array_equal(again.weight, sp.weight) and np.array_equal(again.mask, sp.mask)
+
+
+def test_gram_matrices_get_pages_of_their_own():
+    """A Gram matrix of at least OWN_PAGES_BYTES lives in an anonymous map of its own (back to the OS when
+    dropped, never in the allocator's heap between short-lived buffers); it starts at zero, and a solver
+    handed it factors it in place with the same result as on a copy."""
+    import mmap
+
+    def backing(a):
+        while isinstance(a, np.ndarray):
+            a = a.base
+        return a.obj if isinstance(a, memoryview) else a
+
+    big = O.own_pages((512, 512))  # 2 MiB
+    assert isinstance(backing(big), mmap.mmap)
+    assert big.dtype == np.float64 and big.flags.c_contiguous and big.flags.writeable and not big.any()
+    small = O.own_pages((8, 8))
+    assert backing(small) is None and not small.any()
+    acc = O.GramAccumulator(512)
+    assert isinstance(backing(acc.gram), mmap.mmap)
+    x = correlated_inputs(600, 512)
+    acc.add(x)
+    plain = acc.gram.copy()
+    acc.consumable = True
+    handed = acc.gram_for_solver()
+    assert isinstance(handed, list) and acc.gram is None
+    w = np.random.default_rng(0).standard_normal((4, 512))
+    np.testing.assert_array_equal(O.sparsegpt_prune(w, handed, 0.5).weight, O.sparsegpt_prune(w, plain, 0.5).weight)
