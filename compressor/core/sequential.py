@@ -767,7 +767,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
     def compressed(ts: list[LayerTask]) -> None:
         done.extend((t, floats.pop(t.name), _compact(backend.read_weight(t)[0])) for t in ts if t.name in keep)
 
-    for group in groups.values():
+    for gi, group in enumerate(order):
         if len(group) == 1:
             _compress_layers(backend, method, group, accs, rows, name, undo)
             compressed(group)
@@ -789,6 +789,8 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             ref = block_ref[0]
         else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
             module, calls = parent, _record_float(backend, block, inputs, parent, done)
+            if not any(len(h) > 1 and parents[id(h)] is not None for h in order[gi + 1:]):
+                done.clear()  # no later group records on the float block: the copies are not read again
 
             def forward(module: Any = module, calls: Any = calls) -> Iterable[Any]:
                 return backend.module_output(module, calls)  # type: ignore[attr-defined]
