@@ -764,18 +764,31 @@ def rtn_quantize(weight: Any, spec: QuantSpec, *, scaled_by: Any = None, clip: A
     limits): quantize ``clip(W * scaled_by, -clip, clip)`` instead (AWQ, :func:`awq_quantize`); rows are
     handled in chunks (:func:`row_chunks`), each row on its own."""
     w = _weight(weight, copy=False)
+    s = None if scaled_by is None else np.asarray(scaled_by, dtype=np.float64)
+    lim = None if clip is None else np.asarray(clip, dtype=np.float64)
+    return _rtn_fill(w, spec, s, lim)[0]
+
+
+def _rtn_fill(w: np.ndarray, spec: QuantSpec, s: np.ndarray | None, lim: np.ndarray | None,
+              keep_dequantized: bool = True, effective: bool = False) -> tuple[QuantizedWeight, np.ndarray | None]:
+    """:func:`rtn_quantize`'s result filled chunk of rows by chunk of rows (:func:`_rtn_rows`), and with
+    ``effective`` also ``dequantized / s`` (AWQ's effective weight); ``keep_dequantized=False`` leaves the
+    result's ``dequantized`` None."""
     n_out, n_in = w.shape
     gs = spec.group_width(n_in)
     n_groups = len(_group_starts(n_in, gs))
     codes = np.empty((n_out, n_in), dtype=spec.code_dtype)
-    deq = np.empty((n_out, n_in))
     scale = np.empty((n_out, n_groups))
     zp = np.empty((n_out, n_groups))
-    s = None if scaled_by is None else np.asarray(scaled_by, dtype=np.float64)
-    lim = None if clip is None else np.asarray(clip, dtype=np.float64)
+    deq = np.empty((n_out, n_in)) if keep_dequantized else None
+    eff = np.empty((n_out, n_in)) if effective else None
     for rows, c, d, sc, z in _rtn_rows(w, spec, s, lim):
-        codes[rows], deq[rows], scale[rows], zp[rows] = c, d, sc, z
-    return QuantizedWeight(codes=codes, scale=scale, zero_point=zp, group_size=gs, spec=spec, dequantized=deq)
+        codes[rows], scale[rows], zp[rows] = c, sc, z
+        if deq is not None:
+            deq[rows] = d
+        if eff is not None:
+            np.divide(d, s[None, :], out=eff[rows])
+    return QuantizedWeight(codes=codes, scale=scale, zero_point=zp, group_size=gs, spec=spec, dequantized=deq), eff
 
 
 def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = DEFAULT_DAMP,
@@ -951,20 +964,7 @@ def awq_quantize(weight: Any, scales: Any, spec: QuantSpec, clip: Any = None, *,
     w = _weight(weight, copy=False)
     s = _awq_scales_arg(scales, w.shape[1])
     lim = None if clip is None else np.asarray(clip, dtype=np.float64)
-    n_out, n_in = w.shape
-    gs = spec.group_width(n_in)
-    n_groups = len(_group_starts(n_in, gs))
-    codes = np.empty((n_out, n_in), dtype=spec.code_dtype)
-    scale = np.empty((n_out, n_groups))
-    zp = np.empty((n_out, n_groups))
-    deq = np.empty((n_out, n_in)) if keep_dequantized else None
-    eff = np.empty((n_out, n_in))
-    for rows, c, d, sc, z in _rtn_rows(w, spec, s, lim):  # as rtn_quantize(w, spec, scaled_by=s, clip=lim)
-        codes[rows], scale[rows], zp[rows] = c, sc, z
-        if deq is not None:
-            deq[rows] = d
-        np.divide(d, s[None, :], out=eff[rows])
-    qw = QuantizedWeight(codes=codes, scale=scale, zero_point=zp, group_size=gs, spec=spec, dequantized=deq)
+    qw, eff = _rtn_fill(w, spec, s, lim, keep_dequantized, effective=True)
     return AwqWeight(quantized=qw, scales=s, effective=eff)
 
 
