@@ -40,7 +40,6 @@ from torch import nn
 from ..core.config import KeySpec
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import type_names
-from ..core.oneshot import own_pages
 from ..core.sequential import (
     ONESHOT_KEYS,
     ONESHOT_SKIP_HINT,
@@ -623,32 +622,19 @@ class TorchOneShotBackend:
                 for n, t in named if id(t) not in in_units or id(t) in outside}
         swapped: list[tuple[list[tuple[dict[str, Any], str, torch.Tensor]], list[tuple[nn.Module, Any]]]] = []
 
-        def narrow_tensors(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-            return [(d, n, t) for m in module.modules() for d in (m._parameters, m._buffers) for n, t in d.items()
-                    if t is not None and t.is_floating_point() and t.dtype != torch.float64]
-
-        # one unit runs at a time: its float64 copies go into one workspace of the largest unit's size, in pages
-        # of its own (core.oneshot.own_pages), made once per pass: the copies never enter the malloc heap, where
-        # one weight-sized buffer per layer call split the space the call's activations reuse
-        cpu = [t for u in units for _, _, t in narrow_tensors(u) if t.device.type == "cpu"]
-        sizes = [sum(t.numel() for _, _, t in narrow_tensors(u) if t.device.type == "cpu") for u in units]
-        work = torch.from_numpy(own_pages((max(sizes),))) if cpu and max(sizes) else None
-
         def widen(module: nn.Module, args: Any) -> None:
-            own = narrow_tensors(module)
+            own = []
+            for m in module.modules():
+                for d in (m._parameters, m._buffers):
+                    for n, t in d.items():
+                        if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+                            own.append((d, n, t))
             # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
             # them (else it would mask the copies again on every call) and gets its own mark back after
             marks = [(m, mark) for m in module.modules() if isinstance(m, PrunerModuleWrapper)
                      if (mark := m.masked_mark()) is not None]
-            at = 0
             for d, n, t in own:
-                if work is not None and t.device.type == "cpu" and at + t.numel() <= work.numel():
-                    wide = work[at:at + t.numel()].view(t.shape)
-                    wide.copy_(t)
-                    at += t.numel()
-                    d[n] = wide
-                else:
-                    d[n] = t.to(torch.float64)
+                d[n] = t.to(torch.float64)
             for m, _ in marks:
                 m.set_mark()
             swapped.append((own, marks))
