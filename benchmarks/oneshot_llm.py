@@ -246,14 +246,16 @@ def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: fl
     return json.loads(lines[-1])
 
 
-def _cell(runs: list[dict]) -> tuple[float, float, float, float] | str:
-    """(median wall s, median cpu s, max peak extra KiB, max KiB still held at the end) over the successful
-    runs, or the first error."""
+def _cell(runs: list[dict]) -> tuple[float, float, float, float, float] | str:
+    """(median wall s, median cpu s, max peak extra KiB, max KiB still held at the end, min peak extra KiB) over
+    the successful runs, or the first error. The peak of identical runs spreads by a few MiB (the address-space
+    layout the allocator gets: examples/RESULTS.md, issue 25), so several runs show it as a range."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return next((r["error"] for r in runs), "not run")
+    peaks = [r["peak_kib"] - r["base_kib"] for r in ok]
     return (statistics.median(r["seconds"] for r in ok), statistics.median(r.get("cpu_seconds", 0.0) for r in ok),
-            max(r["peak_kib"] - r["base_kib"] for r in ok), max(r.get("end_kib", 0) - r["base_kib"] for r in ok))
+            max(peaks), max(r.get("end_kib", 0) - r["base_kib"] for r in ok), min(peaks))
 
 
 def _row(method: str, ours: list[dict], llmc: list[dict], info: dict) -> str:
@@ -265,11 +267,15 @@ def _row(method: str, ours: list[dict], llmc: list[dict], info: dict) -> str:
 
     def extra(c, base):
         return f"{c[2] / base:.2f}" if isinstance(c, tuple) else "-"
+    def peak(c):  # "max (kept)", or "min-max (kept)" over several runs
+        if not isinstance(c, tuple):
+            return "-"
+        lo, hi = round(c[4] / 1024), round(c[2] / 1024)
+        return f"{lo}-{hi} ({c[3] / 1024:.0f})" if lo != hi else f"{hi} ({c[3] / 1024:.0f})"
     both = isinstance(o, tuple) and isinstance(m, tuple)
     ratio = f"{o[0] / m[0]:.2f}x ({o[1] / m[1]:.2f}x)" if both else "-"
     cells = [method, sec(o), sec(m), ratio,
-             f"{o[2] / 1024:.0f} ({o[3] / 1024:.0f})" if isinstance(o, tuple) else "-",
-             f"{m[2] / 1024:.0f} ({m[3] / 1024:.0f})" if isinstance(m, tuple) else "-",
+             peak(o), peak(m),
              extra(o, w), extra(o, act), extra(m, act),
              f"{(w + o[2]) / (w + act):.2f}" if isinstance(o, tuple) else "-"]
     return "| " + " | ".join(cells) + " |"
