@@ -759,8 +759,8 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
     block_ref: list[Any] = []
     # a layer's float and compressed copies are kept only where a later group records its parent on the float block
     order = list(groups.values())
-    keep = {t.name for i, g in enumerate(order) for t in g
-            if any(len(h) > 1 and parents[id(h)] is not None for h in order[i + 1:])}
+    records = [len(g) > 1 and parents[id(g)] is not None for g in order]  # records its parent on the float block
+    keep = {t.name for i, g in enumerate(order) for t in g if any(records[i + 1:])}
     floats = {t.name: _compact(backend.read_weight(t)[0]) for t in tasks if t.name in keep}
     done: list[tuple[LayerTask, np.ndarray, np.ndarray]] = []  # compressed so far: (task, float, compressed)
 
@@ -789,7 +789,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             ref = block_ref[0]
         else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
             module, calls = parent, _record_float(backend, block, inputs, parent, done)
-            if not any(len(h) > 1 and parents[id(h)] is not None for h in order[gi + 1:]):
+            if not any(records[gi + 1:]):
                 done.clear()  # no later group records on the float block: the copies are not read again
 
             def forward(module: Any = module, calls: Any = calls) -> Iterable[Any]:
