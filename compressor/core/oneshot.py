@@ -57,6 +57,7 @@ __all__ = [
     "wanda_scores", "wanda_mask",
     "SparseGPTResult", "sparsegpt_prune",
     "QuantSpec", "QuantizedWeight", "rtn_quantize", "gptq_quantize",
+    "stored_code_width", "store_codes", "stored_codes_to_full",
     "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES", "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "awq_effective", "AwqSearch", "awq_search",
     "awq_linear_loss", "layer_output_error", "awq_clip_ratios", "awq_clip_search", "AWQ_CLIP_GRID",
     "AWQ_CLIP_MAX_SHRINK",
@@ -715,6 +716,51 @@ class QuantizedWeight:
     def group_index(self) -> np.ndarray:
         """Group of each input column, ``j // group_size``."""
         return np.arange(self.codes.shape[1]) // self.group_size
+
+
+#: codes of this many bits or fewer are kept two per byte by the quantizer wrappers (:func:`store_codes`)
+NIBBLE_BITS = 4
+
+
+def stored_code_width(n_in: int, bits: int) -> int:
+    """Bytes per output row of the codes as the wrappers keep them: ``ceil(n_in / 2)`` for ``bits <=`` 4 (two codes
+    per byte), ``n_in`` otherwise."""
+    return (int(n_in) + 1) // 2 if bits <= NIBBLE_BITS else int(n_in)
+
+
+def store_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``[out, in]`` codes (int8 symmetric / uint8 affine) in the wrappers' form: for ``bits <=`` 4 two per byte,
+    column ``2k`` in the low nibble and ``2k + 1`` in the high one (an odd last column pairs with 0), in the
+    same dtype (a symmetric code's nibble is its two's complement, sign-extended back by
+    :func:`stored_codes_to_full`); wider codes as they are. Half the bytes of int4 codes in memory: 17 MiB of a
+    34 M-parameter Llama's quantizer state."""
+    c = np.asarray(codes)
+    if c.ndim != 2 or c.dtype not in (np.int8, np.uint8):
+        raise ValueError(f"codes must be a 2-D int8 / uint8 array, got {c.dtype} of shape {c.shape}")
+    if bits > NIBBLE_BITS:
+        return c
+    u = c.view(np.uint8)
+    lo = u[:, 0::2]
+    hi = np.zeros_like(lo)
+    hi[:, :u.shape[1] // 2] = u[:, 1::2]
+    return ((lo & 0x0F) | (hi << 4)).view(c.dtype)
+
+
+def stored_codes_to_full(stored: np.ndarray, bits: int, n_in: int) -> np.ndarray:
+    """Inverse of :func:`store_codes`: the ``[out, n_in]`` codes (int8 sign-extended / uint8)."""
+    s = np.asarray(stored)
+    if bits > NIBBLE_BITS:
+        return s
+    if s.ndim != 2 or s.shape[1] != stored_code_width(n_in, bits):
+        raise ValueError(f"stored {bits}-bit codes for {n_in} input columns must be [out, {stored_code_width(n_in, bits)}], "
+                         f"got shape {s.shape}")
+    if s.dtype == np.int8:  # arithmetic shifts sign-extend each nibble
+        lo, hi = (s << 4) >> 4, s >> 4
+    else:
+        lo, hi = s & 0x0F, s >> 4
+    out = np.empty((s.shape[0], 2 * s.shape[1]), dtype=s.dtype)
+    out[:, 0::2], out[:, 1::2] = lo, hi
+    return out[:, :n_in]
 
 
 def _group_starts(n_in: int, gs: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 from .graph import build_graph
 from .lowbit import to_keras_quantized
-from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner, oneshot_codes
 from .ops import TfOps, ops
 from .packing import load_compressed, save_compressed
 from .pruning import *  # noqa: F401,F403
@@ -15,4 +15,4 @@ from .weight_sharing import WeightSharingQuantizer
 __all__ = ["TfOps", "ops", *_pruning_all, *_quant_all, "build_graph", "count_flops_params", "speedup_model",
            "load_compressed", "save_compressed", "WeightSharingQuantizer",
            "WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer",
-           "to_keras_quantized"]
+           "to_keras_quantized", "oneshot_codes"]

@@ -59,6 +59,7 @@ import tensorflow as tf
 from ..core.errors import ConfigError
 from .compressor import iter_layers, strip_model, wrappers_of
 from .kernel_layout import KernelLayout, kernel_layout
+from .oneshot import oneshot_codes
 
 __all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan"]
 
@@ -116,7 +117,7 @@ def _plan_layer(name: str, wrapper: Any, fast: bool) -> KerasLowbitPlan:
     awq = wrapper.awq_scales.numpy() if "awq_scales" in wrapper.state_variables() else None
     bits = wrapper.config["quant_bits"]
     bits = int(bits["weight"] if isinstance(bits, dict) else bits)
-    return keras_quantized_variables(name, wrapper.layer, wrapper.weight_codes.numpy(),
+    return keras_quantized_variables(name, wrapper.layer, oneshot_codes(wrapper),
                                      wrapper.weight_group_scale.numpy(), wrapper.weight_group_zero_point.numpy(),
                                      int(wrapper.weight_group_size), bits,
                                      symmetric=wrapper.weight_codes.dtype == tf.int8, awq_scales=awq, fast=fast)

@@ -56,6 +56,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.sequential import quant_spec_of
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
+from .quantization.oneshot import oneshot_codes
 from .quantization.wrapper import QuantizerModuleWrapper
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS"]
@@ -272,7 +273,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
             dense_notes.append(f"{w.name!r} (its weight is tied to another layer's)")
             continue
         spec = quant_spec_of(w.config, type(w.quantizer).__name__)
-        n_in = w._buffers["weight_codes"].shape[1]
+        n_in = layer.in_features
         gs = spec.group_width(n_in)
         if n_in % gs:
             raise ModelError(f"hf_path: layer {w.name!r}: group_size {gs} does not divide its {n_in} input columns; "
@@ -342,7 +343,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
         groups: dict[tuple[int, int | None, bool], list[str]] = {}
         for name, w in pack.items():
             spec = quant_spec_of(w.config, type(w.quantizer).__name__)
-            codes = w._buffers["weight_codes"].detach().cpu().numpy()
+            codes = oneshot_codes(w).cpu().numpy()
             scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
             zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
             symmetric = codes.dtype == np.int8

@@ -704,3 +704,28 @@ def test_gram_matrices_get_pages_of_their_own():
     assert isinstance(handed, list) and acc.gram is None
     w = np.random.default_rng(0).standard_normal((4, 512))
     np.testing.assert_array_equal(O.sparsegpt_prune(w, handed, 0.5).weight, O.sparsegpt_prune(w, plain, 0.5).weight)
+
+
+def test_codes_of_4_bits_or_fewer_are_kept_two_per_byte():
+    """store_codes: column 2k in the low nibble, 2k + 1 in the high one (two's complement nibbles for signed
+    codes, an odd last column paired with 0); stored_codes_to_full gives the codes back; wider codes unchanged."""
+    signed = np.array([[-7, 7, 0, -1, 3], [1, -8, 5, 2, -3]], dtype=np.int8)
+    kept = O.store_codes(signed, 4)
+    assert kept.dtype == np.int8 and kept.shape == (2, 3) and O.stored_code_width(5, 4) == 3
+    assert kept.view(np.uint8).tolist() == [[0x79, 0xF0, 0x03], [0x81, 0x25, 0x0D]]
+    np.testing.assert_array_equal(O.stored_codes_to_full(kept, 4, 5), signed)
+    unsigned = np.array([[0, 15, 9, 4]], dtype=np.uint8)
+    kept = O.store_codes(unsigned, 3)
+    assert kept.dtype == np.uint8 and kept.tolist() == [[0xF0, 0x49]]
+    np.testing.assert_array_equal(O.stored_codes_to_full(kept, 3, 4), unsigned)
+    wide = np.array([[-128, 127, 3]], dtype=np.int8)
+    assert O.store_codes(wide, 8) is wide and O.stored_code_width(3, 8) == 3
+    np.testing.assert_array_equal(O.stored_codes_to_full(wide, 8, 3), wide)
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 128):
+        c = rng.integers(-8, 8, (5, n)).astype(np.int8)
+        np.testing.assert_array_equal(O.stored_codes_to_full(O.store_codes(c, 4), 4, n), c)
+    with pytest.raises(ValueError, match=r"\[out, 3\]"):
+        O.stored_codes_to_full(np.zeros((2, 5), np.int8), 4, 5)
+    with pytest.raises(ValueError, match="int8 / uint8"):
+        O.store_codes(np.zeros((2, 2), np.int32), 4)

@@ -132,8 +132,12 @@ def test_one_shot_quantizers_agree_code_for_code(name, extra):
     tw, kw = torch_weights(tm), keras_weights(km)
     compare(tw, kw, exact_blocks=BLOCKS if name == "RtnQuantizer" else 1)
     # the integer codes the wrappers keep, block 0 exactly
-    t_codes = {w.name: w.weight_codes.numpy() for w in tq.get_modules_wrapper()}
-    k_codes = {w.name: np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()}
+    t_codes = {w.name: cth.oneshot_codes(w).numpy() for w in tq.get_modules_wrapper()}
+    k_codes = {w.name: ctf.oneshot_codes(w) for w in kq.get_modules_wrapper()}
+    # and the form the wrappers keep (4 bits: two codes per byte) is the same bytes on both backends
+    t_kept = {w.name: w.weight_codes.numpy() for w in tq.get_modules_wrapper()}
+    k_kept = {w.name: w.weight_codes.numpy() for w in kq.get_modules_wrapper()}
+    np.testing.assert_array_equal(t_kept["blocks.0.fc1"], k_kept["block_0/fc1"])
     assert sorted(t_codes) == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "head"]
     assert sorted(k_codes) == ["block_0/fc1", "block_0/fc2", "block_1/fc1", "block_1/fc2", "head"]
     np.testing.assert_array_equal(t_codes["blocks.0.fc1"], k_codes["block_0/fc1"])
@@ -162,7 +166,7 @@ def test_torch_codes_give_the_keras_quantized_layer_of_the_keras_export(name, ex
             continue  # block 0 sees the same statistics on both backends: its codes are equal bit for bit
         tw = t_wrappers[kw.name.replace("block_", "blocks.").replace("/", ".")]
         awq = tw.awq_scales.numpy() if name == "AwqQuantizer" else None
-        from_torch = keras_quantized_variables(kw.name, kw.layer, tw.weight_codes.numpy(),
+        from_torch = keras_quantized_variables(kw.name, kw.layer, cth.oneshot_codes(tw).numpy(),
                                                tw.weight_group_scale.numpy(), tw.weight_group_zero_point.numpy(),
                                                extra.get("group_size", -1), extra["quant_bits"],
                                                symmetric=tw.weight_codes.dtype == torch.int8, awq_scales=awq)
@@ -230,8 +234,8 @@ def test_awq_block_search_agrees_alpha_for_alpha_and_code_for_code():
                                        "blocks.1.gate", None]
     assert [r[2] for r in k_rows] == ["glu_0/gate", "glu_0/gate", None, "glu_1/gate", "glu_1/gate", None]
     assert [r[1] for r in t_rows] == [r[1] for r in k_rows]  # the same alpha everywhere
-    t_codes = [w.weight_codes.numpy() for w in tq.get_modules_wrapper()]
-    k_codes = [np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()]
+    t_codes = [cth.oneshot_codes(w).numpy() for w in tq.get_modules_wrapper()]
+    k_codes = [ctf.oneshot_codes(w) for w in kq.get_modules_wrapper()]
     for t, k in zip(t_codes[:3], k_codes[:3]):  # block 0 sees the data itself: exactly equal codes
         np.testing.assert_array_equal(t, k)
     for t, k in zip(t_codes[3:], k_codes[3:]):
@@ -304,8 +308,8 @@ def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code(sampl
     n = len(BATCHES)
     assert runs["block"] == BLOCKS * (2 * n + 1) + n
     assert runs["mlp"] == runs["block"] + BLOCKS * ((1 + n) + 21)
-    t_codes = [w.weight_codes.numpy() for w in tq.get_modules_wrapper()]
-    k_codes = [np.asarray(w.weight_codes.numpy()) for w in kq.get_modules_wrapper()]
+    t_codes = [cth.oneshot_codes(w).numpy() for w in tq.get_modules_wrapper()]
+    k_codes = [ctf.oneshot_codes(w) for w in kq.get_modules_wrapper()]
     for t, k in zip(t_codes[:3], k_codes[:3]):
         np.testing.assert_array_equal(t, k)
     for t, k in zip(t_codes[3:], k_codes[3:]):

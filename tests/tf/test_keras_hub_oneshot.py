@@ -14,7 +14,7 @@ keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
 
 from compressor.core.errors import ConfigError  # noqa: E402
-from compressor.tf import AwqQuantizer, GptqQuantizer, SparseGPTPruner  # noqa: E402
+from compressor.tf import AwqQuantizer, GptqQuantizer, SparseGPTPruner, oneshot_codes  # noqa: E402
 from compressor.tf.oneshot import kernel_layout  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -96,7 +96,7 @@ def test_sparsegpt_and_gptq_compress_every_projection_of_every_decoder_block(nam
     assert [b.split("/")[-1] for b in q.blocks] == [b.split("/")[-1] for b in p.blocks]
     for w in q.modules_wrapper:
         plan = kernel_layout(w.name, w.layer)
-        codes = w.weight_codes.numpy().astype(np.int64)
+        codes = oneshot_codes(w).astype(np.int64)
         assert codes.min() >= -7 and codes.max() <= 7 and codes.shape == (plan.n_out, plan.n_in)
         gs = min(16, plan.n_in)
         deq = codes * np.repeat(w.weight_group_scale.numpy(), gs, axis=1)

@@ -22,7 +22,7 @@ tf = pytest.importorskip("tensorflow")
 
 from compressor.cli import main as cli_main  # noqa: E402
 from compressor.core.errors import ConfigError  # noqa: E402
-from compressor.tf import AwqQuantizer, GptqQuantizer, RtnQuantizer  # noqa: E402
+from compressor.tf import AwqQuantizer, GptqQuantizer, RtnQuantizer, oneshot_codes  # noqa: E402
 from compressor.tf.compressor import wrappers_of  # noqa: E402
 from compressor.tf.lowbit import describe_keras_quantized, keras_quantized_variables, to_keras_quantized  # noqa: E402
 
@@ -117,7 +117,8 @@ def test_keras_runs_our_codes_with_its_own_quantized_layers(converted, case):
 def test_int4_variables_hold_our_codes_scales_and_zero_points():
     m, q = quantized(RtnQuantizer, {"quant_bits": 4, "group_size": 8, "quant_scheme": "affine"})
     w = {x.name: x for x in q.get_modules_wrapper()}["block/up"]
-    codes, scale, zp = w.weight_codes.numpy(), w.weight_group_scale.numpy(), w.weight_group_zero_point.numpy()
+    codes, scale, zp = oneshot_codes(w), w.weight_group_scale.numpy(), w.weight_group_zero_point.numpy()
+    assert w.weight_codes.shape == (32, 8) and w.weight_codes.dtype == tf.uint8  # two 4-bit codes per byte
     assert codes.shape == (32, 16) and scale.shape == (32, 2) and codes.dtype == np.uint8
     to_keras_quantized(q)
     up = m.get_layer("block").get_layer("up")

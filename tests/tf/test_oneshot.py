@@ -22,6 +22,7 @@ from compressor.tf import (  # noqa: E402
     RtnQuantizer,
     SparseGPTPruner,
     WandaPruner,
+    oneshot_codes,
 )
 from compressor.tf.calibration_data import calibration_batches  # noqa: E402
 from compressor.tf.kernel_layout import _einsum_layout, kernel_layout  # noqa: E402
@@ -270,7 +271,7 @@ def test_gptq_closer_than_rtn_codes_in_range_and_kernel_is_the_dequantized_grid(
     e_gptq = err(m, ref)
     for name in LAYERS:
         w, wrapper = canon(g, name)
-        codes = wrapper.weight_codes.numpy().astype(np.int64)
+        codes = oneshot_codes(wrapper).astype(np.int64)
         assert codes.min() >= -7 and codes.max() <= 7 and wrapper.weight_codes.dtype == tf.int8
         scale = wrapper.weight_group_scale.numpy()
         assert scale.shape == (w.shape[0], w.shape[1] // 8)
@@ -287,7 +288,7 @@ def test_gptq_closer_than_rtn_codes_in_range_and_kernel_is_the_dequantized_grid(
     a = AwqQuantizer(m, [{"quant_bits": 4, "group_size": 8, "quant_scheme": "affine", **DEFAULT}])
     a.calibrate(CALIB, progress=False)
     wrapper = a.modules_wrapper[0]
-    assert wrapper.weight_codes.dtype == tf.uint8 and int(wrapper.weight_codes.numpy().max()) <= 15
+    assert wrapper.weight_codes.dtype == tf.uint8 and int(oneshot_codes(wrapper).max()) <= 15
     assert wrapper.awq_scales.shape == (WIDTH,) and np.isfinite(m(HELD).numpy()).all()
 
 
@@ -298,7 +299,7 @@ def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
     q = GptqQuantizer(m, [{"quant_bits": 4, **DEFAULT}]).calibrate(CALIB, progress=False)
     for n in LAYERS:
         w, wrapper = canon(q, n)
-        assert np.all(w[zeros[n]] == 0) and np.all(wrapper.weight_codes.numpy()[zeros[n]] == 0)
+        assert np.all(w[zeros[n]] == 0) and np.all(oneshot_codes(wrapper)[zeros[n]] == 0)
         assert (w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max() <= 2
 
 
@@ -595,11 +596,11 @@ def test_calibrate_that_fails_in_block_two_leaves_every_weight_and_state_as_befo
 def test_quant_range_full_uses_the_signed_int4_grid():
     for key, lo in (("full", -8), ("narrow", -7)):
         r = RtnQuantizer(lm(), [{"quant_bits": 4, "group_size": 8, "quant_range": key, **DEFAULT}]).calibrate(progress=False)
-        codes = np.concatenate([w.weight_codes.numpy().ravel() for w in r.modules_wrapper])
+        codes = np.concatenate([oneshot_codes(w).ravel() for w in r.modules_wrapper])
         assert codes.min() == lo and codes.max() == 7
         for name in LAYERS:
             w, wrapper = canon(r, name)
-            deq = wrapper.weight_codes.numpy().astype(np.float64) * np.repeat(wrapper.weight_group_scale.numpy(), 8, axis=1)
+            deq = oneshot_codes(wrapper).astype(np.float64) * np.repeat(wrapper.weight_group_scale.numpy(), 8, axis=1)
             np.testing.assert_array_equal(w, deq.astype(np.float32))
     with pytest.raises(ConfigError, match="quant_range"):
         GptqQuantizer(lm(), [{"quant_bits": 4, "quant_range": "wide", **DEFAULT}])

@@ -20,6 +20,7 @@ from compressor.core.compressed_tensors import (
 )
 from compressor.core.errors import ConfigError, ModelError
 from compressor.torch import AwqQuantizer, GptqQuantizer, QAT_Quantizer, RtnQuantizer, SparseGPTPruner
+from compressor.torch.quantization.oneshot import oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -95,12 +96,12 @@ def test_gptq_int4_pack_quantized_loads_with_same_logits(tmp_path, family):
     tensors = read_safetensors(out / "model.safetensors")
     first = names[0]
     wrapper = dict(model.named_modules())[first]
-    n_out, n_in = wrapper.weight_codes.shape
+    n_out, n_in = oneshot_codes(wrapper).shape
     assert tensors[f"{first}.weight_packed"].shape == (n_out, n_in * 4 // 32)
     assert f"{first}.weight" not in tensors and f"{first}.weight_zero_point" not in tensors
     # our narrow symmetric codes [-7, 7] are stored unchanged in compressed-tensors' signed int4
     codes = unpack_int32(tensors[f"{first}.weight_packed"], 4, n_in)
-    np.testing.assert_array_equal(codes, wrapper.weight_codes.numpy())
+    np.testing.assert_array_equal(codes, oneshot_codes(wrapper).numpy())
     assert codes.min() >= -7 and codes.max() <= 7
     diff = (_logits(_reload(out)) - ref).abs().max().item()
     assert diff < TOL
@@ -126,7 +127,7 @@ def test_rtn_affine_is_naive_quantized_and_loads(tmp_path):
     name = "model.layers.0.mlp.down_proj"
     w = dict(model.named_modules())[name]
     assert t[f"{name}.weight"].dtype == np.int8 and t[f"{name}.weight_zero_point"].dtype == np.int8
-    np.testing.assert_array_equal(t[f"{name}.weight"], w.weight_codes.numpy().astype(np.int16) - 8)
+    np.testing.assert_array_equal(t[f"{name}.weight"], oneshot_codes(w).numpy().astype(np.int16) - 8)
     np.testing.assert_array_equal(t[f"{name}.weight_zero_point"], w.weight_group_zero_point.numpy() - 8)
     assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
 

@@ -26,6 +26,7 @@ from compressor.torch import (
     WandaPruner,
 )
 from compressor.torch.oneshot import TorchOneShotBackend, _Input, _merged_calls, calibration_batches
+from compressor.torch.quantization.oneshot import oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -219,7 +220,7 @@ def test_a_layer_that_stops_sharing_its_leaders_input_is_an_error():
 
 # ------------------------------------------------------------------------------------------------ methods
 def _check_codes(wrapper, spec_bits, group_size):
-    codes = wrapper.weight_codes.to(torch.float64)
+    codes = oneshot_codes(wrapper).to(torch.float64)
     qmax = 2 ** (spec_bits - 1) - 1
     assert int(codes.min()) >= -qmax and int(codes.max()) <= qmax
     gidx = torch.arange(codes.shape[1]) // group_size
@@ -403,7 +404,7 @@ def test_sparsegpt_2_4_then_gptq_w4_keeps_the_zeros():
         assert type(inner).__name__ == "PrunerModuleWrapper"
         pruned = ~inner.weight_mask
         assert int(pruned.sum()) == pruned.numel() // 2
-        assert (w.weight[pruned] == 0).all() and (w.weight_codes[pruned] == 0).all()
+        assert (w.weight[pruned] == 0).all() and (oneshot_codes(w)[pruned] == 0).all()
         assert ((w.weight != 0).reshape(w.weight.shape[0], -1, 4).sum(-1) <= 2).all()
         _check_codes(w, 4, 16)
     with torch.no_grad():
@@ -694,20 +695,43 @@ def test_calibrate_that_fails_in_block_two_leaves_every_weight_and_buffer_as_bef
     assert same_state(model, state(fresh))
 
 
+def test_codes_of_4_bits_are_kept_two_per_byte_and_8_bits_one():
+    for bits, per_byte in ((4, 2), (8, 1)):
+        q = make(RtnQuantizer, build("llama"), {"quant_bits": bits, "group_size": 16}).calibrate()
+        for w in q.get_modules_wrapper():
+            n_out, n_in = w.weight.shape
+            assert w.weight_codes.dtype == torch.int8 and tuple(w.weight_codes.shape) == (n_out, n_in // per_byte)
+            codes = oneshot_codes(w)
+            assert tuple(codes.shape) == (n_out, n_in) and codes.dtype == torch.int8
+            gidx = torch.arange(n_in) // 16
+            torch.testing.assert_close(codes.double() * w.weight_group_scale.double()[:, gidx], w.weight.double(),
+                                       rtol=1e-6, atol=1e-6)
+    # a state saved with one code per entry (before codes were packed) loads into the packed buffers
+    q = make(RtnQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16}).calibrate()
+    want = {w.name: oneshot_codes(w) for w in q.get_modules_wrapper()}
+    old = {k: want[k.removesuffix(".weight_codes")] if k.endswith(".weight_codes") else v
+           for k, v in q.bound_model.state_dict().items()}
+    assert sum(k.endswith(".weight_codes") for k in old) == len(want)
+    fresh = make(RtnQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16})
+    fresh.bound_model.load_state_dict(old)
+    for w in fresh.get_modules_wrapper():
+        torch.testing.assert_close(oneshot_codes(w), want[w.name], rtol=0, atol=0)
+
+
 def test_quant_range_full_uses_the_signed_int4_grid():
     for rng_key, lo in (("full", -8), ("narrow", -7)):
         model = build("llama")
         q = make(RtnQuantizer, model, {"quant_bits": 4, "group_size": 16, "quant_range": rng_key}).calibrate()
-        codes = torch.cat([w.weight_codes.flatten() for w in q.get_modules_wrapper()])
+        codes = torch.cat([oneshot_codes(w).flatten() for w in q.get_modules_wrapper()])
         assert int(codes.min()) == lo and int(codes.max()) == 7
         for w in q.get_modules_wrapper():
-            gidx = torch.arange(w.weight_codes.shape[1]) // 16
-            deq = w.weight_codes.double() * w.weight_group_scale.double()[:, gidx]
+            gidx = torch.arange(oneshot_codes(w).shape[1]) // 16
+            deq = oneshot_codes(w).double() * w.weight_group_scale.double()[:, gidx]
             torch.testing.assert_close(deq, w.weight.double(), rtol=1e-6, atol=1e-6)
             assert int(w.weight_group_zero_point.abs().max()) == 0
     g = make(GptqQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16, "quant_range": "full"})
     g.calibrate(batches(), progress=False)
-    codes = torch.cat([w.weight_codes.flatten() for w in g.get_modules_wrapper()])
+    codes = torch.cat([oneshot_codes(w).flatten() for w in g.get_modules_wrapper()])
     assert int(codes.min()) == -8 and int(codes.max()) == 7
     with pytest.raises(ConfigError, match="quant_range"):
         make(GptqQuantizer, build("llama"), {"quant_bits": 4, "quant_range": "wide"})

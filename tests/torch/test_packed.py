@@ -25,6 +25,7 @@ from compressor.torch import (
     SparseGPTPruner,
     pack_weights,
 )
+from compressor.torch.quantization.oneshot import oneshot_codes
 from compressor.torch.quantization.packed import _int4_kernel_source
 
 transformers = pytest.importorskip("transformers")
@@ -181,7 +182,7 @@ def test_packed_model_equals_the_fake_quant_model_per_layer_and_in_logits(family
     for h in hooks:
         h.remove()
     ref = {n: w(inputs[n]).detach() for n, w in wrappers.items()}
-    codes = {n: w.weight_codes.clone() for n, w in wrappers.items()}
+    codes = {n: oneshot_codes(w) for n, w in wrappers.items()}
     assert pack_weights(model, compute_dtype=torch.float32) is model
     kernel = "int4" if cfg["quant_bits"] == 4 else "int8"
     for n in wrappers:

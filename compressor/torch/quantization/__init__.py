@@ -9,7 +9,7 @@ from .dorefa import DoReFaQuantizer
 from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
-from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, oneshot_codes
 from .packed import PackedLinear, pack_weights
 from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
@@ -19,5 +19,5 @@ from .wrapper import QuantizerModuleWrapper
 __all__ = [
     "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
     "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer", "GptqQuantizer",
-    "RtnQuantizer", "AwqQuantizer", "PackedLinear", "pack_weights",
+    "RtnQuantizer", "AwqQuantizer", "oneshot_codes", "PackedLinear", "pack_weights",
 ]

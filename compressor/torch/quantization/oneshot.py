@@ -6,7 +6,8 @@ runs the model block by block (:mod:`compressor.torch.oneshot`), quantizes each 
 math (:mod:`compressor.core.oneshot`) and writes the DEQUANTIZED weight (what the method settled on; AWQ:
 ``Q(W s) / s``) into the layer, which sits in a :class:`QuantizerModuleWrapper` as with every quantizer.
 The integer form is kept on the wrapper for a low-bit export, in the canonical ``[out, in]`` layout:
-``weight_codes`` (int8 symmetric / uint8 affine), ``weight_group_scale`` (float32 ``[out, groups]``),
+``weight_codes`` (int8 symmetric / uint8 affine; at 4 bits or fewer two codes per byte, ``[out, ceil(in / 2)]``:
+:func:`compressor.core.oneshot.store_codes`; :func:`oneshot_codes` gives them back one per entry), ``weight_group_scale`` (float32 ``[out, groups]``),
 ``weight_group_zero_point`` (int32 ``[out, groups]``; 0 when symmetric), AWQ's ``awq_scales`` (float32
 ``[in]``: the codes quantize ``W * s``); ``oneshot_calibrated`` says whether they are filled.
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
+from ...core.oneshot import store_codes, stored_code_width, stored_codes_to_full
 from ...core.sequential import (
     QUANT_SCHEME_KEY,
     AwqMethod,
@@ -41,7 +43,29 @@ from ..oneshot import OneShotMixin, OneShotReport, oneshot_key_specs
 from .quantizer import TorchQuantizer, builtin_ste
 from .wrapper import QuantizerModuleWrapper
 
-__all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer"]
+__all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "oneshot_codes"]
+
+
+def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry, on the buffer's device) of a
+    layer quantized by :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer`; its
+    ``weight_codes`` buffer keeps codes of 4 bits or fewer two per byte."""
+    stored = wrapper._buffers["weight_codes"]
+    bits = int(wrapper.quant_bits["weight"])
+    n_in = int(canonical_shape(wrapper.layer, wrapper.layer.weight.shape)[1])
+    full = stored_codes_to_full(stored.detach().cpu().numpy(), bits, n_in)
+    return torch.from_numpy(full.copy()).to(stored.device)
+
+
+def _packs_loaded_codes(bits: int, n_in: int) -> Any:
+    """A load_state_dict pre-hook: a state saved before codes were kept two per byte (``weight_codes`` of ``n_in``
+    columns, one code per entry) loads as the packed form."""
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        key = prefix + "weight_codes"
+        v = state_dict.get(key)
+        if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == n_in and v.dtype in (torch.int8, torch.uint8):
+            state_dict[key] = torch.from_numpy(store_codes(v.detach().cpu().numpy(), bits)).to(v.device)
+    return hook
 
 
 class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
@@ -67,13 +91,15 @@ class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
         n_out, n_in = canonical_shape(wrapper.layer, wrapper.layer.weight.shape)  # (not flagged a wrapper yet)
         groups = math.ceil(n_in / spec.group_width(n_in))
         dev = wrapper.weight.device
-        wrapper.register_buffer("weight_codes", torch.zeros((n_out, n_in), dtype=torch.int8 if spec.symmetric
-                                                            else torch.uint8, device=dev))
+        wrapper.register_buffer("weight_codes", torch.zeros((n_out, stored_code_width(n_in, spec.bits)), device=dev,
+                                                            dtype=torch.int8 if spec.symmetric else torch.uint8))
         wrapper.register_buffer("weight_group_scale", torch.zeros((n_out, groups), dtype=torch.float32, device=dev))
         wrapper.register_buffer("weight_group_zero_point", torch.zeros((n_out, groups), dtype=torch.int32, device=dev))
         if self.method_class is AwqMethod:
             wrapper.register_buffer("awq_scales", torch.ones(n_in, dtype=torch.float32, device=dev))
         wrapper.register_buffer("oneshot_calibrated", torch.zeros((), dtype=torch.bool, device=dev))
+        if stored_code_width(n_in, spec.bits) != n_in:
+            wrapper.register_load_state_dict_pre_hook(_packs_loaded_codes(spec.bits, n_in))
 
     @builtin_ste
     def quantize_weight(self, weight: torch.Tensor, wrapper: QuantizerModuleWrapper, **kwargs: Any) -> torch.Tensor:
@@ -91,7 +117,7 @@ class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
             raise ConfigError(f"{type(self).__name__}: layer {wrapper.name!r}: {q.scale.shape[1]} groups, expected "
                               f"{buf['weight_group_scale'].shape[1]}")
         with torch.no_grad():
-            buf["weight_codes"].copy_(torch.from_numpy(q.codes).to(buf["weight_codes"].dtype))
+            buf["weight_codes"].copy_(torch.from_numpy(store_codes(q.codes, q.spec.bits)))
             buf["weight_group_scale"].copy_(torch.from_numpy(q.scale))
             buf["weight_group_zero_point"].copy_(torch.from_numpy(q.zero_point).to(torch.int32))
             if result.scales is not None:

@@ -56,6 +56,7 @@ from ...core.errors import ModelError
 from ..layout import in_out_features, to_canonical
 from ..modules import innermost_module, named_wrappers
 from .grad import QuantType
+from .oneshot import oneshot_codes
 from .wrapper import QuantizerModuleWrapper
 
 __all__ = ["PackedLinear", "pack_weights", "INT4_KERNEL_GROUPS"]
@@ -454,7 +455,7 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
         source = type(layer).__name__
         if kind == "oneshot":
             buf = w._buffers
-            codes = buf["weight_codes"]
+            codes = oneshot_codes(w)
             n_in = codes.shape[1]
             groups = buf["weight_group_scale"].shape[1]
             gs = math.ceil(n_in / groups) if groups > 1 else None
