@@ -714,18 +714,19 @@ def _awq_parent_modules(backend: OneShotBackend, block: Any, groups: list[list[L
 
 
 def _record_float(backend: OneShotBackend, block: Any, inputs: list[Any], module: Any,
-                  done: list[tuple[LayerTask, np.ndarray, np.ndarray]]) -> Any:
+                  done: list[tuple[LayerTask, Any, Any]], spill: _Spill) -> Any:
     """``module``'s recorded calls in one run of the FLOAT block (the layers of the block already compressed,
-    ``done``: ``(task, float weight, compressed weight)``, run with their float weights for it and get their
-    compressed ones back): each parent is recorded just before its group is searched, so one parent's inputs
-    are in memory at a time, and they are what recording all parents in one float run gives."""
+    ``done``: ``(task, float weight, compressed weight)``, both as ``spill`` keeps them: they are read back one
+    layer at a time, run with their float weights for it and get their compressed ones back): each parent is
+    recorded just before its group is searched, so one parent's inputs are in memory at a time, and they are
+    what recording all parents in one float run gives."""
     for t, w_float, _ in done:
-        backend.set_weight(t, w_float)  # type: ignore[attr-defined]
+        backend.set_weight(t, spill.get(w_float))  # type: ignore[attr-defined]
     try:
         calls = backend.record_calls(block, inputs, [module])[0]  # type: ignore[attr-defined]
     finally:
         for t, _, w_done in done:
-            backend.set_weight(t, w_done)  # type: ignore[attr-defined]
+            backend.set_weight(t, spill.get(w_done))  # type: ignore[attr-defined]
     release_freed_heap()  # the recording run's (and a backend's merging of the calls) transient buffers
     if not calls:
         raise ModelError(f"AWQ: module {getattr(module, 'name', type(module).__name__)!r}, which holds layers of "
@@ -761,61 +762,67 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
     order = list(groups.values())
     records = [len(g) > 1 and parents[id(g)] is not None for g in order]  # records its parent on the float block
     keep = {t.name for i, g in enumerate(order) for t in g if any(records[i + 1:])}
-    floats = {t.name: _compact(backend.read_weight(t)[0]) for t in tasks if t.name in keep}
-    done: list[tuple[LayerTask, np.ndarray, np.ndarray]] = []  # compressed so far: (task, float, compressed)
+    # the copies go to a temporary file (read back one layer at a time by _record_float), not the heap
+    spill = _Spill()
+    floats = {t.name: spill.put(_compact(backend.read_weight(t)[0])) for t in tasks if t.name in keep}
+    done: list[tuple[LayerTask, Any, Any]] = []  # compressed so far: (task, float, compressed), spilled
 
     def compressed(ts: list[LayerTask]) -> None:
-        done.extend((t, floats.pop(t.name), _compact(backend.read_weight(t)[0])) for t in ts if t.name in keep)
+        done.extend((t, floats.pop(t.name), spill.put(_compact(backend.read_weight(t)[0])))
+                    for t in ts if t.name in keep)
 
-    for gi, group in enumerate(order):
-        if len(group) == 1:
-            _compress_layers(backend, method, group, accs, rows, name, undo)
-            compressed(group)
-            continue
-        stats = accs[group[0].name]
-        _check_seen(method, group[0], stats)
-        weights = []
-        for t in group:
-            w, m = backend.read_weight(t)
-            weights.append((_compact(w), m))  # float32 where exact: the search reads it a chunk of rows at a time
-            undo.before(t)
-        parent = parents[id(group)]
-        if parent is None:  # the whole block's output vs the block before quantization
-            if not block_ref:
-                block_ref.append(list(run(block, inputs)))
-
-            def forward(run: Any = run) -> Iterable[Any]:
-                return run(block, inputs)
-            ref = block_ref[0]
-        else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
-            module, calls = parent, _record_float(backend, block, inputs, parent, done)
-            if not any(records[gi + 1:]):
-                done.clear()  # no later group records on the float block: the copies are not read again
-
-            def forward(module: Any = module, calls: Any = calls) -> Iterable[Any]:
-                return backend.module_output(module, calls)  # type: ignore[attr-defined]
-            ref = list(forward())
-        release_freed_heap()  # the module runs' transients, interleaved with the kept references
-
-        def block_loss(cand: Mapping[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
-                       ref: Any = ref) -> float:
+    try:
+        for gi, group in enumerate(order):
+            if len(group) == 1:
+                _compress_layers(backend, method, group, accs, rows, name, undo)
+                compressed(group)
+                continue
+            stats = accs[group[0].name]
+            _check_seen(method, group[0], stats)
+            weights = []
             for t in group:
-                set_weight(t, cand[t.name])
-            err = _output_error(forward(), ref)
-            release_freed_heap()
-            return err
+                w, m = backend.read_weight(t)
+                weights.append((_compact(w), m))  # float32 where exact: the search reads it a chunk of rows at a time
+                undo.before(t)
+            parent = parents[id(group)]
+            if parent is None:  # the whole block's output vs the block before quantization
+                if not block_ref:
+                    block_ref.append(list(run(block, inputs)))
 
-        results = method.search_group(group, weights, stats, block_loss)
-        del ref, forward, block_loss
-        if parent is not None:
-            del calls
-        for t, r in zip(group, results):
-            row = _row(t, method, r, name)
-            backend.write(t, r)
-            rows.append(row)
-            del r  # before the next result is computed
-        compressed(group)
-        release_freed_heap()
+                def forward(run: Any = run) -> Iterable[Any]:
+                    return run(block, inputs)
+                ref = block_ref[0]
+            else:  # the parent module's output on its recorded (float-block) inputs: one module run per alpha
+                module, calls = parent, _record_float(backend, block, inputs, parent, done, spill)
+                if not any(records[gi + 1:]):
+                    done.clear()  # no later group records on the float block: the copies are not read again
+
+                def forward(module: Any = module, calls: Any = calls) -> Iterable[Any]:
+                    return backend.module_output(module, calls)  # type: ignore[attr-defined]
+                ref = list(forward())
+            release_freed_heap()  # the module runs' transients, interleaved with the kept references
+
+            def block_loss(cand: Mapping[str, np.ndarray], group: list[LayerTask] = group, forward: Any = forward,
+                           ref: Any = ref) -> float:
+                for t in group:
+                    set_weight(t, cand[t.name])
+                err = _output_error(forward(), ref)
+                release_freed_heap()
+                return err
+
+            results = method.search_group(group, weights, stats, block_loss)
+            del ref, forward, block_loss
+            if parent is not None:
+                del calls
+            for t, r in zip(group, results):
+                row = _row(t, method, r, name)
+                backend.write(t, r)
+                rows.append(row)
+                del r  # before the next result is computed
+            compressed(group)
+            release_freed_heap()
+    finally:
+        spill.close()
 
 
 def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, str] | None = None
