@@ -842,6 +842,9 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
                 backend.write(t, r)
                 rows.append(row)
                 del r  # before the next result is computed
+            for t in group:  # the group's statistics are not read again
+                accs.pop(t.name, None)
+            del stats, results
             compressed(group)
             release_freed_heap()
     finally:
@@ -932,12 +935,13 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
             if tasks:
                 accs, observe = _observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)
+                observe = None  # its bound methods hold the accumulators: only ``accs`` may, from here on
                 release_freed_heap()
                 if isinstance(method, AwqMethod) and any(method.block_search(t) for t in tasks):
                     _awq_block(backend, method, block, inputs, tasks, accs, rows, name, undo)
                 else:
                     _compress_layers(backend, method, tasks, accs, rows, name, undo)
-                accs = observe = None  # type: ignore[assignment]
+                accs = None  # type: ignore[assignment]
             if i + 1 < total:  # the compressed block's outputs feed the next block
                 inputs = _advance(backend, block, inputs)
                 release_freed_heap()

@@ -339,6 +339,45 @@ def test_awq_block_search_takes_the_loss_on_the_parent_module_output_run_once_pe
         np.testing.assert_array_equal(be.w[n], os1.awq_quantize(w0[n], s, spec).effective)
 
 
+def test_awq_a_layer_alone_is_computed_first_and_written_at_its_turn(monkeypatch):
+    """c (searched alone, on its own statistics) is computed right after the observing pass: its Gram matrix is
+    gone by the time the parent records its inputs, its weight stays float until its turn (the a / b search sees
+    the float c), and it ends as c compressed from its observing-pass statistics; the rows keep the block's order."""
+    import gc
+    import weakref
+
+    made = []
+    init = os1.GramAccumulator.__init__
+
+    def tracked(self, *a, **k):
+        init(self, *a, **k)
+        made.append(weakref.ref(self))
+    monkeypatch.setattr(os1.GramAccumulator, "__init__", tracked)
+
+    class Watch(ParentGluBackend):
+        def record_calls(self, block, inputs, modules):
+            gc.collect()
+            self.alive = sorted(a().in_features for a in made if a() is not None)
+            self.c_then = self.w["c"].copy()
+            return super().record_calls(block, inputs, modules)
+
+    cfg = {"quant_bits": {"weight": 3}, "group_size": 4}
+    be = Watch(cfg)
+    w0 = {n: w.copy() for n, w in be.w.items()}
+    rows = run_sequential(be, AwqMethod(), BATCHES, progress=False)
+    assert [r["layer"] for r in rows] == ["a", "b", "c"]
+    assert be.alive == [8]  # a / b's shared accumulator only: c's (12 inputs) was dropped
+    np.testing.assert_array_equal(be.c_then, w0["c"])
+    ref = ParentGluBackend(cfg)
+    acc = os1.GramAccumulator(12)
+    for b in BATCHES:
+        y = b / 2
+        acc.add(np.maximum(y @ w0["a"].T, 0.0) * (y @ w0["b"].T))
+    want = AwqMethod().compress(LayerTask("c", cfg, 12, "c"), w0["c"], None, acc)
+    np.testing.assert_array_equal(be.w["c"], want.weight)
+    assert rows[2]["alpha"] == want.info["alpha"] and ref.w["c"].shape == want.weight.shape
+
+
 def test_search_subset_spreads_the_chosen_batches_evenly():
     items = list("abcdefghij")
     assert search_subset(items, None) == items
