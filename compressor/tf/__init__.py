@@ -1,8 +1,8 @@
 """TensorFlow / Keras 3 backend of compressor. Importing it imports tensorflow, never torch."""
 
 from .graph import build_graph
-from .lowbit import to_keras_quantized
-from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner, oneshot_codes
+from .lowbit import oneshot_codes, to_keras_quantized
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner
 from .ops import TfOps, ops
 from .packing import load_compressed, save_compressed
 from .pruning import *  # noqa: F401,F403

@@ -57,11 +57,11 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.errors import ConfigError
+from ..core.oneshot import stored_codes_to_full
 from .compressor import iter_layers, strip_model, wrappers_of
 from .kernel_layout import KernelLayout, kernel_layout
-from .oneshot import oneshot_codes
 
-__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan"]
+__all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan", "oneshot_codes"]
 
 @dataclass
 class KerasLowbitPlan:
@@ -99,6 +99,15 @@ def _flat_index(plan: KernelLayout, name: str) -> tuple[np.ndarray, np.ndarray]:
 def _flat(canonical: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``[rows, cols]`` Keras view of a canonical ``[out, in]`` array."""
     return np.asarray(canonical)[np.ix_(cols, rows)].T
+
+
+def oneshot_codes(wrapper: Any) -> np.ndarray:
+    """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry) of a layer calibrated by
+    ``GptqQuantizer`` / ``RtnQuantizer`` / ``AwqQuantizer``; its ``weight_codes`` variable keeps codes of 4 bits
+    or fewer two per byte (:func:`compressor.core.oneshot.store_codes`)."""
+    bits = wrapper.config["quant_bits"]
+    bits = int(bits["weight"] if isinstance(bits, dict) else bits)
+    return stored_codes_to_full(np.asarray(wrapper.weight_codes.numpy()), bits, int(wrapper.weight_code_columns))
 
 
 # ------------------------------------------------------------------------------------------- planning

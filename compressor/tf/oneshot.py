@@ -30,8 +30,8 @@ Pruners put the chosen masks in the usual :class:`PrunerLayerWrapper` and the (S
 in the kernel. Quantizers are weight-only: the kernel holds the method's dequantized weight (the values the
 model computes with; no float copy is kept), and the wrapper keeps the integer grid for packing as
 non-trainable variables: ``weight_codes`` (``[out, in]`` canonical, int8 / uint8; at 4 bits or fewer two codes
-per byte, ``[out, ceil(in / 2)]``: :func:`compressor.core.oneshot.store_codes`; :func:`oneshot_codes` gives them
-back one per entry), ``weight_group_scale``
+per byte, ``[out, ceil(in / 2)]``: :func:`compressor.core.oneshot.store_codes`;
+:func:`compressor.tf.lowbit.oneshot_codes` gives them back one per entry), ``weight_group_scale``
 and ``weight_group_zero_point`` (``[out, groups]``, float64 / int32) and, for AWQ, ``awq_scales`` (``s``,
 ``[in]``, float64: the kernel is ``Q(W s) / s``).
 """
@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo
-from ..core.oneshot import store_codes, stored_codes_to_full
+from ..core.oneshot import store_codes
 from ..core.pruning import nm_validate_config
 from ..core.sequential import (
     ONESHOT_KEYS,
@@ -81,7 +81,7 @@ from .quantization.quantizer import TfQuantizer
 from .quantization.wrapper import QuantizerLayerWrapper
 
 __all__ = ["WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "KernelLayout",
-           "kernel_layout", "oneshot_codes", "find_blocks", "KerasOneShotBackend", "OneShotReport", "ONESHOT_DEFAULT_TYPES"]
+           "kernel_layout", "find_blocks", "KerasOneShotBackend", "OneShotReport", "ONESHOT_DEFAULT_TYPES"]
 
 #: sequences per forward pass when the calibration data is one array of samples
 CALIBRATION_BATCH_SIZE = 8
@@ -629,14 +629,6 @@ def _kernel(wrapper: Any) -> Any:
 #: plain attributes a one-shot ``_write`` sets on a wrapper (restored by :meth:`KerasOneShotBackend.restore`)
 _WRITTEN_ATTRS = ("weight_group_size", "weight_code_columns")
 
-
-def oneshot_codes(wrapper: Any) -> np.ndarray:
-    """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry) of a layer calibrated by
-    :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer`; its ``weight_codes`` variable keeps
-    codes of 4 bits or fewer two per byte."""
-    bits = wrapper.config["quant_bits"]
-    bits = int(bits["weight"] if isinstance(bits, dict) else bits)
-    return stored_codes_to_full(np.asarray(wrapper.weight_codes.numpy()), bits, int(wrapper.weight_code_columns))
 
 
 # ------------------------------------------------------------------------------------------- report
