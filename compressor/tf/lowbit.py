@@ -56,7 +56,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, ModelError
 from ..core.oneshot import stored_codes_to_full
 from .compressor import iter_layers, strip_model, wrappers_of
 from .kernel_layout import KernelLayout, kernel_layout
@@ -104,7 +104,12 @@ def _flat(canonical: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarr
 def oneshot_codes(wrapper: Any) -> np.ndarray:
     """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry) of a layer calibrated by
     ``GptqQuantizer`` / ``RtnQuantizer`` / ``AwqQuantizer``; its ``weight_codes`` variable keeps codes of 4 bits
-    or fewer two per byte (:func:`compressor.core.oneshot.store_codes`)."""
+    or fewer two per byte (:func:`compressor.core.oneshot.store_codes`). A wrapper of another quantizer, or one
+    not calibrated yet, is a ModelError."""
+    states = getattr(wrapper, "state_variables", None)
+    if states is None or "weight_codes" not in states() or not hasattr(wrapper, "weight_code_columns"):
+        raise ModelError(f"oneshot_codes: {getattr(wrapper, 'name', type(wrapper).__name__)!r} holds no integer codes "
+                         f"(only GptqQuantizer / RtnQuantizer / AwqQuantizer wrappers keep them, once calibrated)")
     bits = wrapper.config["quant_bits"]
     bits = int(bits["weight"] if isinstance(bits, dict) else bits)
     return stored_codes_to_full(np.asarray(wrapper.weight_codes.numpy()), bits, int(wrapper.weight_code_columns))

@@ -21,7 +21,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 from compressor.cli import main as cli_main  # noqa: E402
-from compressor.core.errors import ConfigError  # noqa: E402
+from compressor.core.errors import ConfigError, ModelError  # noqa: E402
 from compressor.tf import AwqQuantizer, GptqQuantizer, RtnQuantizer, oneshot_codes  # noqa: E402
 from compressor.tf.compressor import wrappers_of  # noqa: E402
 from compressor.tf.lowbit import describe_keras_quantized, keras_quantized_variables, to_keras_quantized  # noqa: E402
@@ -112,6 +112,15 @@ def test_keras_runs_our_codes_with_its_own_quantized_layers(converted, case):
     # of the output scale on these cases
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     assert not np.array_equal(ref, model()(HELD).numpy())  # (the codes did change the model)
+
+
+def test_oneshot_codes_refuses_a_wrapper_without_codes():
+    m, q = quantized(RtnQuantizer, {"quant_bits": 4, "group_size": 8})
+    w = q.get_modules_wrapper()[0]
+    assert oneshot_codes(w).shape[1] == 2 * w.weight_codes.shape[1]
+    fresh = GptqQuantizer(model(), [{"quant_bits": 4, "op_types": ["default"]}])  # not calibrated
+    with pytest.raises(ModelError, match="holds no integer codes"):
+        oneshot_codes(fresh.get_modules_wrapper()[0])
 
 
 def test_int4_variables_hold_our_codes_scales_and_zero_points():

@@ -718,6 +718,16 @@ def test_codes_of_4_bits_are_kept_two_per_byte_and_8_bits_one():
         torch.testing.assert_close(oneshot_codes(w), want[w.name], rtol=0, atol=0)
 
 
+def test_oneshot_codes_refuses_uncalibrated_and_other_wrappers():
+    q = make(RtnQuantizer, build("llama"), {"quant_bits": 4, "group_size": 16})
+    w = q.get_modules_wrapper()[0]
+    with pytest.raises(ModelError, match="not calibrated yet"):
+        oneshot_codes(w)
+    p = PtqQuantizer(build("llama"), [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["default"]}])
+    with pytest.raises(ModelError, match="holds no integer codes"):
+        oneshot_codes(p.get_modules_wrapper()[0])
+
+
 def test_quant_range_full_uses_the_signed_int4_grid():
     for rng_key, lo in (("full", -8), ("narrow", -7)):
         model = build("llama")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, ModelError
 from ...core.oneshot import store_codes, stored_code_width, stored_codes_to_full
 from ...core.sequential import (
     QUANT_SCHEME_KEY,
@@ -49,8 +49,16 @@ __all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "oneshot_codes"]
 def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
     """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry, on the buffer's device) of a
     layer quantized by :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer`; its
-    ``weight_codes`` buffer keeps codes of 4 bits or fewer two per byte."""
-    stored = wrapper._buffers["weight_codes"]
+    ``weight_codes`` buffer keeps codes of 4 bits or fewer two per byte. A wrapper of another quantizer, or one
+    not calibrated yet, is a ModelError."""
+    bufs = getattr(wrapper, "_buffers", {})
+    if "weight_codes" not in bufs or "oneshot_calibrated" not in bufs:
+        raise ModelError(f"oneshot_codes: {getattr(wrapper, 'name', type(wrapper).__name__)!r} holds no integer codes "
+                         f"(only GptqQuantizer / RtnQuantizer / AwqQuantizer wrappers keep them)")
+    if not bool(bufs["oneshot_calibrated"]):
+        raise ModelError(f"oneshot_codes: layer {wrapper.name!r} is not calibrated yet; run quantizer.calibrate(...) "
+                         f"first")
+    stored = bufs["weight_codes"]
     bits = int(wrapper.quant_bits["weight"])
     n_in = int(canonical_shape(wrapper.layer, wrapper.layer.weight.shape)[1])
     full = stored_codes_to_full(stored.detach().cpu().numpy(), bits, n_in)
