@@ -838,9 +838,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
             if parent is not None:
                 del calls
             for t, r in zip(group, results):
-                row = _row(t, method, r, name)
-                backend.write(t, r)
-                rows.append(row)
+                _commit_layer(backend, method, t, r, rows, name, undo)  # (its undo copy was taken above)
                 del r  # before the next result is computed
             for t in group:  # the group's statistics are not read again
                 accs.pop(t.name, None)

@@ -107,12 +107,13 @@ def oneshot_codes(wrapper: Any) -> np.ndarray:
     or fewer two per byte (:func:`compressor.core.oneshot.store_codes`). A wrapper of another quantizer, or one
     not calibrated yet, is a ModelError."""
     states = getattr(wrapper, "state_variables", None)
-    if states is None or "weight_codes" not in states() or not hasattr(wrapper, "weight_code_columns"):
+    if states is None or "weight_codes" not in states():
         raise ModelError(f"oneshot_codes: {getattr(wrapper, 'name', type(wrapper).__name__)!r} holds no integer codes "
                          f"(only GptqQuantizer / RtnQuantizer / AwqQuantizer wrappers keep them, once calibrated)")
     bits = wrapper.config["quant_bits"]
     bits = int(bits["weight"] if isinstance(bits, dict) else bits)
-    return stored_codes_to_full(np.asarray(wrapper.weight_codes.numpy()), bits, int(wrapper.weight_code_columns))
+    n_in = kernel_layout(wrapper.name, wrapper.layer).n_in
+    return stored_codes_to_full(np.asarray(wrapper.weight_codes.numpy()), bits, n_in)
 
 
 # ------------------------------------------------------------------------------------------- planning

@@ -627,8 +627,7 @@ def _kernel(wrapper: Any) -> Any:
 
 
 #: plain attributes a one-shot ``_write`` sets on a wrapper (restored by :meth:`KerasOneShotBackend.restore`)
-_WRITTEN_ATTRS = ("weight_group_size", "weight_code_columns")
-
+_WRITTEN_ATTRS = ("weight_group_size",)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -825,7 +824,6 @@ class _OneShotQuantizer(_OneShot, TfQuantizer):
         wrapper.add_state("weight_group_scale", tf.constant(q.scale, tf.float64))
         wrapper.add_state("weight_group_zero_point", tf.constant(np.rint(q.zero_point).astype(np.int32)))
         wrapper._setattr_raw("weight_group_size", int(q.group_size))
-        wrapper._setattr_raw("weight_code_columns", int(q.codes.shape[1]))
         if result.scales is not None:
             wrapper.add_state("awq_scales", tf.constant(result.scales, tf.float64))
 
