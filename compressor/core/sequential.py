@@ -868,6 +868,43 @@ def _observers(method: OneShotMethod, tasks: list[LayerTask], shared: dict[str, 
     return accs, observe
 
 
+class ObservedAll(Exception):
+    """Raised by a backend's observing hook once a block call has handed over every observed layer's input (see
+    :class:`ObserveCalls`); the backend catches it around that call, whose output an observing run drops."""
+
+
+class ObserveCalls:
+    """When may an observing run of a block stop? After the last observed input of the call: the layers that
+    run after it (Llama's down projection and the residual add; fc2 in OPT / GPT-2) compute an output nobody
+    reads. Skipping them saves one of seven matrix products of an observing call (a float64 one, by default,
+    on a CPU).
+
+    A backend calls :meth:`begin` before each block call and :meth:`fired(name) <fired>` from each observing
+    hook (leaders and the layers that share their input alike), after the hook has done its work; when it
+    returns True the hook raises :class:`ObservedAll`. The first call always runs to the end and fixes the
+    order: only when each hooked layer fired exactly once there does a later call stop, on the first call's
+    last layer, once every hooked layer has fired (a layer called twice per block, or an order that changes
+    from call to call, then runs the whole block as before)."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = frozenset(names)
+        self._calls: list[str] = []
+        self._last: str | None = None
+        self._learnt = False
+
+    def begin(self) -> None:
+        if self._calls and not self._learnt:  # the first call ran to the end: learn its order
+            self._learnt = True
+            if len(self._calls) == len(self.names) and set(self._calls) == self.names:
+                self._last = self._calls[-1]
+        self._calls = []
+
+    def fired(self, name: str) -> bool:
+        self._calls.append(name)
+        return (self._last is not None and name == self._last and len(self._calls) == len(self.names)
+                and set(self._calls) == self.names)
+
+
 def _shared_inputs(backend: OneShotBackend, block: Any, inputs: list[Any], tasks: list[LayerTask]) -> dict[str, str] | None:
     """The backend's ``shared_inputs(block, inputs, tasks)`` if it has one (optional: layers that read the very
     same input tensor share one accumulator, computed once). It is probed on ONE sequence of the first batch

@@ -61,6 +61,8 @@ from ..core.sequential import (
     GptqMethod,
     LayerResult,
     LayerTask,
+    ObserveCalls,
+    ObservedAll,
     OneShotMethod,
     OneShotReport,
     RtnMethod,
@@ -319,7 +321,11 @@ class KerasOneShotBackend:
             raise ModelError(f"{self.c._what}: the model refused calibration batch {index} {desc}: {e}") from None
 
     @contextmanager
-    def _observing(self, observe: dict[str, Callable[[Any], None]] | None) -> Iterator[None]:
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, calls: ObserveCalls | None = None
+                   ) -> Iterator[None]:
+        """Each observed layer's ``call`` hands its input rows to ``observe[name]`` first; with ``calls`` it then
+        raises :class:`~compressor.core.sequential.ObservedAll` once the block call has nothing left to observe
+        (the caller catches it)."""
         with ExitStack() as stack:
             for name, fn in (observe or {}).items():
                 task = self.tasks[name]
@@ -327,9 +333,11 @@ class KerasOneShotBackend:
                 layer = task.handle.layer
 
                 def make(orig: Callable[..., Any], fn: Callable[[Any], None] = fn, plan: KernelLayout = plan,
-                         layer: Any = layer) -> Callable[..., Any]:
+                         layer: Any = layer, name: str = name) -> Callable[..., Any]:
                     def observed(*args: Any, **kwargs: Any) -> Any:
                         fn(plan.rows(_first_arg(layer, args, kwargs)[1]))
+                        if calls is not None and calls.fired(name):
+                            raise ObservedAll
                         return orig(*args, **kwargs)
                     return observed
 
@@ -412,13 +420,33 @@ class KerasOneShotBackend:
         """``block`` on each input; the outputs are returned only when nothing is observed (the driver drops them
         after an observing run, as on torch: keeping them held a second copy of the activations at that peak)."""
         out = []
-        with self._observing(observe), _float64_policies(block, self.float64) as wide:
+        calls = ObserveCalls(observe) if observe else None
+        with self._observing(observe, calls), _float64_policies(block, self.float64) as wide:
             for inp in inputs:
+                if calls is not None:
+                    self._observe_call(block, inp, wide, calls)
+                    continue
                 h = self._call(block, inp, wide)
-                if observe is None:
-                    out.append(inp.with_hidden(h))
+                out.append(inp.with_hidden(h))
                 del h
         return out
+
+    def _observe_call(self, block: Any, inp: BlockInput, wide: bool, calls: ObserveCalls) -> None:
+        """:meth:`_call` for an observing run: the output is not needed, and each call of the block (each slice of a
+        wide call) ends after the block's last observed input (core :class:`ObserveCalls`)."""
+        def once(part: BlockInput) -> None:
+            calls.begin()
+            try:
+                if wide:
+                    block(*_float64_of(part.args), **_float64_of(part.kwargs))
+                else:
+                    part.call(block)
+            except ObservedAll:
+                pass
+        if wide:
+            self._by_slices(inp, FLOAT64_PASS_TOKENS, once)
+        else:
+            once(inp)
 
     def advance(self, block: Any, inputs: list[BlockInput]) -> list[BlockInput]:
         """:meth:`run_block` without observing, each entry of ``inputs`` replaced by the block's output for it as

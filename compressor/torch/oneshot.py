@@ -45,6 +45,8 @@ from ..core.sequential import (
     ONESHOT_SKIP_HINT,
     LayerResult,
     LayerTask,
+    ObserveCalls,
+    ObservedAll,
     OneShotMethod,
     OneShotReport,
     forward_in_float64,
@@ -500,11 +502,13 @@ class TorchOneShotBackend:
             handle.remove()
         return store
 
-    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any]
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any], stop: bool = False
                    ) -> tuple[list[Any], Callable[[], None]]:
         """Pre-hooks that hand each observed layer's input rows to ``observe[name]``, and a ``reset()`` to call after
         each call of the block: it drops the references to that call's tensors (each call then starts on the same
-        heap: kept into the next call, they made the allocator place that call's buffers elsewhere)."""
+        heap: kept into the next call, they made the allocator place that call's buffers elsewhere). ``stop``: a
+        hook raises :class:`~compressor.core.sequential.ObservedAll` once the call has nothing left to observe
+        (core :class:`~compressor.core.sequential.ObserveCalls`); the caller catches it."""
         handles: list[Any] = []
         if not observe:
             return handles, lambda: None
@@ -525,6 +529,9 @@ class TorchOneShotBackend:
             last[:] = [t, _version(t), x.to("cpu", dtype).numpy().reshape(-1, x.shape[-1])]
             return last[2]
 
+        hooked = [w.name for w in self.wrappers
+                  if w.name in observe or (shared.get(w.name) is not None and shared[w.name] in observe)]
+        calls = ObserveCalls(hooked)
         for w in self.wrappers:
             fn = observe.get(w.name)
             lead = shared.get(w.name)
@@ -532,6 +539,8 @@ class TorchOneShotBackend:
                 def pre(module: nn.Module, args: tuple, fn: Callable[[Any], None] = fn, name: str = w.name) -> None:
                     fed[name] = weakref.ref(args[0])
                     fn(rows(args[0]))
+                    if stop and calls.fired(name):
+                        raise ObservedAll
             elif lead is not None and lead in observe:
                 def pre(module: nn.Module, args: tuple, lead: str = lead, name: str = w.name) -> None:
                     got = fed.get(lead)
@@ -539,6 +548,8 @@ class TorchOneShotBackend:
                         raise ModelError(f"{self.what}.calibrate: layer {name!r} read the same input as {lead!r} on "
                                          f"the first calibration batch but not on a later one (data-dependent "
                                          f"control flow?); their statistics cannot be shared")
+                    if stop and calls.fired(name):
+                        raise ObservedAll
             else:
                 continue
             handles.append(w.register_forward_pre_hook(pre))
@@ -546,6 +557,7 @@ class TorchOneShotBackend:
         def reset() -> None:
             last[:] = [None, -1, None]
             fed.clear()
+            calls.begin()
         return handles, reset
 
     def shared_inputs(self, block: nn.Module, inputs: list[_Input], tasks: list[LayerTask]) -> dict[str, str]:
@@ -662,13 +674,16 @@ class TorchOneShotBackend:
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
         state: dict[str, Any] = {}
-        handles, reset = self._observing(observe, lambda: state.get("keep"))
+        handles, reset = self._observing(observe, lambda: state.get("keep"), stop=True)
         outs: list[_Input] = []
         call = self._caller(block)
         try:
             for inp in inputs:
                 state["keep"] = inp.keep
-                out = call(inp)
+                try:
+                    out = call(inp)
+                except ObservedAll:  # an observing call ends after the block's last observed input
+                    out = None
                 reset()
                 if observe is None:
                     outs.append(inp.with_hidden(out))

@@ -526,3 +526,30 @@ def test_awq_group_search_scores_each_candidate_on_the_layers_effective_weights_
     for r in results:
         np.testing.assert_array_equal(r.scales, s_best)
     assert np.all(results[1].weight[~mask] == 0)
+
+
+def test_observe_calls_stops_after_the_first_calls_last_layer_once_every_layer_has_fired():
+    from compressor.core.sequential import ObserveCalls
+
+    def run(calls, order):
+        calls.begin()
+        for i, name in enumerate(order):
+            if calls.fired(name):
+                return i  # the hook would raise here
+        return None
+
+    c = ObserveCalls(["q", "o", "gate", "down"])
+    assert run(c, ["q", "o", "gate", "down"]) is None  # the first call runs to the end
+    assert run(c, ["q", "o", "gate", "down"]) == 3
+    assert run(c, ["q", "o", "gate", "down"]) == 3
+    # an order that changes: "down" first does not stop the call before the others fired
+    assert run(c, ["down", "q", "o", "gate"]) is None
+    # a layer called twice per block in the first call: never stops
+    twice = ObserveCalls(["a", "b"])
+    assert run(twice, ["a", "b", "a"]) is None
+    assert run(twice, ["a", "b", "a"]) is None
+    assert run(twice, ["a", "b"]) is None
+    # a hooked layer the first call did not reach: never stops
+    partial = ObserveCalls(["a", "b", "c"])
+    assert run(partial, ["a", "b"]) is None
+    assert run(partial, ["a", "b", "c"]) is None

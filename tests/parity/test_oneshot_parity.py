@@ -302,11 +302,13 @@ def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code(sampl
     assert [r[2] for r in k_rows] == ["blk_0/mlp/gate", "blk_0/mlp/gate", None, "blk_1/mlp/gate", "blk_1/mlp/gate",
                                       None]
     assert [r[1] for r in t_rows] == [r[1] for r in k_rows]
-    # per block: observe (4 batches) + the shared-input probe (1) + record (4) [+ advance (4), block 0]; the mlp
-    # also runs once per batch in each of those, then on its own: torch merges the 4 recorded calls into one
-    # (checked once: the merged call + the 4 separate ones), then 1 float reference + 20 alphas
+    # per block: observe (4 batches: the first runs to the end, the other 3 stop at the down projection's input,
+    # before the block's and the mlp's forward hooks) + the shared-input probe (1) + record (4) [+ advance (4),
+    # block 0]; the mlp also completes once per batch in each of those, then on its own: torch merges the 4
+    # recorded calls into one (checked once: the merged call + the 4 separate ones), then 1 float reference + 20
+    # alphas
     n = len(BATCHES)
-    assert runs["block"] == BLOCKS * (2 * n + 1) + n
+    assert runs["block"] == BLOCKS * (1 + 1 + n) + n
     assert runs["mlp"] == runs["block"] + BLOCKS * ((1 + n) + 21)
     t_codes = [cth.oneshot_codes(w).numpy() for w in tq.get_modules_wrapper()]
     k_codes = [ctf.oneshot_codes(w) for w in kq.get_modules_wrapper()]

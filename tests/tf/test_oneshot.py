@@ -660,3 +660,29 @@ def test_block_inputs_share_repeated_arguments_and_advance_replaces_them_in_plac
     assert same is first and len(first) == 3
     for inp, e in zip(first, expected):
         np.testing.assert_array_equal(np.asarray(inp.hidden), e)
+
+
+@pytest.mark.parametrize("forward_dtype", ["float64", "model"])
+def test_an_observing_call_ends_after_the_blocks_last_observed_input_with_the_same_result(forward_dtype, monkeypatch):
+    """As on torch: from the second observing call of a block on, the call stops once the last observed layer
+    (``down``) has handed over its input, so ``down`` computes n - 1 times less per block than with full calls;
+    the compressed kernels are bit for bit the same."""
+    import compressor.core.sequential as seq
+
+    data = [CALIB[i:i + 4] for i in range(0, 12, 4)]
+
+    def run():
+        m = lm()
+        counts = []
+        with _grabbing(m.decoder[0].down) as seen0, _grabbing(m.decoder[1].down) as seen1:
+            SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(data, progress=False,
+                                                                           forward_dtype=forward_dtype)
+            counts = [len(seen0), len(seen1)]
+        return m, counts
+
+    stopped, n_stopped = run()
+    monkeypatch.setattr(seq.ObserveCalls, "fired", lambda self, name: False)
+    full, n_full = run()
+    assert [f - s for f, s in zip(n_full, n_stopped)] == [len(data) - 1] * 2
+    for a, b in zip(full.weights, stopped.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

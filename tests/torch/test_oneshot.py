@@ -745,3 +745,30 @@ def test_quant_range_full_uses_the_signed_int4_grid():
     assert int(codes.min()) == -8 and int(codes.max()) == 7
     with pytest.raises(ConfigError, match="quant_range"):
         make(GptqQuantizer, build("llama"), {"quant_bits": 4, "quant_range": "wide"})
+
+
+@pytest.mark.parametrize("family, last", [("llama", "mlp.down_proj"), ("gpt2", "mlp.c_proj"), ("opt", "fc2")])
+def test_an_observing_call_ends_after_the_blocks_last_observed_input_with_the_same_result(family, last, monkeypatch):
+    """The observing pass needs the layers' inputs, not the block's output: from its second call on, a block call
+    stops once the last observed layer has handed over its input (its own product is never computed); the first
+    call runs to the end and fixes the order. The compressed weights are bit for bit those of full calls."""
+    import compressor.core.sequential as seq
+
+    n = 3
+    model = build(family)
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    blocks = [model.get_submodule(b) for b in FAMILIES[family][1]]
+    runs = {i: 0 for i in range(len(blocks))}
+    handles = [b.get_submodule(last).register_forward_hook(
+        lambda m, a, o, i=i: runs.__setitem__(i, runs[i] + 1)) for i, b in enumerate(blocks)]
+    p.calibrate(batches(n), progress=False)
+    for h in handles:
+        h.remove()
+    # block 0: the shared-input probe, the first observing call, n advancing calls; block 1 (the last): no advance
+    assert runs == {0: 1 + 1 + n, 1: 1 + 1}
+
+    full = build(family)
+    monkeypatch.setattr(seq.ObserveCalls, "fired", lambda self, name: False)
+    make(SparseGPTPruner, full, {"sparsity": 0.5}).calibrate(batches(n), progress=False)
+    assert same_state(full, state(model))
+
