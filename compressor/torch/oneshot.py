@@ -31,6 +31,7 @@ import inspect
 import numbers
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -396,16 +397,25 @@ def _merged_calls(module: nn.Module, calls: list[_Input]) -> list[_Input]:
     return out
 
 
-def _float64_of(v: Any) -> Any:
-    """``v`` (tensors in tuples / lists / dicts) with its floating tensors widened to float64."""
+def _widened(v: Any, hidden: Any, shared: dict[int, tuple[torch.Tensor, int, torch.Tensor]]) -> Any:
+    """``v`` (tensors in tuples / lists / dicts) with its floating tensors widened to float64: ``hidden`` anew,
+    the others once, kept in ``shared`` by identity and version (a block's calls share the attention mask and
+    the rotary tables)."""
     if torch.is_tensor(v):
-        return v.to(torch.float64) if v.is_floating_point() and v.dtype != torch.float64 else v
+        if not v.is_floating_point() or v.dtype == torch.float64:
+            return v
+        if v is hidden:
+            return v.to(torch.float64)
+        got = shared.get(id(v))
+        if got is None or got[0] is not v or got[1] != _version(v):
+            got = shared[id(v)] = (v, _version(v), v.to(torch.float64))
+        return got[2]
     if isinstance(v, tuple):
-        return tuple(_float64_of(x) for x in v)
+        return tuple(_widened(x, hidden, shared) for x in v)
     if isinstance(v, list):
-        return [_float64_of(x) for x in v]
+        return [_widened(x, hidden, shared) for x in v]
     if isinstance(v, dict):
-        return {k: _float64_of(x) for k, x in v.items()}
+        return {k: _widened(x, hidden, shared) for k, x in v.items()}
     return v
 
 
@@ -594,7 +604,7 @@ class TorchOneShotBackend:
         return out
 
     def _float64_units(self, block: nn.Module) -> list[nn.Module]:
-        """The modules of ``block`` whose tensors :meth:`_caller` widens to float64 only while they run: each of
+        """The modules of ``block`` whose tensors :meth:`_calling` widens to float64 only while they run: each of
         this compressor's wrappers in the block, or the outermost wrapper around it (a layer wrapped twice, e.g.
         pruned then quantized: the outer wrapper's forward reads the inner layer's weight itself), i.e. the
         chain of modules that each hold the next as ``.module``."""
@@ -613,40 +623,56 @@ class TorchOneShotBackend:
             units.setdefault(id(u), u)
         return list(units.values())
 
-    def _caller(self, block: nn.Module) -> Callable[[_Input], Any]:
-        """``inp ->`` the block's hidden-state output on ``inp``; with :attr:`float64` the block runs in float64
-        on float64 copies of its floating parameters and buffers and of the call's floating tensors (the
-        module's own tensors are not touched, its hooks still fire), and the output comes back in the hidden
-        state's dtype (the activations stay in the model's dtype between blocks). The copies of the tensors
-        outside the wrapped layers (norms, layers not selected) are made once and swapped in with
-        ``torch.func.functional_call``; each wrapped layer's tensors are copied when it is called and dropped
-        when it returns: one layer's float64 weight alive at a time, not the block's (half the float64 pass's
-        extra memory on the issue-25 Llama: examples/RESULTS.md)."""
+    @contextmanager
+    def _calling(self, block: nn.Module) -> Iterator[Callable[[_Input], Any]]:
+        """A pass over ``block``: yields ``inp ->`` the block's hidden-state output on ``inp``. With :attr:`float64`
+        the block runs in float64 on float64 copies of its floating parameters and buffers and of the call's
+        floating tensors, and the output comes back in the hidden state's dtype (the activations stay in the
+        model's dtype between blocks); the module's own tensors are back when the pass ends (an exception
+        included), its hooks still fire. Set up once per pass, not per call (per-call hook registration and
+        ``functional_call`` were a fifth of a float64 pass's CPU time on the issue-25 Llama):
+
+        * the tensors outside the wrapped layers (norms, layers not selected) are swapped for float64 copies for
+          the whole pass;
+        * each wrapped layer's tensors are copied into a float64 workspace when it is called and swapped back
+          when it returns: one layer's float64 weight alive at a time, not the block's (half the float64 pass's
+          extra memory on the issue-25 Llama: examples/RESULTS.md); the workspace, one buffer per tensor slot as
+          large as that slot's largest tensor over the block's layers, is made once per pass (a fresh copy per
+          layer and call left holes of every layer's size in the heap);
+        * a call's floating tensors other than the hidden state (the attention mask, the rotary tables: the same
+          tensors on every call) are widened once per pass."""
         if not self.float64:
-            return lambda inp: _hidden_of(block(*inp.args, **inp.kwargs))
+            yield lambda inp: _hidden_of(block(*inp.args, **inp.kwargs))
+            return
         units = self._float64_units(block)
-        named = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
-        in_units = {id(t) for u in units for t in [*u.parameters(), *u.buffers()]}
-        unit_names = {f"{n}." for n, m in block.named_modules(remove_duplicate=False) if any(m is u for u in units)}
-        outside = {id(t) for n, t in named if not any(n.startswith(p) for p in unit_names)}
-        seen: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
-        wide = {n: seen.setdefault(id(t), t.to(torch.float64) if t.is_floating_point() else t)
-                for n, t in named if id(t) not in in_units or id(t) in outside}
+        unit_ids = {id(m) for u in units for m in u.modules()}
+
+        def own_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
+            return [(d, n) for m in module.modules() for d in (m._parameters, m._buffers) for n, t in d.items()
+                    if t is not None and t.is_floating_point() and t.dtype != torch.float64]
+
+        slots = {id(u): own_slots(u) for u in units}
+        pruners = {id(u): [m for m in u.modules() if isinstance(m, PrunerModuleWrapper)] for u in units}
+        sizes: dict[tuple[int, torch.device], int] = {}
+        for u in units:
+            for k, (d, n) in enumerate(slots[id(u)]):
+                t = d[n]
+                sizes[(k, t.device)] = max(sizes.get((k, t.device), 0), t.numel())
+        pool = {key: torch.empty(n, dtype=torch.float64, device=key[1]) for key, n in sizes.items()}
         swapped: list[tuple[list[tuple[dict[str, Any], str, torch.Tensor]], list[tuple[nn.Module, Any]]]] = []
 
         def widen(module: nn.Module, args: Any) -> None:
-            own = []
-            for m in module.modules():
-                for d in (m._parameters, m._buffers):
-                    for n, t in d.items():
-                        if t is not None and t.is_floating_point() and t.dtype != torch.float64:
-                            own.append((d, n, t))
+            own = [(d, n, d[n]) for d, n in slots[id(module)]]
             # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
             # them (else it would mask the copies again on every call) and gets its own mark back after
-            marks = [(m, mark) for m in module.modules() if isinstance(m, PrunerModuleWrapper)
-                     if (mark := m.masked_mark()) is not None]
-            for d, n, t in own:
-                d[n] = t.to(torch.float64)
+            marks = [(m, mark) for m in pruners[id(module)] if (mark := m.masked_mark()) is not None]
+            nested = bool(swapped)  # a unit called inside a unit: its own copies
+            for k, (d, n, t) in enumerate(own):
+                buf = None if nested else pool.get((k, t.device))
+                if buf is None or buf.numel() < t.numel():
+                    d[n] = t.to(torch.float64)
+                else:
+                    d[n] = buf[:t.numel()].view(t.shape).copy_(t)
             for m, _ in marks:
                 m.set_mark()
             swapped.append((own, marks))
@@ -658,36 +684,58 @@ class TorchOneShotBackend:
             for m, mark in marks:
                 m.set_mark(mark)
 
+        shared: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
         def call(inp: _Input) -> Any:
-            handles = [h for u in units for h in (u.register_forward_pre_hook(widen), u.register_forward_hook(narrow))]
+            h = inp.hidden()
             try:
-                out = _hidden_of(torch.func.functional_call(block, wide, _float64_of(inp.args), _float64_of(inp.kwargs)))
+                out = _hidden_of(block(*_widened(inp.args, h, shared), **_widened(inp.kwargs, h, shared)))
             finally:
-                for h in handles:
-                    h.remove()
                 while swapped:  # a layer that raised: its own tensors back
                     narrow(block, None, None)
-            h = inp.hidden()
             return out.to(h.dtype) if torch.is_tensor(h) else out
-        return call
+
+        outside: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        handles: list[Any] = []
+        try:
+            copies: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
+            for m in block.modules():
+                if id(m) in unit_ids:
+                    continue
+                for d in (m._parameters, m._buffers):
+                    for n, t in list(d.items()):
+                        if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+                            outside.append((d, n, t))
+                            d[n] = copies.setdefault(id(t), t.to(torch.float64))
+            handles = [h for u in units for h in (u.register_forward_pre_hook(widen), u.register_forward_hook(narrow))]
+            yield call
+        finally:
+            for hd in handles:
+                hd.remove()
+            while swapped:
+                narrow(block, None, None)
+            for d, n, t in reversed(outside):
+                d[n] = t
+            pool.clear()  # the pass's float64 copies go now, not when the closures are collected
+            shared.clear()
 
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
         state: dict[str, Any] = {}
         handles, reset = self._observing(observe, lambda: state.get("keep"), stop=True)
         outs: list[_Input] = []
-        call = self._caller(block)
         try:
-            for inp in inputs:
-                state["keep"] = inp.keep
-                try:
-                    out = call(inp)
-                except ObservedAll:  # an observing call ends after the block's last observed input
-                    out = None
-                reset()
-                if observe is None:
-                    outs.append(inp.with_hidden(out))
-                del out
+            with self._calling(block) as call:
+                for inp in inputs:
+                    state["keep"] = inp.keep
+                    try:
+                        out = call(inp)
+                    except ObservedAll:  # an observing call ends after the block's last observed input
+                        out = None
+                    reset()
+                    if observe is None:
+                        outs.append(inp.with_hidden(out))
+                    del out
         finally:
             for h in handles:
                 h.remove()
@@ -704,19 +752,19 @@ class TorchOneShotBackend:
         the activations then never move, and the allocator is left with only the block's transient buffers to
         reuse (allocating each output anew while its input is freed grew the heap by ~3/4 of the activations
         on the issue-25 Llama)."""
-        call = self._caller(block)
-        for i in range(len(inputs)):
-            inp = inputs[i]
-            h = inp.hidden()
-            out = call(inp)
-            if (out is not h and out.shape == h.shape and out.dtype == h.dtype and out.device == h.device
-                    and not h.requires_grad):
-                try:
-                    h.copy_(out)
-                    continue
-                except RuntimeError:  # e.g. an inference tensor outside inference mode: keep the new tensor
-                    pass
-            inputs[i] = inp.with_hidden(out)
+        with self._calling(block) as call:
+            for i in range(len(inputs)):
+                inp = inputs[i]
+                h = inp.hidden()
+                out = call(inp)
+                if (out is not h and out.shape == h.shape and out.dtype == h.dtype and out.device == h.device
+                        and not h.requires_grad):
+                    try:
+                        h.copy_(out)
+                        continue
+                    except RuntimeError:  # e.g. an inference tensor outside inference mode: keep the new tensor
+                        pass
+                inputs[i] = inp.with_hidden(out)
         return inputs
 
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:

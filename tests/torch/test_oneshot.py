@@ -772,3 +772,46 @@ def test_an_observing_call_ends_after_the_blocks_last_observed_input_with_the_sa
     make(SparseGPTPruner, full, {"sparsity": 0.5}).calibrate(batches(n), progress=False)
     assert same_state(full, state(model))
 
+
+def test_a_float64_pass_puts_the_blocks_own_tensors_back_when_a_call_fails_midway():
+    """The float64 pass swaps the block's tensors outside the wrapped layers for float64 copies for the whole pass
+    and a wrapped layer's while it runs: an exception in the middle of a call (here in the MLP, after the attention
+    ran) leaves every parameter and buffer the very object it was, float32, in the module that held it."""
+    model = build("llama")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    held = {(id(m), n): t for m in model.modules() for d in (m._parameters, m._buffers) for n, t in d.items()
+            if t is not None}
+    mlp = model.model.layers[0].mlp
+    calls = []
+
+    def boom(module, args):
+        calls.append(args[0].dtype)
+        if len(calls) == 3:
+            raise RuntimeError("MLP failed")
+    handle = mlp.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="MLP failed"):
+        p.calibrate(batches(), progress=False)
+    handle.remove()
+    assert calls[-1] == torch.float64  # it failed inside a float64 call
+    now = {(id(m), n): t for m in model.modules() for d in (m._parameters, m._buffers) for n, t in d.items()
+           if t is not None}
+    assert now.keys() == held.keys() and all(now[k] is held[k] for k in held)
+    assert all(t.dtype == torch.float32 for t in model.parameters())
+
+
+def test_a_float64_pass_leaves_no_float64_tensor_for_the_garbage_collector():
+    """The float64 copies of a pass (the workspace, the widened block tensors and call arguments) are freed when
+    the pass ends, by reference counting: none is left in a reference cycle waiting for the collector (a
+    recursive closure kept a pass's copies alive into the next blocks, +10-15 MiB on the 10x model)."""
+    import gc
+
+    model = build("llama")
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    gc.collect()
+    gc.disable()
+    try:
+        p.calibrate(batches(), progress=False)
+        left = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float64]
+    finally:
+        gc.enable()
+    assert left == []
