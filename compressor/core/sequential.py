@@ -944,8 +944,12 @@ def run_sequential(backend: OneShotBackend, method: OneShotMethod, batches: Sequ
             e.add_note(f"(restoring the layers changed before the failure failed too: {type(r).__name__}: {r})")
         finally:
             undo.close()
+            release_freed_heap()
         raise
     undo.close()
+    # the last block's activations, statistics and solver copies are free now; glibc would keep most of their
+    # pages (measured: 91 MiB resident after the call -> 27 on a 3-block slice of the 34 M-parameter Llama)
+    release_freed_heap()
     return rows
 
 

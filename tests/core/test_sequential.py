@@ -553,3 +553,28 @@ def test_observe_calls_stops_after_the_first_calls_last_layer_once_every_layer_h
     partial = ObserveCalls(["a", "b", "c"])
     assert run(partial, ["a", "b"]) is None
     assert run(partial, ["a", "b", "c"]) is None
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_heap_is_trimmed_once_the_run_is_over_or_rolled_back(fail, monkeypatch):
+    """What the last block freed (its activations, statistics, solver copies) goes back to the OS when the run
+    ends, after the last layer is written (or put back, when the run fails)."""
+    import compressor.core.sequential as seq
+
+    b = NumpyBackend(W, HEAD, {"sparsity": 0.5})
+    log = []
+    monkeypatch.setattr(seq, "release_freed_heap", lambda: log.append("trim"))
+    write = b.write
+
+    def logged(task, result):
+        log.append(task.name)
+        if fail and task.name == "head":
+            raise RuntimeError("head failed")
+        write(task, result)
+    b.write = logged
+    if fail:
+        with pytest.raises(RuntimeError, match="head failed"):
+            run_sequential(b, SparseGPTMethod(), BATCHES, progress=False)
+    else:
+        run_sequential(b, SparseGPTMethod(), BATCHES, progress=False)
+    assert log[-1] == "trim" and "head" in log and log.index("head") < len(log) - 1
