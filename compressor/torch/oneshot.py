@@ -634,11 +634,10 @@ class TorchOneShotBackend:
 
         * the tensors outside the wrapped layers (norms, layers not selected) are swapped for float64 copies for
           the whole pass;
-        * each wrapped layer's tensors are copied into a float64 workspace when it is called and swapped back
-          when it returns: one layer's float64 weight alive at a time, not the block's (half the float64 pass's
-          extra memory on the issue-25 Llama: examples/RESULTS.md); the workspace, one buffer per tensor slot as
-          large as that slot's largest tensor over the block's layers, is made once per pass (a fresh copy per
-          layer and call left holes of every layer's size in the heap);
+        * each wrapped layer's tensors are copied to float64 when it is called and swapped back when it returns:
+          one layer's float64 weight alive at a time, not the block's (half the float64 pass's extra memory on the
+          issue-25 Llama: examples/RESULTS.md; a workspace kept for the whole pass instead held its size at the
+          observing pass's peak, the down projection's input statistics, when no layer is widened);
         * a call's floating tensors other than the hidden state (the attention mask, the rotary tables: the same
           tensors on every call) are widened once per pass."""
         if not self.float64:
@@ -653,12 +652,6 @@ class TorchOneShotBackend:
 
         slots = {id(u): own_slots(u) for u in units}
         pruners = {id(u): [m for m in u.modules() if isinstance(m, PrunerModuleWrapper)] for u in units}
-        sizes: dict[tuple[int, torch.device], int] = {}
-        for u in units:
-            for k, (d, n) in enumerate(slots[id(u)]):
-                t = d[n]
-                sizes[(k, t.device)] = max(sizes.get((k, t.device), 0), t.numel())
-        pool = {key: torch.empty(n, dtype=torch.float64, device=key[1]) for key, n in sizes.items()}
         swapped: list[tuple[list[tuple[dict[str, Any], str, torch.Tensor]], list[tuple[nn.Module, Any]]]] = []
 
         def widen(module: nn.Module, args: Any) -> None:
@@ -666,13 +659,8 @@ class TorchOneShotBackend:
             # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
             # them (else it would mask the copies again on every call) and gets its own mark back after
             marks = [(m, mark) for m in pruners[id(module)] if (mark := m.masked_mark()) is not None]
-            nested = bool(swapped)  # a unit called inside a unit: its own copies
-            for k, (d, n, t) in enumerate(own):
-                buf = None if nested else pool.get((k, t.device))
-                if buf is None or buf.numel() < t.numel():
-                    d[n] = t.to(torch.float64)
-                else:
-                    d[n] = buf[:t.numel()].view(t.shape).copy_(t)
+            for d, n, t in own:
+                d[n] = t.to(torch.float64)
             for m, _ in marks:
                 m.set_mark()
             swapped.append((own, marks))
@@ -716,8 +704,7 @@ class TorchOneShotBackend:
                 narrow(block, None, None)
             for d, n, t in reversed(outside):
                 d[n] = t
-            pool.clear()  # the pass's float64 copies go now, not when the closures are collected
-            shared.clear()
+            shared.clear()  # the pass's float64 arguments go now, not when the closures are collected
 
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
