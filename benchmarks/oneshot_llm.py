@@ -28,7 +28,8 @@ block-by-block (sequential) calibration cannot avoid. ``kept``: the RSS growth s
 (the compressed model's own state: masks, integer codes, scales).
 
     python benchmarks/oneshot_llm.py [--models trained[,large]] [--methods sparsegpt50,wanda50,...]
-        [--sides ours,llmc] [--repeat 1] [--batch 1] [--weights PATH] [--llmc-python PATH]
+        [--sides ours,llmc] [--repeat 1] [--batch 1] [--forward-dtype auto|float64|model] [--weights PATH]
+        [--llmc-python PATH]
 
 Prints a markdown table (``python -m benchmarks --only oneshot_llm`` runs the default: the trained model).
 The workers (``--worker ours|llmc``) import only torch / transformers / numpy and their own library.
@@ -93,7 +94,7 @@ def _load(workdir: Path):
     return model.eval(), np.load(workdir / "calib.npy")
 
 
-def _ours(method: str, model, calib, batch: int):
+def _ours(method: str, model, calib, batch: int, forward_dtype: str = "auto"):
     import torch
 
     import compressor.torch as ct
@@ -116,7 +117,7 @@ def _ours(method: str, model, calib, batch: int):
         if cls == "RtnQuantizer":
             c.calibrate()
         else:
-            c.calibrate(data, progress=False)
+            c.calibrate(data, progress=False, forward_dtype=forward_dtype)
     return run
 
 
@@ -152,7 +153,7 @@ def _llmc(method: str, model, calib, batch: int):
     return run
 
 
-def worker(side: str, method: str, workdir: Path, batch: int) -> None:
+def worker(side: str, method: str, workdir: Path, batch: int, forward_dtype: str = "auto") -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -166,7 +167,7 @@ def worker(side: str, method: str, workdir: Path, batch: int) -> None:
         model = LlamaForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
         run = _llmc(method, model, calib, batch)
     else:
-        run = _ours(method, model, calib, batch)
+        run = _ours(method, model, calib, batch, forward_dtype)
     import gc
 
     gc.collect()
@@ -227,9 +228,9 @@ def _prepare(name: str, weights: str, root: Path) -> tuple[Path, dict]:
     return d, info
 
 
-def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: float) -> dict:
+def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: float, forward_dtype: str = "auto") -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--method", method, "--dir", str(d),
-           "--batch", str(batch)]
+           "--batch", str(batch), "--forward-dtype", forward_dtype]
     env = {**os.environ, **ENV}
     if side == "ours":
         env["PYTHONPATH"] = str(ROOT)
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default="ours,llmc", help="ours, llmc or both (default)")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell (median time, max memory)")
     p.add_argument("--batch", type=int, default=1, help="calibration windows per batch on our side (default 1)")
+    p.add_argument("--forward-dtype", default="auto", choices=("auto", "float64", "model"),
+                   help="our calibrate(forward_dtype=...): 'auto' (default: float64 block passes on a CPU, the same result "
+                        "on torch and Keras), 'model' (the model's dtype, as llmcompressor)")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS)
     p.add_argument("--llmc-python", default=DEFAULT_LLMC)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.method, Path(a.dir), a.batch)
+        worker(a.worker, a.method, Path(a.dir), a.batch, a.forward_dtype)
         return 0
     models = [m for m in a.models.split(",") if m]
     methods = [m for m in a.methods.split(",") if m]
@@ -311,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"llmcompressor column skipped: {a.llmc_python} not found (a venv with llmcompressor==0.14.*, "
                      f"see examples/anchors/llmcompressor_rows.py; --llmc-python PATH)")
         sides = [s for s in sides if s != "llmc"]
-    print(f"one thread per run, fresh interpreter per run; load average at start "
+    print(f"one thread per run, fresh interpreter per run; ours with forward_dtype={a.forward_dtype!r}; load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} cores", flush=True)
     raw = []
     root = Path(tempfile.mkdtemp(prefix="oneshot-bench-"))
@@ -337,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                         if s == "llmc" and method in OURS_ONLY:
                             continue
                         py = sys.executable if s == "ours" else a.llmc_python
-                        r = _spawn(py, s, method, d, a.batch, a.timeout)
+                        r = _spawn(py, s, method, d, a.batch, a.timeout, a.forward_dtype)
                         res[s].append(r)
                         raw.append({"model": name, "method": method, "side": s, **r, **info})
                 print(_row(method, res.get("ours", []), res.get("llmc", []), info), flush=True)
