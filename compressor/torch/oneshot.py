@@ -636,8 +636,7 @@ class TorchOneShotBackend:
           the whole pass;
         * each wrapped layer's tensors are copied to float64 when it is called and swapped back when it returns:
           one layer's float64 weight alive at a time, not the block's (half the float64 pass's extra memory on the
-          issue-25 Llama: examples/RESULTS.md; a workspace kept for the whole pass instead held its size at the
-          observing pass's peak, the down projection's input statistics, when no layer is widened);
+          issue-25 Llama: examples/RESULTS.md; a float64 workspace kept for the whole pass measured no lower);
         * a call's floating tensors other than the hidden state (the attention mask, the rotary tables: the same
           tensors on every call) are widened once per pass."""
         if not self.float64:
