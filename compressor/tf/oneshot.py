@@ -437,10 +437,7 @@ class KerasOneShotBackend:
         def once(part: BlockInput) -> None:
             calls.begin()
             try:
-                if wide:
-                    block(*_float64_of(part.args), **_float64_of(part.kwargs))
-                else:
-                    part.call(block)
+                self._invoke(block, part, wide)
             except ObservedAll:
                 pass
         if wide:
@@ -476,11 +473,16 @@ class KerasOneShotBackend:
         the most tensor memory ever alive at once, and a float64 pass over a whole batch of 8 x 256 tokens
         left +63 MiB there on the issue-25 Llama (slices of 2 sequences: see examples/RESULTS.md)."""
         if not wide:
-            return _hidden_of(inp.call(block), block)
+            return _hidden_of(self._invoke(block, inp, False), block)
         dtype = inp.hidden.dtype
         outs = self._by_slices(inp, FLOAT64_PASS_TOKENS, lambda part: tf.cast(
-            _hidden_of(block(*_float64_of(part.args), **_float64_of(part.kwargs)), block), dtype))
+            _hidden_of(self._invoke(block, part, True), block), dtype))
         return outs[0] if len(outs) == 1 else tf.concat(outs, axis=0)
+
+    @staticmethod
+    def _invoke(block: Any, part: BlockInput, wide: bool) -> Any:
+        """``block`` called on ``part``'s arguments, widened to float64 when ``wide``."""
+        return block(*_float64_of(part.args), **_float64_of(part.kwargs)) if wide else part.call(block)
 
     def _by_slices(self, inp: BlockInput, tokens: int, fn: Callable[[BlockInput], Any]) -> list[Any]:
         """``fn`` on ``inp`` cut by sequences into slices of at most ``tokens`` tokens (``inp`` itself when it fits;
