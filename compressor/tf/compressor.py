@@ -64,7 +64,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
 from ..tf_plugin import DEFAULT_TYPES
 from . import hooks, layout
-from .distribute import strategy_of, strategy_scope_of
+from .distributed import strategy_of, strategy_scope_of
 from .hooks import check_optimizer
 
 __all__ = ["Compressor", "LayerWrapper", "iter_layers", "retrace_model", "strip_model", "wrappers_of"]
@@ -316,7 +316,7 @@ class Compressor:
     #: wrappers of one kind are never stacked on a layer ('pruner', 'quantizer')
     _kind: str = "compressor"
     #: under tf.distribute, reduce per-batch data statistics over the replicas before they are accumulated
-    #: (see :mod:`compressor.tf.distribute`); set False on an instance to opt out
+    #: (see :mod:`compressor.tf.distributed`); set False on an instance to opt out
     sync_ranks: bool = True
 
     @property

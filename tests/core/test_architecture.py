@@ -16,7 +16,7 @@ TORCH_BASE = {f"compressor.torch.{m}" for m in (
     "ops", "modules", "families", "hooks", "distributed", "layout", "slots", "ties", "compressor",
     "pruning.wrapper", "quantization.wrapper", "quantization.grad", "quantization.fakequant")}
 TF_BASE = {f"compressor.tf.{m}" for m in (
-    "ops", "layout", "slots", "hooks", "distribute", "compressor", "pruning.wrapper", "quantization.wrapper",
+    "ops", "layout", "slots", "hooks", "distributed", "compressor", "pruning.wrapper", "quantization.wrapper",
     "quantization.grad")}
 #: pure declaration modules the base may read (they import core only)
 PLUGINS = {"compressor.torch_plugin", "compressor.tf_plugin"}

@@ -34,7 +34,7 @@ WORKER = textwrap.dedent('''
     import numpy as np
     from compressor.tf import (AGPPruner, ActivationAPoZRankFilterPruner, CompressionCallback, LsqQuantizer,
                                QAT_Quantizer, TaylorFOWeightFilterPruner)
-    from compressor.tf.distribute import replica_values, unsynchronized
+    from compressor.tf.distributed import replica_values, unsynchronized
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(16, 8, 8, 1)).astype("float32")

@@ -30,7 +30,7 @@ WORKER = textwrap.dedent('''
     import keras
     import numpy as np
     from compressor.tf import ActivationAPoZRankFilterPruner, QAT_Quantizer
-    from compressor.tf.distribute import replica_values
+    from compressor.tf.distributed import replica_values
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(16, 8, 8, 1)).astype("float32")

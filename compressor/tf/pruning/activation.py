@@ -6,7 +6,7 @@ each layer, as running sums in variables on the device (core ``activation_stats`
 kept, no host copies; a ``tf.cond`` stops adding after the last batch). Masks are computed in the
 optimizer hook once a layer's statistics are in. The collector is removed at the next eager sync
 (``update_epoch``, the callback's epoch begin) after every layer has its masks. Under tf.distribute each
-batch's statistics are summed over the replicas before they are added (:mod:`compressor.tf.distribute`),
+batch's statistics are summed over the replicas before they are added (:mod:`compressor.tf.distributed`),
 so every replica ranks the channels of the global batch.
 """
 
@@ -29,7 +29,7 @@ from ...core.pruning import (
     mean_activation_importance,
 )
 from .. import layout
-from ..distribute import all_reduce_sum
+from ..distributed import all_reduce_sum
 from ..ops import ops
 from .masker import WeightMasker, batches_ready, check_filter_layer, importance_filter_result
 from .pruner import FILTER_DEFAULT_TYPES, OneShotPruner

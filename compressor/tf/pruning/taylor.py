@@ -17,7 +17,7 @@ import tensorflow as tf
 from ...core.matching import LayerInfo
 from ...core.pruner_config import TaylorPrunerArgs
 from ...core.pruning import taylor_fo_contribution
-from ..distribute import all_reduce_sum
+from ..distributed import all_reduce_sum
 from ..ops import ops
 from .masker import (
     WeightMasker,

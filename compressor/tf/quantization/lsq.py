@@ -27,7 +27,7 @@ import tensorflow as tf
 from ...core import quant as cq
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
-from ..distribute import all_reduce_mean
+from ..distributed import all_reduce_mean
 from ..ops import ops
 from .quantizer import TfQuantizer, builtin_autograd
 from .settings import QuantSpec, resolve_spec

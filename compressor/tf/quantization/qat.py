@@ -22,7 +22,7 @@ State per layer (``tf.Variable``s of the wrapper, saved with ``tf.train.Checkpoi
 
 Under tf.distribute (MirroredStrategy, MultiWorkerMirroredStrategy) each batch's activation min / max are
 reduced over the replicas (MIN / MAX) before the EMA, so every replica tracks the global batch's ranges
-(:mod:`compressor.tf.distribute`); weights are identical on all replicas, so their ranges are too.
+(:mod:`compressor.tf.distributed`); weights are identical on all replicas, so their ranges are too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tensorflow as tf
 from ...core import quant as cq
 from ...core.errors import ConfigError
 from ...core.matching import LayerInfo
-from ..distribute import all_reduce_max, all_reduce_min
+from ..distributed import all_reduce_max, all_reduce_min
 from ..ops import ops
 from .fakequant import as_channels, fake_quant
 from .quantizer import TfQuantizer
