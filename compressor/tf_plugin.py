@@ -20,13 +20,7 @@ def compressor_add_backends(registry: Any) -> None:
 
 @hookimpl
 def compressor_add_algorithms(registry: Any) -> None:
-    register_builtins(registry, "tf", "compressor.tf", implemented=_implemented())
-
-
-def _implemented() -> set[str] | None:
-    from ._built import BUILT
-
-    return BUILT.get("tf")
+    register_builtins(registry, "tf", "compressor.tf")
 
 
 @hookimpl

@@ -18,18 +18,12 @@ def compressor_add_backends(registry: Any) -> None:
 
 @hookimpl
 def compressor_add_algorithms(registry: Any) -> None:
-    register_builtins(registry, "torch", "compressor.torch", implemented=_implemented())
+    register_builtins(registry, "torch", "compressor.torch")
 
 
 @hookimpl
 def compressor_add_model_families(registry: Any) -> None:
     registry.add_model_family("torch", "huggingface", "compressor.torch.hf:FAMILY")
-
-
-def _implemented() -> set[str] | None:
-    from ._built import BUILT
-
-    return BUILT.get("torch")
 
 
 @hookimpl
