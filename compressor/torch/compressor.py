@@ -116,10 +116,10 @@ class Compressor:
                  for layer, _ in selected]
 
         # ---- mutation starts here: nothing below may fail on user input ----
-        self._modules_to_compress: list[tuple[LayerInfo, dict[str, Any]]] = selected
+        self.modules_to_compress: list[tuple[LayerInfo, dict[str, Any]]] = selected
         #: tied weights compressed once for all their users: ``{weight key: [keys of the same Parameter]}``
         self.tied_weights: dict[str, list[str]] = ties
-        self._wrappers: list[nn.Module] = wrappers
+        self.modules_wrapper: list[nn.Module] = wrappers
         self._wrapper_names: list[str] = [layer.name for layer, _ in selected]
         self._collectors: dict[int, list[Any]] = {}
         self._collector_ids = itertools.count()
@@ -201,17 +201,17 @@ class Compressor:
     # ------------------------------------------------------------------ accessors
     def get_modules_to_compress(self) -> list[tuple[LayerInfo, dict[str, Any]]]:
         """``(LayerInfo, config)`` of every wrapped layer, in model order."""
-        return list(self._modules_to_compress)
+        return list(self.modules_to_compress)
 
     def get_modules_wrapper(self) -> list[nn.Module]:
         """The wrappers, in model order."""
-        return list(self._wrappers)
+        return list(self.modules_wrapper)
 
     def set_wrappers_attribute(self, name: str, value: Any) -> None:
         """Give every wrapper an attribute ``name``: tensors become (cloned, persistent) buffers on the
         wrapper's device, so they are saved and moved with the model; other values are deep-copied per
         wrapper."""
-        for wrapper in self._wrappers:
+        for wrapper in self.modules_wrapper:
             if torch.is_tensor(value):
                 device = _module_device(wrapper)
                 v = value.detach().clone()
@@ -227,7 +227,7 @@ class Compressor:
     def add_activation_collector(self, fn: Callable[[nn.Module, tuple, Any], Any]) -> int:
         """Call ``fn(wrapper, input, output)`` after every forward of every wrapper; returns an id."""
         cid = next(self._collector_ids)
-        self._collectors[cid] = [w.register_forward_hook(fn) for w in self._wrappers]
+        self._collectors[cid] = [w.register_forward_hook(fn) for w in self.modules_wrapper]
         return cid
 
     def remove_activation_collector(self, collector_id: int) -> None:
@@ -267,7 +267,7 @@ class Compressor:
         """Put the original modules back into the model (the wrappers' state stays with the wrappers)."""
         from .slots import unwrap_containers
 
-        for wrapper in self._wrappers:
+        for wrapper in self.modules_wrapper:
             for parent, attr in self._parent_slots(self.bound_model, wrapper):
                 setattr(parent, attr, wrapper.module)
         unwrap_containers(self.bound_model)
@@ -278,7 +278,7 @@ class Compressor:
         from .slots import rewrap_containers
 
         rewrap_containers(self.bound_model, getattr(self, "_slot_containers", []))
-        for wrapper in self._wrappers:
+        for wrapper in self.modules_wrapper:
             for parent, attr in self._parent_slots(self.bound_model, wrapper.module):
                 if parent is not wrapper:
                     setattr(parent, attr, wrapper)

@@ -89,7 +89,7 @@ class WeightSharingQuantizer(TorchQuantizer):
         self._shared: dict[int, np.ndarray] = {}
         super().__init__(model, config_list, optimizer)
         with torch.no_grad():  # the model is wrapped now: tie each layer's weights to its centroids
-            for w in self._wrappers:
+            for w in self.modules_wrapper:
                 value = self._shared.pop(id(w))
                 w.weight.copy_(torch.from_numpy(value).to(w.weight.device))
 
@@ -113,7 +113,7 @@ class WeightSharingQuantizer(TorchQuantizer):
         """Set every cluster's members to their mean (exact when they are equal, as after SGD/Adam steps)
         and store the centroids in ``ws_centroids``. :meth:`export_model` calls it."""
         with torch.no_grad():
-            for w in self._wrappers:
+            for w in self.modules_wrapper:
                 k = int(w.ws_centroids.numel())
                 tied, centroids = tie_weights(w.weight.detach().cpu().numpy(), w.ws_assignment.cpu().numpy(), k)
                 w.weight.copy_(torch.from_numpy(tied).to(w.weight.device))
@@ -122,7 +122,7 @@ class WeightSharingQuantizer(TorchQuantizer):
     def codebooks(self) -> dict[str, np.ndarray]:
         """``{layer: centroids}`` (host copies, after :meth:`tie`)."""
         self.tie()
-        return {w.name: w.ws_centroids.detach().cpu().numpy().copy() for w in self._wrappers}
+        return {w.name: w.ws_centroids.detach().cpu().numpy().copy() for w in self.modules_wrapper}
 
     def export_model(self, model_path: str | os.PathLike | None, compressed_path: str | os.PathLike | None = None,
                      **kwargs: Any) -> dict[str, np.ndarray]:

@@ -27,12 +27,12 @@ class _Base:
     """Stands for the backend's pruner base: an epoch clock, wrappers with configs, a mask-update counter."""
 
     def __init__(self, configs: list[dict[str, Any]]) -> None:
-        self._wrappers = [SimpleNamespace(config=c) for c in configs]
+        self.modules_wrapper = [SimpleNamespace(config=c) for c in configs]
         self.current_epoch = 0
         self.updates: list[int] = []
 
     def get_modules_wrapper(self) -> list[Any]:
-        return list(self._wrappers)
+        return list(self.modules_wrapper)
 
     def update_epoch(self, epoch: int) -> None:
         self.current_epoch = epoch
@@ -97,7 +97,7 @@ def test_same_epoch_is_scheduled_once_and_data_criteria_wait():
 def test_slim_uses_the_first_schedule_for_every_layer():
     p = _Pruner([A, dict(A)], "slim")
     assert p._group_producers_needed is False and p._rank_globally is True
-    p._wrappers[1].config = B  # slim: one global schedule, wrapper 0's
+    p.modules_wrapper[1].config = B  # slim: one global schedule, wrapper 0's
     assert p.target_sparsity(1, 2) == pytest.approx(0.7)
 
 

@@ -87,7 +87,7 @@ class LotteryTicketPruner(TorchPruner):
             with torch.no_grad():
                 broadcast(*self._initial_model.values())  # no-op unless torch.distributed is initialised
         if nxt > 0:
-            for wrapper in self._wrappers:
+            for wrapper in self.modules_wrapper:
                 s = lottery_sparsity(nxt, wrapper.config["sparsity"], self.prune_iterations)
                 wrapper.set_mask("weight_mask", level_mask(ops, wrapper.weight.detach(), s, wrapper.weight_mask))
             if self.reset_weights:

@@ -74,7 +74,7 @@ class TorchPruner(Compressor):
         """Run ``calc_mask`` on every wrapper, store returned masks, and re-mask changed layers."""
         self._mask_round += 1
         pass_idx = _accepts_wrapper_idx(self.calc_mask)
-        for idx, wrapper in enumerate(self._wrappers):
+        for idx, wrapper in enumerate(self.modules_wrapper):
             masks = self.calc_mask(wrapper, wrapper_idx=idx) if pass_idx else self.calc_mask(wrapper)
             if masks is not None:
                 wrapper.set_masks(masks)
@@ -83,7 +83,7 @@ class TorchPruner(Compressor):
     def apply_masks(self) -> None:
         """Re-mask in place every layer whose weights or masks changed since it was last masked
         (after an optimizer step: all that were stepped), in one multi-tensor multiply."""
-        stale = [w for w in self._wrappers if w._versions() != w._seen]
+        stale = [w for w in self.modules_wrapper if w._versions() != w._seen]
         if not stale:
             return
         tensors: list[torch.Tensor] = []
@@ -108,7 +108,7 @@ class TorchPruner(Compressor):
         """Make the next :meth:`apply_masks` re-mask every layer: the optimizer hook calls it after a fused
         optimizer step, whose kernels move the weights without bumping the version counters that
         :meth:`apply_masks` reads to find the layers that moved."""
-        for w in self._wrappers:
+        for w in self.modules_wrapper:
             object.__setattr__(w, "_seen", None)
 
     def step(self) -> None:
@@ -119,7 +119,7 @@ class TorchPruner(Compressor):
         self.current_epoch = int(epoch)
 
     def _wrapper_index(self, wrapper: nn.Module) -> int:
-        for i, w in enumerate(self._wrappers):
+        for i, w in enumerate(self.modules_wrapper):
             if w is wrapper:
                 return i
         raise ValueError(f"{getattr(wrapper, 'name', wrapper)!r} is not a wrapper of this pruner")
@@ -252,7 +252,7 @@ class DependencyAwareMixin:
     def _member_index(self) -> dict[str, int]:
         """Group member name -> wrapper index (an attention module's member is its value projection)."""
         index = {name: i for i, name in enumerate(self._wrapper_names)}
-        for i, w in enumerate(self._wrappers):
+        for i, w in enumerate(self.modules_wrapper):
             if "heads_of" in w.config:
                 index[w.config["heads_of"]] = i
         return index
@@ -264,7 +264,7 @@ class DependencyAwareMixin:
 
     def _ungrouped_indices(self) -> set[int]:
         """Wrapper indices of the selected layers that belong to no group (never masked)."""
-        return set(range(len(self._wrappers))) - self._grouped_indices()
+        return set(range(len(self.modules_wrapper))) - self._grouped_indices()
 
     def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str], Any]]) -> dict[str, Any]:
         """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members, kept)``:
@@ -298,13 +298,13 @@ class DependencyAwareMixin:
             members = [layer for layer in group.layers if layer in index]
             if not any(due(index[layer]) for layer in members):
                 continue
-            scored = [layer for layer in members if "follower_of" not in self._wrappers[index[layer]].config]
+            scored = [layer for layer in members if "follower_of" not in self.modules_wrapper[index[layer]].config]
             if not scored or not all(self.masker.statistics_ready(index[layer]) for layer in scored):
                 continue
-            scores = {layer: self.masker.filter_importance(self._wrappers[index[layer]], index[layer]) for layer in scored}
+            scores = {layer: self.masker.filter_importance(self.modules_wrapper[index[layer]], index[layer]) for layer in scored}
             sparsity = max(sparsity_of(index[layer]) for layer in scored)
-            kept = ({layer: filter_keep_from_mask(ops, to_canonical(self._wrappers[index[layer]],
-                                                                   self._wrappers[index[layer]].weight_mask))
+            kept = ({layer: filter_keep_from_mask(ops, to_canonical(self.modules_wrapper[index[layer]],
+                                                                   self.modules_wrapper[index[layer]].weight_mask))
                      for layer in members}
                     if monotone else None)
             todo.append((group, scores, sparsity, members, kept))
@@ -312,7 +312,7 @@ class DependencyAwareMixin:
         done = []
         for _group, _scores, _sparsity, members, _kept in todo:
             for layer in members:
-                w = self._wrappers[index[layer]]
+                w = self.modules_wrapper[index[layer]]
                 keep = keeps[layer]
                 masks = {"weight_mask": from_canonical(w, expand_filter_mask(ops, keep,
                                                                              canonical_shape(w, w.weight.shape)))}
@@ -341,7 +341,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
         """One decision per channel group not decided yet (groups wait until every scored member's
         statistics are ready)."""
         self._calculated.update(self._group_round(lambda i: i not in self._calculated,
-                                                  lambda i: self.sparsity_for(self._wrappers[i], i)))
+                                                  lambda i: self.sparsity_for(self.modules_wrapper[i], i)))
 
     def update_mask(self) -> None:
         if self._dependency is None:
@@ -350,7 +350,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
         self._update_groups()
         # selected layers in no group (the plan's warning says why) stay unpruned: speedup could not remove them
         self._calculated.update(self._ungrouped_indices())
-        if len(self._calculated) == len(self._wrappers):
+        if len(self._calculated) == len(self.modules_wrapper):
             self.masker.stop_statistics()
         self.apply_masks()
 
@@ -359,13 +359,13 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
         self.masker_class.check_layer(layer_info, module)
 
     def compress(self) -> nn.Module:
-        if len(self._calculated) < len(self._wrappers):
+        if len(self._calculated) < len(self.modules_wrapper):
             self.masker.start_statistics()
         return super().compress()
 
     def step(self) -> None:
         self.apply_masks()  # first zero what the step moved, so statistics see the masked weights
-        pending = len(self._calculated) < len(self._wrappers)
+        pending = len(self._calculated) < len(self.modules_wrapper)
         if pending:
             self.masker.after_step()
         if pending or user_override(self, "calc_mask"):
@@ -381,7 +381,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
             return None
         masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
         self._calculated.add(idx)
-        if len(self._calculated) == len(self._wrappers):
+        if len(self._calculated) == len(self.modules_wrapper):
             self.masker.stop_statistics()
         return masks
 
@@ -391,7 +391,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._calculated = set(state.get("calculated", ()))
-        if len(self._calculated) == len(self._wrappers):
+        if len(self._calculated) == len(self.modules_wrapper):
             self.masker.stop_statistics()
 
 

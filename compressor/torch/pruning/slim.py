@@ -96,4 +96,4 @@ class SlimPruner(OneShotPruner):
 
     def l1_penalty(self, scale: float = 1e-4) -> torch.Tensor:
         """``scale * sum |gamma|`` over the selected BatchNorm layers, to add to the training loss."""
-        return slim_l1_penalty(ops, [w.weight for w in self._wrappers], scale)
+        return slim_l1_penalty(ops, [w.weight for w in self.modules_wrapper], scale)

@@ -257,7 +257,7 @@ class JoinRunner:
         if kind == "site":
             site = self.sites[key]
             return self.qparams.get(key) if site.output == "own" else self.source_qparams(site.output)
-        w = {w.name: w for w in self.quantizer._wrappers}[key]
+        w = {w.name: w for w in self.quantizer.modules_wrapper}[key]
         return w._buffers["output_scale"], w._buffers["output_zero_point"]
 
     def apply(self, site: JoinSite, out: torch.Tensor) -> torch.Tensor:

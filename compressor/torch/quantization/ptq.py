@@ -261,7 +261,7 @@ class PtqQuantizer(QAT_Quantizer):
     def _freeze_dynamic(self) -> None:
         """Weight scales from the weights (no data needed); activation scales are computed per batch."""
         plan = []
-        for w in self._wrappers:
+        for w in self.modules_wrapper:
             for t, spec in w.qat_specs.items():
                 buf = w._buffers
                 if t == "weight":
@@ -273,7 +273,7 @@ class PtqQuantizer(QAT_Quantizer):
         with torch.no_grad():
             for target, value in plan:
                 target.copy_(value)
-        for w in self._wrappers:
+        for w in self.modules_wrapper:
             w.frozen = True
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
@@ -290,7 +290,7 @@ class PtqQuantizer(QAT_Quantizer):
     @property
     def calibrated(self) -> bool:
         """True when every quantized tensor of every layer has a frozen scale and zero point."""
-        return all(bool(w._buffers[f"{t}_observed"]) for w in self._wrappers for t in w.qat_specs)
+        return all(bool(w._buffers[f"{t}_observed"]) for w in self.modules_wrapper for t in w.qat_specs)
 
     def _require_calibrated(self, wrapper: QuantizerModuleWrapper, t: str) -> None:
         observed = wrapper._buffers[f"{t}_observed"]
@@ -415,7 +415,7 @@ class PtqQuantizer(QAT_Quantizer):
         """
         model = self.bound_model
         modes = {m: m.training for m in model.modules()}
-        wrappers = list(self._wrappers)
+        wrappers = list(self.modules_wrapper)
         self._act_observers = {(w.name, t): self.make_observer(spec, self.observer)
                                for w in wrappers for t, spec in w.qat_specs.items() if t != "weight"}
         seen = 0
@@ -503,7 +503,7 @@ class PtqQuantizer(QAT_Quantizer):
     def shared_inputs(self) -> dict[str, str]:
         """``{layer: producer layer}`` for every layer whose quantized input reuses the producer's output
         scale and zero point (``share_ranges``): same bits, integer range and per-tensor scheme."""
-        by_name = {w.name: w for w in self._wrappers}
+        by_name = {w.name: w for w in self.modules_wrapper}
         out = {}
         for name, src in self._input_sources.items():
             w, p = by_name.get(name), by_name.get(src)
@@ -577,7 +577,7 @@ class PtqQuantizer(QAT_Quantizer):
                      input_shape: tuple[int, ...] | None = None, device: torch.device | str | None = None,
                      **onnx_kwargs: Any) -> dict[str, dict[str, Any]]:
         if not self.calibrated:
-            missing = [f"{w.name}.{t}" for w in self._wrappers for t in w.qat_specs
+            missing = [f"{w.name}.{t}" for w in self.modules_wrapper for t in w.qat_specs
                        if not bool(w._buffers[f"{t}_observed"])]
             raise RuntimeError(f"PtqQuantizer.export_model: not calibrated ({', '.join(missing)} have no scale); "
                                f"call quantizer.calibrate(data) first; nothing was written")

@@ -74,10 +74,10 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
         self._bn = BNFolding(model, example) if fold else None
         fused = find_fused_activations(model, folded=self._bn is not None, example=example) if fuse_relu else {}
         super().__init__(model, config_list, optimizer)
-        for w in self._wrappers:  # True: a ReLU; 'relu6': a ReLU6 (clamp to [0, 6]) is applied before quantizing
+        for w in self.modules_wrapper:  # True: a ReLU; 'relu6': a ReLU6 (clamp to [0, 6]) is applied before quantizing
             w.fused_relu = fused.get(w.name, False) if "output" in w.quant_types else False
         if self._bn is not None:
-            self._bn.install(self._wrappers)  # after the wrappers are in place: BN slots become Identity
+            self._bn.install(self.modules_wrapper)  # after the wrappers are in place: BN slots become Identity
 
     # ------------------------------------------------------------------ construction
     def _specs(self, layer: nn.Module, name: str, config: dict[str, Any]) -> dict[str, QuantSpec]:
@@ -155,13 +155,13 @@ class QAT_Quantizer(TorchQuantizer):  # noqa: N801  (NNI's public name)
     # ------------------------------------------------------------------ export
     def _unwrap_model(self) -> nn.Module:
         if self._bn is not None:
-            self._bn.uninstall(self._wrappers)
+            self._bn.uninstall(self.modules_wrapper)
         return super()._unwrap_model()
 
     def _wrap_model(self) -> nn.Module:
         model = super()._wrap_model()
         if self._bn is not None:
-            self._bn.install(self._wrappers)
+            self._bn.install(self.modules_wrapper)
         return model
 
     def export_weight(self, wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -120,12 +120,12 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
     def step(self) -> None:
         """After each optimizer step: advance the step counter (``quant_start_step``)."""
         self._steps += 1
-        for w in self._wrappers:
+        for w in self.modules_wrapper:
             w.frozen = False  # weights moved: loaded calibration no longer describes them
         self._refresh_active()
 
     def _refresh_active(self) -> None:
-        for w in self._wrappers:
+        for w in self.modules_wrapper:
             w.quant_active = self._steps >= w.config.get("quant_start_step", 0)
 
     @property
