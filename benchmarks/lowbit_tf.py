@@ -12,7 +12,9 @@ Part 1, one ``Dense(2048 -> 2048, use_bias=False)`` at M = 1 and M = 64 input ro
   (``int8``, weight-only).
 
 Part 2, the trained byte-level Llama of the one-shot issue in its Keras port (``examples/llm_keras.py``,
-weights ``--weights``, 3.5 M parameters, the LM head left float as the quantizers do by default): the
+weights ``--weights``: by default ``llama-bytes-seed0-steps260.pt`` in ``$COMPRESSOR_LLM_CACHE``, else in
+``out/llm`` under the repository root, where ``python -m examples.reproduce_llm`` caches them; 3.5 M parameters,
+the LM head left float as the quantizers do by default): the
 ``.weights.h5`` file size and the latency of one forward pass at batch 1 over ``--context`` tokens (the port
 has no KV cache, so the next token costs a forward of the context), float vs ours w4 g128 / w4 per channel
 fast / w8, and the max |logit| difference to the fake-quant model.
@@ -45,7 +47,9 @@ from compressor.tf import RtnQuantizer  # noqa: E402
 from compressor.tf.lowbit import to_keras_quantized  # noqa: E402
 
 N = 2048
-WEIGHTS = "/work/llmcache/llama-bytes-seed0-steps260.pt"
+#: the trained weights: $COMPRESSOR_LLM_CACHE (default: out/llm under the repository root) / the cached file's name
+WEIGHTS = str(Path(os.environ.get("COMPRESSOR_LLM_CACHE", Path(__file__).resolve().parent.parent / "out" / "llm"))
+              / "llama-bytes-seed0-steps260.pt")
 
 
 def _dense(w: np.ndarray) -> keras.Model:

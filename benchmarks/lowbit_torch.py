@@ -7,10 +7,12 @@
    over a second: the kernel's float32 path is a scalar loop). Codes: round to nearest of a random weight.
    ``max rel`` is max|y - y_dequant| / max|y_dequant| against float64 with the dequantized weight.
 2. Whole models: the trained byte-level Llama of the one-shot reproduction (``examples/llm_common.py``, 3.5 M
-   parameters, from ``--trained``) and a random-weight Llama of ~100 M parameters (width 768, FFN 2048, 12
-   layers, vocabulary 8192). Every Linear inside the blocks is quantized (RTN; the embedding and the head stay
-   float, as the one-shot quantizers leave them) and packed. Resident weight bytes (parameters, buffers and
-   the packed kernel tensors), next-token latency at batch 1 with the KV cache (after a 32-token prompt) and
+   parameters, from ``--trained``, else ``$COMPRESSOR_TRAINED_LM``, else ``llama-bytes-seed0-steps260.pt`` in
+   ``$COMPRESSOR_LLM_CACHE`` or ``out/llm`` under the repository root, where examples.reproduce_llm caches it)
+   and a random-weight Llama of ~100 M parameters (width 768, FFN 2048, 12 layers, vocabulary 8192). Every
+   Linear inside the blocks is quantized (RTN; the embedding and the head stay float, as the one-shot
+   quantizers leave them) and packed. Resident weight bytes (parameters, buffers and the packed kernel
+   tensors), next-token latency at batch 1 with the KV cache (after a 32-token prompt) and
    a 512-token prefill (batch 1), each vs float32 in the same rounds.
 
     python benchmarks/lowbit_torch.py [--rounds 5] [--skip-models] [--trained PATH]
@@ -37,7 +39,9 @@ from benchmarks._interleave import interleaved_medians  # noqa: E402
 from compressor.core.oneshot import QuantSpec, rtn_quantize  # noqa: E402
 from compressor.torch import PackedLinear, RtnQuantizer, pack_weights  # noqa: E402
 
-TRAINED = "/work/llmcache/llama-bytes-seed0-steps260.pt"
+#: the trained weights: $COMPRESSOR_LLM_CACHE (default: out/llm under the repository root) / the cached file's name
+TRAINED = str(Path(os.environ.get("COMPRESSOR_LLM_CACHE", Path(__file__).resolve().parent.parent / "out" / "llm"))
+              / "llama-bytes-seed0-steps260.pt")
 
 
 def packed_from(weight: torch.Tensor, bits: int, group: int | None, **kw) -> PackedLinear:

@@ -3,7 +3,9 @@
 For each method (SparseGPT 50 %, Wanda 50 %, GPTQ w4 g128, AWQ w4 g128, RTN w4 g128) on
 
 * ``trained``: the byte-level Llama of examples/llm_common.py (4 layers, width 256, FFN 768, 3.5 M
-  parameters), its trained weights from ``--weights`` (never retrained here), and
+  parameters), its trained weights from ``--weights`` (default ``$COMPRESSOR_LLM_WEIGHTS``, else
+  ``llama-bytes-seed0-steps260.pt`` in ``$COMPRESSOR_LLM_CACHE`` or ``out/llm`` under the repository root, where
+  ``python -m examples.reproduce_llm`` caches it; never retrained here), and
 * ``large`` (``--models trained,large``): a random-weight Llama about 10x larger (10 layers, width 512,
   FFN 1536, 8 heads, 34 M parameters),
 
@@ -15,8 +17,9 @@ run happens in a FRESH interpreter with one intra-op thread (``torch.set_num_thr
   ``AwqQuantizer`` / ``RtnQuantizer``), calibration data as 128 batches of one window (``--batch N``
   for batches of N);
 * ``llmcompressor``: ``llmcompressor.oneshot`` with the matching modifier, in its own environment
-  (``--llmc-python``, default /tmp/llmc/bin/python; the column is skipped with a message when it is
-  absent), fed the same windows as a DataLoader of batch 1 (as examples/anchors/llmcompressor_rows.py).
+  (``--llmc-python``, default ``$LLMCOMPRESSOR_PYTHON``, else ``.venv-llmc/bin/python`` under the repository root,
+  made as examples/anchors/llmcompressor_rows.py says; the column is skipped with a message when it is absent),
+  fed the same windows as a DataLoader of batch 1 (as examples/anchors/llmcompressor_rows.py).
 
 Measured per run: the wall time of the compression call only (model and data loaded before; the compressor's
 construction included), the process's CPU time over that call (user + system: robust against other load on
@@ -59,8 +62,11 @@ LARGE = {**TRAINED, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_l
 METHODS = ("sparsegpt50", "wanda50", "gptq_w4g128", "awq_w4g128", "rtn_w4g128", "awq_w4g128_full", "awq_w4g128_noclip")
 #: methods whose llmcompressor run would repeat another row's (its AWQ: no clipping, the grid scored on every sample)
 OURS_ONLY = {"awq_w4g128_full", "awq_w4g128_noclip"}
-DEFAULT_WEIGHTS = os.environ.get("COMPRESSOR_LLM_WEIGHTS", "/work/llmcache/llama-bytes-seed0-steps260.pt")
-DEFAULT_LLMC = os.environ.get("LLMCOMPRESSOR_PYTHON", "/tmp/llmc/bin/python")
+#: relative to the repository root unless the environment says otherwise (never an absolute machine path)
+DEFAULT_WEIGHTS = os.environ.get(
+    "COMPRESSOR_LLM_WEIGHTS",
+    str(Path(os.environ.get("COMPRESSOR_LLM_CACHE", ROOT / "out" / "llm")) / "llama-bytes-seed0-steps260.pt"))
+DEFAULT_LLMC = os.environ.get("LLMCOMPRESSOR_PYTHON", str(ROOT / ".venv-llmc" / "bin" / "python"))
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
 

@@ -20,8 +20,8 @@ import warnings
 from typing import Any
 
 from examples.llm_common import (
+    DEFAULT_CACHE,
     DEFAULT_CORPUS,
-    ROOT,
     calibration_windows,
     corpus,
     held_out_windows,
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default=",".join(ROWS))
     p.add_argument("--calib", type=int, default=128, help="calibration windows (the protocol's 128)")
-    p.add_argument("--workdir", default=str(ROOT.parent / "llmcache"))
+    p.add_argument("--workdir", default=DEFAULT_CACHE,
+                   help="the trained weights' cache (default: $COMPRESSOR_LLM_CACHE, else out/llm in the repository)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS)
     p.add_argument("--out", default=None, help="folder for the checkpoints (default: a temporary one)")
     p.add_argument("--json", default=None)

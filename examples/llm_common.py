@@ -5,7 +5,9 @@ bytes are tokens (vocabulary 256). Model: Hugging Face ``LlamaForCausalLM``, 4 l
 4 heads (3.5 M parameters), trained with AdamW on 16 x 256-byte windows of the training files. Held-out
 perplexity: the mean next-byte cross entropy over consecutive 256-byte windows of the held-out text.
 
-The trained weights are cached (``<workdir>/llama-bytes-seed<seed>.pt``) so the compression rows reuse them.
+The trained weights are cached (``<workdir>/llama-bytes-seed<seed>-steps<steps>.pt``) so the compression rows reuse
+them. The default cache directory is ``$COMPRESSOR_LLM_CACHE``, else ``out/llm`` under the repository root (ignored by
+git); the examples and benchmarks that read the trained model look there by default.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from compressor.data import TextCorpus, byte_windows, load_text_corpus
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = os.environ.get("COMPRESSOR_TEXT_CORPUS",
                                 str(ROOT.parent / "shared" / "data" / "text" / "vim-help.tar.gz"))
+#: where the trained weights are cached: $COMPRESSOR_LLM_CACHE, else out/llm under the repository root
+DEFAULT_CACHE = os.environ.get("COMPRESSOR_LLM_CACHE", str(ROOT / "out" / "llm"))
+#: the weights every example and benchmark reads by default (train seed 0, 260 steps)
+DEFAULT_WEIGHTS = str(Path(DEFAULT_CACHE) / "llama-bytes-seed0-steps260.pt")
 SEQ = 256
 CONFIG = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": SEQ,

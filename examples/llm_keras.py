@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     from examples import llm_common as lc
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--weights", default=str(lc.ROOT.parent / "llmcache" / "llama-bytes-seed0-steps260.pt"))
+    ap.add_argument("--weights", default=lc.DEFAULT_WEIGHTS,
+                    help="trained HF weights (default: llama-bytes-seed0-steps260.pt in $COMPRESSOR_LLM_CACHE, "
+                         "else in out/llm of the repository)")
     ap.add_argument("--limit", type=int, default=None, help="held-out windows (default: all)")
     args = ap.parse_args(argv)
     text = lc.corpus()

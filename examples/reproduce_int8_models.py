@@ -9,8 +9,9 @@
    onnxruntime. Keras: float TFLite, ours full-integer TFLite, the TFLite converter's own full-integer PTQ
    (same calibration images), all three run in the TFLite interpreter. Goal: int8 error <= float + 0.3 pp.
 2. **Byte-level Llama** of the one-shot reproduction (``examples/llm_common.py``; trained weights from
-   ``--llm-weights``, copied, never retrained). torch: float ONNX, ours ``activation='dynamic'`` on every decoder
-   Linear (``lm_head`` left out, as in the one-shot table), ours static (calibrated on 32 training windows,
+   ``--llm-weights``, default ``llama-bytes-seed0-steps260.pt`` in ``$COMPRESSOR_LLM_CACHE``, else in ``out/llm``
+   under the repository root; copied, never retrained). torch: float ONNX, ours ``activation='dynamic'`` on every
+   decoder Linear (``lm_head`` left out, as in the one-shot table), ours static (calibrated on 32 training windows,
    inputs / weights / outputs of the same Linears), onnxruntime's ``quantize_dynamic`` (per-channel int8
    weights, ``lm_head``'s MatMul left out too) of the pre-processed float ONNX. Keras: the port of
    ``examples/llm_keras.py`` with the same weights; float TFLite, ours dynamic-range TFLite
@@ -51,7 +52,10 @@ from examples.common import add_common_args, backends_of, err, md_table, save_js
 CNN_TOLERANCE = 0.003  # int8 error <= float error + 0.3 pp
 PPL_TOLERANCE = 0.02  # int8 perplexity <= float * 1.02
 N_CALIB = 500
-DEFAULT_LLM = str(Path(__file__).resolve().parent.parent.parent / "llmcache" / "llama-bytes-seed0-steps260.pt")
+#: the one-shot reproduction's trained weights (examples/llm_common.py caches them): $COMPRESSOR_LLM_CACHE, else
+#: out/llm under the repository root
+DEFAULT_LLM = str(Path(os.environ.get("COMPRESSOR_LLM_CACHE", Path(__file__).resolve().parent.parent / "out" / "llm"))
+                  / "llama-bytes-seed0-steps260.pt")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,16 @@ compressed, ``lm_head`` left out; held-out perplexity over every 256-byte window
 
 Rows: the method on PyTorch (``compressor.torch``) and on Keras (``compressor.tf``, on a Keras port of the
 same model with the same weights, examples/llm_keras.py, when it is there), for each calibration seed; with
-``--anchor-python /tmp/llmc/bin/python``, llmcompressor 0.14 on the same weights and the same windows, run in
-that separate environment by examples/anchors/llmcompressor_rows.py; backend ``keras_quantize``: Keras 3.15's
-``model.quantize`` (int4 g128 / GPTQ / AWQ) on the Keras port, examples/anchors/keras_quantize_rows.py.
+``--anchor-python .venv-llmc/bin/python`` (a venv of its own; any path works), llmcompressor 0.14 on the same
+weights and the same windows, run in that separate environment by examples/anchors/llmcompressor_rows.py;
+backend ``keras_quantize``: Keras 3.15's ``model.quantize`` (int4 g128 / GPTQ / AWQ) on the Keras port,
+examples/anchors/keras_quantize_rows.py.
 
     python -m examples.reproduce_llm [--methods all|a,b] [--seeds 0,1,2] [--backend torch,tf,llmcompressor|all]
         [--anchor-python PATH] [--workdir DIR] [--json PATH (resumable)] [--summary-only]
+
+The trained weights are cached in ``--workdir`` (default ``$COMPRESSOR_LLM_CACHE``, else ``out/llm`` under the
+repository root), where the benchmarks of the one-shot methods read them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 from examples.llm_common import (
     CONFIG,
+    DEFAULT_CACHE,
     DEFAULT_CORPUS,
     ROOT,
     calibration_windows,
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--anchor-python is given). keras_quantize: Keras 3.15's own model.quantize on the "
                         "Keras port (examples/anchors/keras_quantize_rows.py)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS)
-    p.add_argument("--workdir", default=str(ROOT / "out" / "llm"), help="trained weights are cached here")
+    p.add_argument("--workdir", default=DEFAULT_CACHE,
+                   help="trained weights are cached here (default: $COMPRESSOR_LLM_CACHE, else out/llm in the repository)")
     p.add_argument("--train-seed", type=int, default=0)
     p.add_argument("--anchor-python", help="a python with llmcompressor 0.14 (its own venv)")
     p.add_argument("--json", help="rows as JSON, rewritten after every row; rows already in it are skipped "

@@ -2,9 +2,12 @@
 
 Runs in its OWN environment (never a project dependency; compressor is not imported here):
 
-    python -m venv /tmp/llmc && /tmp/llmc/bin/pip install "torch==2.13.0" "llmcompressor==0.14.*"
-    /tmp/llmc/bin/python examples/anchors/llmcompressor_rows.py --state W.pt --corpus vim-help.tar.gz \
+    python -m venv .venv-llmc && .venv-llmc/bin/pip install "torch==2.13.0" "llmcompressor==0.14.*"
+    .venv-llmc/bin/python examples/anchors/llmcompressor_rows.py --state W.pt --corpus vim-help.tar.gz \
         --methods sparsegpt50,wanda50,gptq_w4g128 --seed 0
+
+(run from the repository root: ``.venv-*/`` is ignored by git; the benchmarks look for this interpreter at
+``.venv-llmc/bin/python`` unless told otherwise).
 
 The corpus split, the calibration windows (numpy default_rng(seed + 7), 128 x 256 bytes of the training
 files) and the held-out windows are computed exactly as examples/llm_common.py does, so both sides see the
