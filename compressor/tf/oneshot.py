@@ -2,7 +2,7 @@
 ``SparseGPTPruner``, ``GptqQuantizer``, ``RtnQuantizer``, ``AwqQuantizer``.
 
 The math and the block-by-block loop are core's (:mod:`compressor.core.oneshot`,
-:mod:`compressor.core.sequential`); this module is the Keras adapter (:class:`KerasOneShotBackend`) and
+:mod:`compressor.core.oneshot`); this module is the Keras adapter (:class:`KerasOneShotBackend`) and
 the compressor classes. No tracing of the model:
 
 * **blocks** (decoder layers): the classes named by ``sequential_targets=['TransformerDecoder']``, else
@@ -53,7 +53,7 @@ from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo
 from ..core.oneshot import store_codes
 from ..core.pruning import nm_validate_config
-from ..core.sequential import (
+from ..core.oneshot import (
     ONESHOT_KEYS,
     ONESHOT_SKIP_HINT,
     QUANT_SCHEME_KEY,
@@ -63,6 +63,7 @@ from ..core.sequential import (
     LayerTask,
     ObserveCalls,
     ObservedAll,
+    OneShotBackend,
     OneShotMethod,
     OneShotReport,
     RtnMethod,
@@ -289,12 +290,12 @@ def _float64_policies(block: Any, on: bool) -> Iterator[bool]:
             lay.dtype_policy = policy
 
 
-class KerasOneShotBackend:
-    """The Keras side of :func:`compressor.core.sequential.run_sequential` for one compressor."""
+class KerasOneShotBackend(OneShotBackend):
+    """The Keras side of :func:`compressor.core.oneshot.run_sequential` for one compressor."""
 
     def __init__(self, compressor: Any, blocks: list[tuple[str, Any]], float64: bool = False) -> None:
         self.c = compressor
-        self.float64 = float64  # run_block in float64 (core.sequential.forward_in_float64)
+        self.float64 = float64  # run_block in float64 (core.oneshot.forward_in_float64)
         self.model = compressor.bound_model
         self._blocks = list(blocks)
         self.tasks = {w.name: LayerTask(w.name, w.config, compressor._layouts[w.name].n_in, w)
@@ -324,7 +325,7 @@ class KerasOneShotBackend:
     def _observing(self, observe: dict[str, Callable[[Any], None]] | None, calls: ObserveCalls | None = None
                    ) -> Iterator[None]:
         """Each observed layer's ``call`` hands its input rows to ``observe[name]`` first; with ``calls`` it then
-        raises :class:`~compressor.core.sequential.ObservedAll` once the block call has nothing left to observe
+        raises :class:`~compressor.core.oneshot.ObservedAll` once the block call has nothing left to observe
         (the caller catches it)."""
         with ExitStack() as stack:
             for name, fn in (observe or {}).items():
@@ -746,7 +747,7 @@ class _OneShot:
         ``num_samples`` sequences) block by block and leave the model compressed. ``progress``: a line per
         block on stderr (True), nothing (False) or a file. ``forward_dtype``: the dtype of the block passes that
         record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the model's dtype on
-        an accelerator; 'float64'; 'model'; see :func:`compressor.core.sequential.forward_in_float64`). Bad data
+        an accelerator; 'float64'; 'model'; see :func:`compressor.core.oneshot.forward_in_float64`). Bad data
         is an error before the model changes. Returns self."""
         what = f"{self._what}.calibrate"
         float64 = forward_in_float64(forward_dtype, what, not tf.config.list_logical_devices("GPU"))

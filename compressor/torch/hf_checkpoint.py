@@ -53,7 +53,7 @@ from ..core.compressed_tensors import (
     write_safetensors,
 )
 from ..core.errors import ConfigError, ModelError
-from ..core.sequential import quant_spec_of
+from ..core.oneshot import quant_spec_of
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.oneshot import oneshot_codes

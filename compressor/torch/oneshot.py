@@ -1,8 +1,8 @@
 """PyTorch side of the one-shot compressors (issue 25): calibration data, block finding, the
-:class:`~compressor.core.sequential.OneShotBackend` adapter, and the mixin the five compressors share.
+:class:`~compressor.core.oneshot.OneShotBackend` adapter, and the mixin the five compressors share.
 
 The math (Wanda, SparseGPT, GPTQ, RTN, AWQ) and the block-by-block loop live in
-:mod:`compressor.core.oneshot` / :mod:`compressor.core.sequential`; this module only moves tensors:
+:mod:`compressor.core.oneshot` / :mod:`compressor.core.oneshot`; this module only moves tensors:
 
 * **blocks**: the model's repeated decoder layers, found without naming a model family: the longest
   ``nn.ModuleList`` whose children all have one class and hold selected layers (Hugging Face Llama / Qwen2
@@ -41,13 +41,14 @@ from torch import nn
 from ..core.config import KeySpec
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import type_names
-from ..core.sequential import (
+from ..core.oneshot import (
     ONESHOT_KEYS,
     ONESHOT_SKIP_HINT,
     LayerResult,
     LayerTask,
     ObserveCalls,
     ObservedAll,
+    OneShotBackend,
     OneShotMethod,
     OneShotReport,
     forward_in_float64,
@@ -419,12 +420,12 @@ def _widened(v: Any, hidden: Any, shared: dict[int, tuple[torch.Tensor, int, tor
     return v
 
 
-class TorchOneShotBackend:
-    """The torch adapter of :class:`compressor.core.sequential.OneShotBackend` for one compressor."""
+class TorchOneShotBackend(OneShotBackend):
+    """The torch adapter of :class:`compressor.core.oneshot.OneShotBackend` for one compressor."""
 
     def __init__(self, compressor: Any, targets: Sequence[str] | None, float64: bool = False):
         self.compressor = compressor
-        self.float64 = float64  # run_block / advance in float64 (core.sequential.forward_in_float64)
+        self.float64 = float64  # run_block / advance in float64 (core.oneshot.forward_in_float64)
         self.model: nn.Module = compressor.bound_model
         self.what = type(compressor).__name__
         self.wrappers: list[nn.Module] = list(compressor.get_modules_wrapper())
@@ -517,8 +518,8 @@ class TorchOneShotBackend:
         """Pre-hooks that hand each observed layer's input rows to ``observe[name]``, and a ``reset()`` to call after
         each call of the block: it drops the references to that call's tensors (each call then starts on the same
         heap: kept into the next call, they made the allocator place that call's buffers elsewhere). ``stop``: a
-        hook raises :class:`~compressor.core.sequential.ObservedAll` once the call has nothing left to observe
-        (core :class:`~compressor.core.sequential.ObserveCalls`); the caller catches it."""
+        hook raises :class:`~compressor.core.oneshot.ObservedAll` once the call has nothing left to observe
+        (core :class:`~compressor.core.oneshot.ObserveCalls`); the caller catches it."""
         handles: list[Any] = []
         if not observe:
             return handles, lambda: None
@@ -774,7 +775,7 @@ class TorchOneShotBackend:
                 h = h[k.to(h.device)]
             yield h.to("cpu", torch.float64).numpy()
 
-    # ---- AWQ: the sequences the grid is scored on (core.sequential.search_inputs)
+    # ---- AWQ: the sequences the grid is scored on (core.oneshot.search_inputs)
     def batch_rows(self, inp: _Input) -> int:
         return int(inp.hidden().shape[0])
 
@@ -998,7 +999,7 @@ class OneShotMixin:
         ``progress``: one line per block on stderr (True), a file, or False. ``forward_dtype``: the dtype of the
         block passes that record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the
         model's dtype on an accelerator; 'float64'; 'model'; see
-        :func:`compressor.core.sequential.forward_in_float64`). Bad data raises before any weight
+        :func:`compressor.core.oneshot.forward_in_float64`). Bad data raises before any weight
         changes. Returns self."""
         what = type(self).__name__
         method = self.method_class()
@@ -1024,5 +1025,5 @@ class OneShotMixin:
 
 
 def oneshot_key_specs(*names: str) -> tuple[KeySpec, ...]:
-    """The :data:`~compressor.core.sequential.ONESHOT_KEYS` specs of ``names``."""
+    """The :data:`~compressor.core.oneshot.ONESHOT_KEYS` specs of ``names``."""
     return tuple(ONESHOT_KEYS[n] for n in names)

@@ -40,9 +40,9 @@ def ref_grid(values, bits, symmetric):
     hi = np.maximum(values.max(axis=1), 0.0)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        return np.maximum(np.maximum(-lo, hi) / qmax, O._q.EPS), np.zeros_like(lo), -qmax, qmax
+        return np.maximum(np.maximum(-lo, hi) / qmax, O.codes._q.EPS), np.zeros_like(lo), -qmax, qmax
     qmax = 2**bits - 1
-    scale = np.maximum((hi - lo) / qmax, O._q.EPS)
+    scale = np.maximum((hi - lo) / qmax, O.codes._q.EPS)
     return scale, np.clip(np.round(-lo / scale), 0, qmax), 0, qmax
 
 
@@ -149,12 +149,12 @@ def test_gram_accumulator_exact_values_over_batches_and_leading_axes():
 
 def test_gram_of_float32_rows_is_float32_products_summed_in_float64_whatever_dtype_the_backend_passes():
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2 * O.GRAM_F32_ROWS + 6, 16)).astype(np.float32)
+    x = rng.standard_normal((2 * O.statistics.GRAM_F32_ROWS + 6, 16)).astype(np.float32)
     as32, as64 = O.GramAccumulator(16), O.GramAccumulator(16)
     as32.add(x)
     as64.add(x.astype(np.float64).reshape(2, -1, 16))  # float32 values handed over as float64: the same Gram
     assert np.array_equal(as32.gram, as64.gram) and as32.gram.dtype == np.float64
-    chunks = [x[i:i + O.GRAM_F32_ROWS] for i in range(0, len(x), O.GRAM_F32_ROWS)]
+    chunks = [x[i:i + O.statistics.GRAM_F32_ROWS] for i in range(0, len(x), O.statistics.GRAM_F32_ROWS)]
     expected = np.zeros((16, 16))
     for c in chunks:  # three float32 products (1024 + 1024 + 6 rows), summed in float64
         expected += c.T @ c
@@ -172,7 +172,7 @@ def test_gram_of_float32_rows_is_float32_products_summed_in_float64_whatever_dty
 def test_channel_sums_over_row_chunks_equal_the_whole_batch_sums_bit_for_bit(gram):
     rng = np.random.default_rng(4)
     width = 96
-    rows = 3 * (O.SUM_CHUNK_VALUES // width) + 5  # four chunks
+    rows = 3 * (O.statistics.SUM_CHUNK_VALUES // width) + 5  # four chunks
     x = (rng.standard_normal((rows, width)) * rng.standard_normal(width) ** 3).astype(np.float32)
     x64 = x.astype(np.float64)
     acc = O.GramAccumulator(width, gram=gram)
@@ -200,7 +200,7 @@ def test_gram_in_column_blocks_is_exactly_symmetric_and_the_product_of_the_rows(
         x = x + 1e-9  # not float32 values: the float64 product
     whole = O.GramAccumulator(21)
     whole.add(x)  # 21 < GRAM_COLS: one block
-    monkeypatch.setattr(O, "GRAM_COLS", 4)  # six blocks, the last one 1 column wide
+    monkeypatch.setattr(O.statistics, "GRAM_COLS", 4)  # six blocks, the last one 1 column wide
     blocks = O.GramAccumulator(21)
     blocks.add(x[:15])
     blocks.add(x[15:])
@@ -226,7 +226,7 @@ def test_row_chunked_round_to_nearest_awq_and_clip_search_equal_the_whole_weight
     w2 = rng.standard_normal((5, 40))
     whole_mean = O.awq_weight_mean(np.concatenate([w, w2]), 16)
     w_before = w.copy()
-    monkeypatch.setattr(O, "ROW_CHUNK_VALUES", 3 * 40 + 1)  # chunks of 3 rows, the last one 1 row
+    monkeypatch.setattr(O.arrays, "ROW_CHUNK_VALUES", 3 * 40 + 1)  # chunks of 3 rows, the last one 1 row
     assert [(c.start, c.stop) for c in O.row_chunks(13, 40)] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
     rtn, clip = O.rtn_quantize(w, spec), O.awq_clip_search(w, gram, s, spec)
     awq = O.awq_quantize(w, s, spec, clip)
@@ -297,10 +297,10 @@ def test_hessian_factor_is_computed_in_the_handed_over_array(monkeypatch):
     np.testing.assert_array_equal(big, before)  # an array argument is copied, not changed
     box = [big.copy()]
     scratch = box[0]
-    ut = O._inverse_factor_t(box, 0.01)
+    ut = O.linalg._inverse_factor_t(box, 0.01)
     assert box == [] and ut is scratch and ut.flags.c_contiguous
     np.testing.assert_array_equal(ut.T, ref)
-    monkeypatch.setattr(O, "_FACTOR_BLOCK", 5)
+    monkeypatch.setattr(O.linalg, "_FACTOR_BLOCK", 5)
     small = O.hessian_factor(big)
     assert np.array_equal(small, np.triu(small)) and np.allclose(small, ref, rtol=1e-10, atol=1e-13)
     with pytest.raises(ValueError, match="not positive definite"):
@@ -639,7 +639,7 @@ def test_awq_clip_search_picks_per_group_the_ratio_with_the_least_token_error(sy
 
 
 def test_awq_clipping_skips_query_and_key_projections_by_name():
-    from compressor.core.sequential import AwqMethod, LayerTask
+    from compressor.core.oneshot import AwqMethod, LayerTask
 
     def clips(name, **cfg):
         return AwqMethod.clips(LayerTask(name=name, in_features=8, config={"quant_bits": 4, **cfg}))
@@ -689,10 +689,10 @@ def test_gram_matrices_get_pages_of_their_own():
             a = a.base
         return a.obj if isinstance(a, memoryview) else a
 
-    big = O.own_pages((512, 512))  # 2 MiB
+    big = O.memory.own_pages((512, 512))  # 2 MiB
     assert isinstance(backing(big), mmap.mmap)
     assert big.dtype == np.float64 and big.flags.c_contiguous and big.flags.writeable and not big.any()
-    small = O.own_pages((8, 8))
+    small = O.memory.own_pages((8, 8))
     assert backing(small) is None and not small.any()
     acc = O.GramAccumulator(512)
     assert isinstance(backing(acc.gram), mmap.mmap)

@@ -1,4 +1,4 @@
-"""The sequential one-shot driver (core.sequential) on a numpy model: blocks are ``x -> relu(x W^T)``."""
+"""The sequential one-shot driver (core.oneshot.driver) on a numpy model: blocks are ``x -> relu(x W^T)``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 
 from compressor.core import oneshot as os1
 from compressor.core.errors import ConfigError, ModelError
-from compressor.core.sequential import (
+from compressor.core.oneshot import (
     AwqMethod,
     GptqMethod,
     LayerTask,
+    OneShotBackend,
     RtnMethod,
     SparseGPTMethod,
     WandaMethod,
@@ -22,7 +23,7 @@ from compressor.core.sequential import (
 )
 
 
-class NumpyBackend:
+class NumpyBackend(OneShotBackend):
     """Blocks ``relu(x @ W_i^T)`` then a head ``x @ H^T`` outside the blocks."""
 
     def __init__(self, weights, head, config):
@@ -163,7 +164,7 @@ def test_progress_lines_and_errors():
 
 
 # ------------------------------------------------------------------------------------------------ AWQ block search
-class GluBackend:
+class GluBackend(OneShotBackend):
     """One block ``x + (relu(x A^T) * (x B^T)) C^T`` (A and B read the same input, as gate / up)."""
 
     def __init__(self, config, fail_at=None):
@@ -459,7 +460,7 @@ def test_quant_range_full_gives_the_signed_int4_grid():
 
 
 def test_the_undo_copies_go_to_a_temporary_file_and_come_back_exactly():
-    from compressor.core.sequential import _Spilled, _Undo
+    from compressor.core.oneshot.memory import Undo, _Spilled
 
     class ViewBackend:  # hands over views of its live arrays, as the torch adapter does
         def __init__(self):
@@ -473,7 +474,7 @@ def test_the_undo_copies_go_to_a_temporary_file_and_come_back_exactly():
             assert saved["meta"] == ("x", 1)
 
     be = ViewBackend()
-    undo = _Undo(be)
+    undo = Undo(be)
     for n in ("big", "small"):
         undo.before(LayerTask(n, {}, 1, n))
     assert isinstance(undo.saved[0][1]["weight"], _Spilled)  # 160 kB: on disk, not in memory
@@ -529,7 +530,7 @@ def test_awq_group_search_scores_each_candidate_on_the_layers_effective_weights_
 
 
 def test_observe_calls_stops_after_the_first_calls_last_layer_once_every_layer_has_fired():
-    from compressor.core.sequential import ObserveCalls
+    from compressor.core.oneshot import ObserveCalls
 
     def run(calls, order):
         calls.begin()
@@ -559,7 +560,7 @@ def test_observe_calls_stops_after_the_first_calls_last_layer_once_every_layer_h
 def test_the_heap_is_trimmed_once_the_run_is_over_or_rolled_back(fail, monkeypatch):
     """What the last block freed (its activations, statistics, solver copies) goes back to the OS when the run
     ends, after the last layer is written (or put back, when the run fails)."""
-    import compressor.core.sequential as seq
+    import compressor.core.oneshot.driver as seq
 
     b = NumpyBackend(W, HEAD, {"sparsity": 0.5})
     log = []

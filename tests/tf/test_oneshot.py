@@ -667,7 +667,7 @@ def test_an_observing_call_ends_after_the_blocks_last_observed_input_with_the_sa
     """As on torch: from the second observing call of a block on, the call stops once the last observed layer
     (``down``) has handed over its input, so ``down`` computes n - 1 times less per block than with full calls;
     the compressed kernels are bit for bit the same."""
-    import compressor.core.sequential as seq
+    import compressor.core.oneshot as seq
 
     data = [CALIB[i:i + 4] for i in range(0, 12, 4)]
 

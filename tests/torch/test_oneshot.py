@@ -752,7 +752,7 @@ def test_an_observing_call_ends_after_the_blocks_last_observed_input_with_the_sa
     """The observing pass needs the layers' inputs, not the block's output: from its second call on, a block call
     stops once the last observed layer has handed over its input (its own product is never computed); the first
     call runs to the end and fixes the order. The compressed weights are bit for bit those of full calls."""
-    import compressor.core.sequential as seq
+    import compressor.core.oneshot as seq
 
     n = 3
     model = build(family)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ...core.matching import LayerInfo
 from ...core.pruning import nm_validate_config
-from ...core.sequential import LayerResult, SparseGPTMethod, WandaMethod
+from ...core.oneshot import LayerResult, SparseGPTMethod, WandaMethod
 from ..layout import from_canonical
 from ..oneshot import OneShotMixin, oneshot_key_specs
 from .level import check_nm_module

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...core.errors import ConfigError, ModelError
 from ...core.oneshot import store_codes, stored_code_width, stored_codes_to_full
-from ...core.sequential import (
+from ...core.oneshot import (
     QUANT_SCHEME_KEY,
     AwqMethod,
     GptqMethod,

@@ -1,0 +1,158 @@
+"""Where a one-shot run's memory goes: Gram matrices in pages of their own (:func:`own_pages`), freed heap given
+back between blocks (:func:`release_freed_heap`), and the undo copies of changed layers in a temporary file
+(:class:`Undo`), so a failed run puts the model back without a second copy of its weights in RAM."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: arrays of at least this many bytes that live long and are freed as a whole (the Gram matrices, which the
+#: solvers then factor in place) get pages of their own (:func:`own_pages`)
+OWN_PAGES_BYTES = 1 << 20
+
+
+def own_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """A zero float64 array of ``shape`` in an anonymous memory map of its own (below :data:`OWN_PAGES_BYTES`:
+    ``np.zeros``). Its pages go back to the OS the moment the array is dropped, and it never sits in the
+    allocator's heap between the calibration pass's short-lived buffers: a Gram matrix there (an LLM down
+    projection's: 18 MiB at width 1536) left a hole that those buffers split when it was freed, and glibc
+    raised its mmap threshold past it, so every later buffer of that size came from the heap too."""
+    n = int(np.prod(shape, dtype=np.int64)) * 8
+    if n < OWN_PAGES_BYTES:
+        return np.zeros(shape)
+    try:
+        buf = mmap.mmap(-1, n)
+    except (OSError, ValueError):  # no anonymous maps here: the allocator's memory
+        return np.zeros(shape)
+    return np.frombuffer(buf, dtype=np.float64).reshape(shape)
+
+
+
+def _glibc_trim() -> Callable[[], Any] | None:
+    """glibc's ``malloc_trim`` (None elsewhere): see :func:`release_freed_heap`."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl, no libc.so.6
+        return None
+
+
+_TRIM = _glibc_trim()
+
+
+def release_freed_heap() -> None:
+    """Give the heap pages freed since the last call back to the OS (glibc ``malloc_trim(0)``; a no-op where
+    there is none). Between blocks a calibration run frees a block's worth of activations, statistics and
+    solver copies; glibc keeps most of it (its mmap threshold grows with the first frees, so later
+    activation-sized buffers come from the heap), and the next block's peak stacks on top: measured on the
+    issue-25 Llama (128 windows, max of 2 runs each), peak extra memory SparseGPT 129 -> 102 MiB, GPTQ 132 -> 96,
+    Wanda 92 -> 87."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+class _Spill:
+    """The arrays of the undo copies in an anonymous temporary file (host RAM holds one layer's copy at a time,
+    not a second copy of every compressed weight); arrays are written as they come and read back only by a
+    rollback. Without a usable temporary directory the arrays are kept in memory (copied)."""
+
+    MIN_BYTES = 1 << 16  # smaller arrays (masks of tiny layers, scalars) stay in memory
+
+    def __init__(self) -> None:
+        self.file: Any = None
+        self.failed = False
+
+    def _open(self) -> Any:
+        if self.file is None and not self.failed:
+            try:
+                self.file = tempfile.TemporaryFile(prefix="compressor-undo-")
+            except OSError:
+                self.failed = True
+        return self.file
+
+    def put(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.nbytes < self.MIN_BYTES or obj.dtype.hasobject or self._open() is None:
+                return np.array(obj, copy=True)
+            f = self.file
+            f.seek(0, 2)
+            offset = f.tell()
+            f.write(np.ascontiguousarray(obj).tobytes())
+            return _Spilled(offset, obj.shape, obj.dtype)
+        if type(obj) is dict:
+            return {k: self.put(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.put(v) for v in obj)
+        return obj
+
+    def get(self, obj: Any) -> Any:
+        if isinstance(obj, _Spilled):
+            self.file.seek(obj.offset)
+            n = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
+            return np.frombuffer(self.file.read(n), dtype=obj.dtype).reshape(obj.shape).copy()
+        if type(obj) is dict:
+            return {k: self.get(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(self.get(v) for v in obj)
+        return obj
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    offset: int
+    shape: tuple
+    dtype: np.dtype
+
+
+class Undo:
+    """Host copies of what a run changes, taken per layer just before its first change (the backend's optional
+    ``snapshot(task)`` / ``restore(task, copy)``); :meth:`rollback` puts them back, newest first, so a run that
+    fails part way leaves the model as it found it. The copies' numpy arrays go to a temporary file
+    (:class:`_Spill`): the backup costs disk, not a second copy of the weights in RAM; a snapshot may hand over
+    views of the live arrays, they are written out at once."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self.saved: list[tuple[Any, Any]] = []
+        self.names: set[str] = set()
+        self.spill = _Spill()
+
+    def before(self, task: Any) -> None:
+        if task.name not in self.names:
+            saved = self.backend.snapshot(task)
+            if saved is not None:
+                self.saved.append((task, self.spill.put(saved)))
+            self.names.add(task.name)
+
+    def rollback(self) -> None:
+        for task, saved in reversed(self.saved):
+            self.backend.restore(task, self.spill.get(saved))
+        self.close()
+
+    def close(self) -> None:
+        self.saved, self.names = [], set()
+        self.spill.close()
+
+
+def _compact(weight: Any) -> np.ndarray:
+    """A weight kept only to be written back: float32 where that holds every value exactly (the weights of a
+    float32 / bf16 / fp16 model; half the bytes of the float64 canonical copy), float64 otherwise."""
+    a = np.asarray(weight, np.float64)
+    b = a.astype(np.float32)
+    return b if np.array_equal(b, a) else a
+

@@ -1,0 +1,65 @@
+"""One layer's turn in a one-shot run: compute the method's result from the layer's weight and statistics, check
+it, write it into the model after the layer's undo copy, and add its report row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelError
+from .memory import Undo, release_freed_heap
+from .protocol import LayerResult, LayerTask, OneShotBackend
+from .statistics import GramAccumulator
+
+
+def _row(task: LayerTask, method: Any, result: LayerResult, block: str) -> dict[str, Any]:
+    if not np.all(np.isfinite(result.weight)):
+        raise ModelError(f"{method.name}: layer {task.name!r}: the compressed weight is not finite")
+    row = {"layer": task.name, "block": block, "method": method.name}
+    if result.mask is not None:
+        row["sparsity"] = 1.0 - float(np.count_nonzero(result.mask)) / result.mask.size
+    if result.quantized is not None:
+        row["bits"] = result.quantized.spec.bits
+        row["group_size"] = result.quantized.group_size
+    row.update(result.info)
+    return row
+
+
+def _check_seen(method: Any, task: LayerTask, stats: GramAccumulator | None) -> None:
+    if stats is not None and stats.count == 0:
+        raise ModelError(f"{type(method).__name__}: layer {task.name!r} saw no input during calibration (is it "
+                         f"used in the model's forward for these inputs?); exclude it or check the data")
+
+
+def compute_layer(backend: OneShotBackend, method: Any, task: LayerTask,
+                   stats: GramAccumulator | None) -> LayerResult:
+    """``method``'s result for ``task`` from its current weight and ``stats`` (the model is not changed)."""
+    weight, mask = backend.read_weight(task)
+    _check_seen(method, task, stats)
+    return method.compress(task, np.asarray(weight, np.float64), mask, stats)
+
+
+def commit_layer(backend: OneShotBackend, method: Any, task: LayerTask, result: LayerResult,
+                  rows: list[dict[str, Any]], block: str, undo: Undo | None) -> None:
+    """Write ``result`` into the model (after the undo copy of the layer) and add its report row."""
+    row = _row(task, method, result, block)
+    if undo is not None:
+        undo.before(task)
+    backend.write(task, result)
+    rows.append(row)
+
+
+def compress_layers(backend: OneShotBackend, method: Any, tasks: list[LayerTask],
+                     accs: dict[str, GramAccumulator], rows: list[dict[str, Any]], block: str,
+                     undo: Undo | None = None) -> None:
+    later = [id(accs[t.name]) if accs.get(t.name) is not None else None for t in tasks]
+    for i, t in enumerate(tasks):
+        stats = accs.get(t.name)
+        if stats is not None and id(stats) not in later[i + 1:]:
+            stats.consumable = True  # no later layer reads it: the solver may take it
+        result = compute_layer(backend, method, t, stats)
+        commit_layer(backend, method, t, result, rows, block, undo)
+        del result
+        release_freed_heap()  # the solver's matrices: the next layer's start on a trimmed heap
+
