@@ -356,8 +356,7 @@ class Compressor:
                                   f"that {self._kind} (or export and reload the model) before compressing it again")
             self.validate_layer(info, layer, config)
         extra = self._extra_layers(model, selected, infos, by_name)
-        skipped = getattr(self, "skipped", {})  # dependency-aware pruners: layers speedup could never shrink
-        selected = [(i, c) for i, c in selected if c.get("heads_of", i.name) not in skipped] + extra
+        selected = self._filter_selected(selected) + extra
         self.modules_to_compress = [(info, config) for info, config in selected]
         self._collectors: dict[int, Callable[..., Any]] = {}
         self._collector_ids = itertools.count()
@@ -394,6 +393,12 @@ class Compressor:
         """Layers to wrap besides the config's (e.g. the norms a dependency-aware pruner masks with their
         convs). Called before anything is changed; may raise ConfigError."""
         return []
+
+    def _filter_selected(self, selected: list[tuple[LayerInfo, dict[str, Any]]]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """The validated selection without the layers that will not be wrapped after all (e.g. those a
+        dependency-aware pruner finds speedup could never shrink). Called after :meth:`_extra_layers`,
+        before anything is changed."""
+        return selected
 
     def _create_wrapper(self, layer: keras.layers.Layer, layer_info: LayerInfo, config: dict[str, Any]) -> LayerWrapper:
         raise NotImplementedError(f"{type(self).__name__} must implement _create_wrapper()")

@@ -34,6 +34,7 @@ from ..core.config import KeySpec, normalize_config_list
 from ..core.errors import ConfigError, ModelError
 from ..core.matching import LayerInfo, match_layers
 from . import families, hooks
+from .distributed import refuse_wrapped_model
 from .modules import (  # noqa: F401  (re-exported)
     _WRAPPER_FLAG,
     innermost_module,
@@ -72,7 +73,7 @@ class Compressor:
         what = type(self).__name__
         if not isinstance(model, nn.Module):
             raise ModelError(f"{what}: model must be a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}")
-        _refuse_distributed_wrapper(model, what)
+        refuse_wrapped_model(model, what)
         hooks.check_optimizer(optimizer, what)
         self.config_list: list[dict[str, Any]] = normalize_config_list(
             config_list, extra_keys=self.config_keys, required=self.required_keys, what=what
@@ -103,7 +104,8 @@ class Compressor:
                 )
             self._check_direct_reads(model, layer, module, what)
             self.validate_layer(layer, innermost_module(module), config)
-        selected = selected + self._extra_layers(model, selected, layers, modules)
+        extra = self._extra_layers(model, selected, layers, modules)
+        selected = self._filter_selected(selected) + extra
 
         wrappers = []
         for layer, config in selected:
@@ -159,21 +161,9 @@ class Compressor:
                 for attr, child in parent._modules.items() if child is target]
 
     def _check_direct_reads(self, model: nn.Module, layer: LayerInfo, module: nn.Module, what: str) -> None:
-        """A quantizer wrapper acts in its forward; a layer whose parent reads its weight directly (never
-        calling it) would stay float without a word: refused. Pruners mask weights in place, so they work."""
-        if self._kind != "quantizer":
-            return
-        for parent, attr in self._parent_slots(model, module):
-            for kind, attrs in _DIRECT_READERS:
-                if isinstance(parent, kind) and attr in attrs:
-                    owner = layer.name.rpartition(".")[0]
-                    raise ConfigError(
-                        f"{what}: layer {layer.name!r} cannot be quantized on its own: {type(parent).__name__} "
-                        f"reads {attr}.weight / {attr}.bias directly in its forward (F.multi_head_attention_forward) "
-                        f"and never calls {attr}, so a wrapper around it would change nothing. Select the "
-                        f"{type(parent).__name__} itself (op_names [{owner!r}] or op_types "
-                        f"['{type(parent).__name__}']): its weights, {attr}'s included, are then quantized where "
-                        f"the attention reads them")
+        """Hook for subclasses: refuse (ConfigError) a selected layer whose parent reads its weights directly
+        instead of calling it, when the wrapper acts in its forward (quantizers). The default accepts it
+        (pruners mask weights in place, so direct reads see the masked weights)."""
 
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
         """Hook for subclasses: cross-entry checks on the normalised config (raise ConfigError)."""
@@ -193,6 +183,12 @@ class Compressor:
         """Hook for subclasses: layers to wrap besides the config's (e.g. the norms a dependency-aware
         pruner masks with their convs). Called before anything is changed; may raise ConfigError."""
         return []
+
+    def _filter_selected(self, selected: list[tuple[LayerInfo, dict[str, Any]]]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """Hook for subclasses: the validated selection without the layers that will not be wrapped after all
+        (e.g. those a dependency-aware pruner finds speedup could never shrink). Called after
+        :meth:`_extra_layers`, before anything is changed."""
+        return selected
 
     def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
         """Build (without touching the model) the wrapper that will replace ``module``."""
@@ -290,29 +286,6 @@ class Compressor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-
-
-#: ``(parent type, child attributes)``: children whose weights the parent's forward reads directly
-_DIRECT_READERS: tuple[tuple[type, tuple[str, ...]], ...] = ((nn.MultiheadAttention, ("out_proj",)),)
-
-
-def _refuse_distributed_wrapper(model: nn.Module, what: str) -> None:
-    """DDP and FSDP capture the parameters and buffers of the model when they are built, and FSDP shards
-    them; a compressor must instrument the plain model first. Refused before anything changes."""
-    kind = None
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        kind = "DistributedDataParallel"
-    elif torch.distributed.is_available():
-        fsdp = getattr(torch.distributed, "fsdp", None)
-        if fsdp is not None and isinstance(model, tuple(getattr(fsdp, n) for n in ("FullyShardedDataParallel", "FSDPModule")
-                                                        if hasattr(fsdp, n))):
-            kind = "FSDP"
-    if kind is not None:
-        raise ModelError(
-            f"{what}: the model is wrapped in {kind}; compress the plain model first, then wrap it "
-            f"(model = {what}(model, config_list, optimizer).compress(); model = {kind}(model, ...)). "
-            f"See docs/guides/distributed.md"
-        )
 
 
 def _weight_facts(module: nn.Module) -> dict[str, Any]:

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from ..core.errors import ModelError
+
 __all__ = [
     "all_reduce_max", "all_reduce_mean", "all_reduce_min", "all_reduce_sum", "broadcast", "compression_tensors",
-    "is_distributed", "rank", "sync_compressor", "unsynchronized", "world_size",
+    "is_distributed", "rank", "refuse_wrapped_model", "sync_compressor", "unsynchronized", "world_size",
 ]
 
 
@@ -39,6 +41,26 @@ def world_size(group: Any = None) -> int:
 def rank(group: Any = None) -> int:
     """This process's rank (0 when not distributed)."""
     return torch.distributed.get_rank(group) if is_distributed() else 0
+
+
+def refuse_wrapped_model(model: torch.nn.Module, what: str) -> None:
+    """DDP and FSDP capture the parameters and buffers of the model when they are built, and FSDP shards
+    them; a compressor must instrument the plain model first. Refused (``ModelError``) by every compressor's
+    constructor before anything changes."""
+    kind = None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        kind = "DistributedDataParallel"
+    elif torch.distributed.is_available():
+        fsdp = getattr(torch.distributed, "fsdp", None)
+        if fsdp is not None and isinstance(model, tuple(getattr(fsdp, n) for n in ("FullyShardedDataParallel", "FSDPModule")
+                                                        if hasattr(fsdp, n))):
+            kind = "FSDP"
+    if kind is not None:
+        raise ModelError(
+            f"{what}: the model is wrapped in {kind}; compress the plain model first, then wrap it "
+            f"(model = {what}(model, config_list, optimizer).compress(); model = {kind}(model, ...)). "
+            f"See docs/guides/distributed.md"
+        )
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,8 @@ class AGPPruner(AGPScheduleMixin, DependencyAwareMixin, TfPruner):
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  pruning_algorithm: str = "level", statistics_batch_num: int = 1, activation: str = "relu",
                  dependency_aware: bool = False, dummy_input: Any = None) -> None:
-        self.dependency_aware = self._agp_setup(pruning_algorithm, statistics_batch_num, activation,
-                                                dependency_aware)
-        self._dependency: Any = None
+        self._agp_setup(pruning_algorithm, statistics_batch_num, activation, dependency_aware)
+        self._init_dependency(dependency_aware, dummy_input, self._masker_class)
         self.masks_bias = pruning_algorithm != "level"
         super().__init__(model, config_list, optimizer)
         self.set_wrappers_attribute("agp_pending", tf.constant(False))

@@ -25,13 +25,20 @@ __all__ = ["DependencyAwareMixin"]
 
 
 class DependencyAwareMixin:
-    """Channel groups for a Keras pruner; set ``dependency_aware`` and ``_dependency = None`` before
-    ``TfPruner.__init__`` (which calls :meth:`_extra_layers`)."""
+    """Channel groups for a Keras pruner; call :meth:`_init_dependency` before ``TfPruner.__init__`` (which
+    calls :meth:`_extra_layers` and :meth:`_filter_selected`)."""
 
     #: False when masking a group's norms alone zeroes its channels (slimming selects the norms)
     _group_producers_needed = True
     #: True: one global ranking over every group (network slimming) instead of one decision per group
     _rank_globally = False
+
+    def _init_dependency(self, dependency_aware: Any, dummy_input: Any = None, masker_class: Any = None) -> None:
+        """Check the arguments before anything is wrapped (``masker_class``: the criterion, default
+        ``self.masker_class``). ``dummy_input`` is not needed on Keras (the Functional graph gives the
+        coupling); it is accepted, as on torch, and ignored."""
+        self.dependency_aware = _check_dependency_args(self, dependency_aware, masker_class)
+        self._dependency: Any = None
 
     @staticmethod
     def _member(config: dict[str, Any], name: str) -> str:
@@ -65,6 +72,11 @@ class DependencyAwareMixin:
         info_of = {info.name: info for info in layers}
         config_of = {self._member(cfg, info.name): cfg for info, cfg in selected}
         return [(info_of[name], cfg) for name, cfg in follower_configs(plan, config_of)]
+
+    def _filter_selected(self, selected: list[tuple[LayerInfo, dict[str, Any]]]) -> list[tuple[LayerInfo, dict[str, Any]]]:
+        """The selection without :attr:`skipped` (left unwrapped: speedup could never shrink them)."""
+        skipped = getattr(self, "skipped", {})  # set by _extra_layers
+        return [(i, c) for i, c in selected if self._member(c, i.name) not in skipped]
 
     def _group_members(self, group: Any) -> tuple[list[int], list[int]]:
         """(indices of the group's wrapped members, indices of those the config selected: the scored ones)."""
@@ -129,6 +141,19 @@ class DependencyAwareMixin:
                 keep = keeps[name[i]]
                 out[i] = filter_result(w, expand_filter_mask(ops, keep, w.canonical_shape()), keep)
         return out
+
+
+def _check_dependency_args(pruner: Any, dependency_aware: Any, masker_class: Any = None) -> bool:
+    """Refuse a bad ``dependency_aware`` before anything is traced or wrapped (``masker_class``: the criterion,
+    default ``pruner.masker_class``; Keras needs no dummy input: the Functional graph is known)."""
+    what = type(pruner).__name__
+    masker_class = pruner.masker_class if masker_class is None else masker_class
+    if not isinstance(dependency_aware, bool):
+        raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
+    if dependency_aware and not hasattr(masker_class, "filter_importance"):
+        raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
+                          f"activation, Taylor FO); {masker_class.__name__} has no per-filter importance")
+    return dependency_aware
 
 
 def _unprunable(graph: Any, names: Sequence[str]) -> dict[str, str]:

@@ -217,8 +217,7 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
 
     def __init__(self, model: Any, config_list: list[dict[str, Any]], optimizer: Any = None,
                  dependency_aware: bool = False, dummy_input: Any = None, **masker_kwargs: Any) -> None:
-        self.dependency_aware = _check_dependency_args(self, dependency_aware)
-        self._dependency: Any = None
+        self._init_dependency(dependency_aware, dummy_input)
         self._pending: dict[int, Any] = {}
         super().__init__(model, config_list, optimizer)
         self._calculated: set[int] = set()
@@ -426,15 +425,3 @@ class OneShotPruner(DependencyAwareMixin, TfPruner):
             wrapper.if_calculated = idx in self._calculated
         if self._all_calculated():
             self.masker.stop_statistics()
-
-
-def _check_dependency_args(pruner: Any, dependency_aware: Any) -> bool:
-    """Refuse a bad ``dependency_aware`` before anything is traced or wrapped (Keras needs no dummy input:
-    the Functional graph is known)."""
-    what = type(pruner).__name__
-    if not isinstance(dependency_aware, bool):
-        raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
-    if dependency_aware and not hasattr(pruner.masker_class, "filter_importance"):
-        raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
-                          f"activation, Taylor FO); {pruner.masker_class.__name__} has no per-filter importance")
-    return dependency_aware

@@ -32,10 +32,11 @@ from ... import torch_plugin
 from ...core.agp import AGPScheduleMixin, agp_schedule, resolve_agp_criteria
 from ...core.matching import LayerInfo
 from .activation import ActivationAPoZRankFilterPrunerMasker, ActivationMeanRankFilterPrunerMasker
+from .dependency import DependencyAwareMixin
 from .filters import FPGMPrunerMasker, L1FilterPrunerMasker, L2FilterPrunerMasker
 from .level import LevelPrunerMasker, check_nm_module
 from .masker import FILTER_DEFAULT_TYPES, WeightMasker
-from .pruner import DependencyAwareMixin, TorchPruner
+from .pruner import TorchPruner
 from .slim import BN_TYPES, SlimPrunerMasker
 from .taylor import TaylorFOWeightFilterPrunerMasker
 

@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from ...core.clock import user_override
-from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError, ModelError
 from ...core.matching import LayerInfo
 from ..compressor import Compressor
+from .dependency import DependencyAwareMixin
 from .masker import WeightMasker
 from .wrapper import PrunerModuleWrapper
 
-__all__ = ["TorchPruner", "Pruner", "OneShotPruner", "DependencyAwareMixin"]
+__all__ = ["TorchPruner", "Pruner", "OneShotPruner"]
 
 
 _ACCEPTS_IDX: dict[Any, bool] = {}
@@ -185,144 +185,6 @@ def check_not_sharded(tensors: list[torch.Tensor], what: str) -> None:
         )
 
 
-class DependencyAwareMixin:
-    """Dependency-aware channel pruning (:mod:`compressor.core.dependency`) for a :class:`TorchPruner`
-    with a filter masker (``self.masker``): traces ``dummy_input`` once, wraps the followers (norms,
-    depthwise convs: config key ``follower_of``) and the value projections of selected attention modules
-    (``heads_of``), and makes one decision per channel group (:meth:`_group_round`). Used by
-    :class:`OneShotPruner` and :class:`~compressor.torch.pruning.agp.AGPPruner`."""
-
-    #: False when masking a group's norms alone zeroes its channels (slimming selects the norms)
-    _group_producers_needed = True
-    #: True: one global ranking over every group (network slimming) instead of one decision per group
-    _rank_globally = False
-
-    def _init_dependency(self, dependency_aware: Any, dummy_input: Any, masker_class: Any = None) -> None:
-        """Check the arguments (before anything is traced or wrapped) and keep ``dummy_input`` for the trace."""
-        self.dependency_aware = _check_dependency_args(self, dependency_aware, dummy_input, masker_class)
-        self._dummy_input = dummy_input
-        self._dependency: Any = None
-
-    def _substitute_layers(self, selected: list[tuple[LayerInfo, dict[str, Any]]], layers: list[LayerInfo],
-                           modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
-        """Attention heads: a selected attention module (``op_types: ['BertSelfAttention']``, see
-        :func:`~compressor.torch.graph.attention_spec`) is pruned by whole heads through its VALUE
-        projection: that Linear is wrapped (config key ``heads_of`` = the attention module) and its rows
-        of the pruned heads masked, weight and bias, so the heads' context is zero and speedup removes
-        them. Needs ``dependency_aware=True`` (the head decision is the attention group's)."""
-        from ..graph import attention_spec
-        from ..modules import innermost_module
-
-        info_of = {info.name: info for info in layers}
-        heads: dict[str, tuple[LayerInfo, dict[str, Any]]] = {}
-        for info, cfg in selected:
-            spec = attention_spec(innermost_module(modules[info.name]))
-            if spec is None:
-                continue
-            if not self.dependency_aware:
-                raise ConfigError(
-                    f"{type(self).__name__}: layer {info.name!r} ({info.type}) is an attention module; its heads "
-                    f"are pruned with dependency_aware=True and dummy_input=... (a filter criterion)")
-            value = f"{info.name}.{spec['v']}" if info.name else spec["v"]
-            heads[info.name] = (info_of[value], {**cfg, "heads_of": info.name})
-        return substitute_heads(selected, heads)
-
-    def _extra_layers(self, model: nn.Module, selected: list[tuple[LayerInfo, dict[str, Any]]],
-                      layers: list[LayerInfo], modules: dict[str, nn.Module]) -> list[tuple[LayerInfo, dict[str, Any]]]:
-        if not self.dependency_aware:
-            return []
-        from ...core.dependency import follower_configs, plan_dependency
-        from ..graph import build_graph
-
-        graph, _ = build_graph(model, self._dummy_input)
-        plan = plan_dependency(graph, [cfg.get("heads_of", info.name) for info, cfg in selected], type(self).__name__,
-                               producers_needed=self._group_producers_needed)
-        for _info, cfg in selected:
-            group = plan.group_of(cfg["heads_of"]) if "heads_of" in cfg else None
-            if "heads_of" in cfg and (group is None or group.unit <= 1):
-                raise ConfigError(
-                    f"{type(self).__name__}: the heads of {cfg['heads_of']!r} cannot be pruned: on dummy_input the "
-                    f"trace does not see it as one attention block whose heads speedup can cut (its input must "
-                    f"come from a layer, its context must feed a projection)")
-        self._dependency = plan
-        info_of = {info.name: info for info in layers}
-        config_of = {cfg.get("heads_of", info.name): cfg for info, cfg in selected}
-        return [(info_of[name], cfg) for name, cfg in follower_configs(plan, config_of)]
-
-    def _member_index(self) -> dict[str, int]:
-        """Group member name -> wrapper index (an attention module's member is its value projection)."""
-        index = {name: i for i, name in enumerate(self._wrapper_names)}
-        for i, w in enumerate(self.modules_wrapper):
-            if "heads_of" in w.config:
-                index[w.config["heads_of"]] = i
-        return index
-
-    def _grouped_indices(self) -> set[int]:
-        """Wrapper indices of every group member (the rest are masked layer by layer)."""
-        index = self._member_index()
-        return {index[layer] for g in self._dependency.groups for layer in g.layers if layer in index}
-
-    def _ungrouped_indices(self) -> set[int]:
-        """Wrapper indices of the selected layers that belong to no group (never masked)."""
-        return set(range(len(self.modules_wrapper))) - self._grouped_indices()
-
-    def _decide_groups(self, todo: list[tuple[Any, dict[str, Any], float, list[str], Any]]) -> dict[str, Any]:
-        """Per-channel keep-masks of every member from ``(group, member scores, sparsity, members, kept)``:
-        one decision per group, or one global ranking (``_rank_globally``)."""
-        from ...core.dependency import dependency_keep, global_dependency_keep
-        from ..ops import ops
-
-        if self._rank_globally:
-            scores = {k: v for _, s, _, _, _ in todo for k, v in s.items()}
-            kept = None
-            if any(k is not None for *_, k in todo):
-                kept = {name: v for *_, k in todo for name, v in (k or {}).items()}
-            return global_dependency_keep(ops, [g for g, *_ in todo], scores, max(t[2] for t in todo), kept=kept)
-        out: dict[str, Any] = {}
-        for group, scores, sparsity, members, kept in todo:
-            out.update(dependency_keep(ops, group, scores, sparsity, members, kept=kept))
-        return out
-
-    def _group_round(self, due: Any, sparsity_of: Any, monotone: bool = False) -> list[int]:
-        """One decision per channel group with a member ``due(wrapper_idx)``, once every scored member's
-        statistics are ready: summed member scores at the largest ``sparsity_of(wrapper_idx)`` of its
-        scored members, the same channels masked in every member (followers included). ``monotone``:
-        channels the members have pruned already go first. Returns the wrapper indices masked."""
-        from ...core.pruning import expand_filter_mask, filter_keep_from_mask
-        from ..layout import canonical_shape, from_canonical, to_canonical
-        from ..ops import ops
-
-        index = self._member_index()
-        todo = []
-        for group in self._dependency.groups:
-            members = [layer for layer in group.layers if layer in index]
-            if not any(due(index[layer]) for layer in members):
-                continue
-            scored = [layer for layer in members if "follower_of" not in self.modules_wrapper[index[layer]].config]
-            if not scored or not all(self.masker.statistics_ready(index[layer]) for layer in scored):
-                continue
-            scores = {layer: self.masker.filter_importance(self.modules_wrapper[index[layer]], index[layer]) for layer in scored}
-            sparsity = max(sparsity_of(index[layer]) for layer in scored)
-            kept = ({layer: filter_keep_from_mask(ops, to_canonical(self.modules_wrapper[index[layer]],
-                                                                   self.modules_wrapper[index[layer]].weight_mask))
-                     for layer in members}
-                    if monotone else None)
-            todo.append((group, scores, sparsity, members, kept))
-        keeps = self._decide_groups(todo) if todo else {}
-        done = []
-        for _group, _scores, _sparsity, members, _kept in todo:
-            for layer in members:
-                w = self.modules_wrapper[index[layer]]
-                keep = keeps[layer]
-                masks = {"weight_mask": from_canonical(w, expand_filter_mask(ops, keep,
-                                                                             canonical_shape(w, w.weight.shape)))}
-                if w.bias_mask is not None:
-                    masks["bias_mask"] = keep.reshape(w.bias_mask.shape)  # a GRN's beta is [1, 1, 1, C]
-                w.set_masks(masks)
-                done.append(index[layer])
-        return done
-
-
 class OneShotPruner(DependencyAwareMixin, TorchPruner):
     """Masks each layer once with ``masker_class`` at its config's ``sparsity``."""
 
@@ -337,6 +199,9 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
         self._calculated: set[int] = set()
         self.masker = self.masker_class(model, self, **masker_kwargs)
 
+    def _all_calculated(self) -> bool:
+        return len(self._calculated) == len(self.modules_wrapper)
+
     def _update_groups(self) -> None:
         """One decision per channel group not decided yet (groups wait until every scored member's
         statistics are ready)."""
@@ -350,7 +215,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
         self._update_groups()
         # selected layers in no group (the plan's warning says why) stay unpruned: speedup could not remove them
         self._calculated.update(self._ungrouped_indices())
-        if len(self._calculated) == len(self.modules_wrapper):
+        if self._all_calculated():
             self.masker.stop_statistics()
         self.apply_masks()
 
@@ -381,7 +246,7 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
             return None
         masks = self.masker.calc_mask(self.sparsity_for(wrapper, idx), wrapper, idx)
         self._calculated.add(idx)
-        if len(self._calculated) == len(self.modules_wrapper):
+        if self._all_calculated():
             self.masker.stop_statistics()
         return masks
 
@@ -391,23 +256,5 @@ class OneShotPruner(DependencyAwareMixin, TorchPruner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._calculated = set(state.get("calculated", ()))
-        if len(self._calculated) == len(self.modules_wrapper):
+        if self._all_calculated():
             self.masker.stop_statistics()
-
-
-def _check_dependency_args(pruner: Any, dependency_aware: Any, dummy_input: Any, masker_class: Any = None) -> bool:
-    """Refuse bad ``dependency_aware`` / ``dummy_input`` before anything is traced or wrapped
-    (``masker_class``: the criterion, default ``pruner.masker_class``)."""
-    what = type(pruner).__name__
-    masker_class = pruner.masker_class if masker_class is None else masker_class
-    if not isinstance(dependency_aware, bool):
-        raise ConfigError(f"{what}: dependency_aware must be True or False, got {dependency_aware!r}")
-    if not dependency_aware:
-        return False
-    if not hasattr(masker_class, "filter_importance"):
-        raise ConfigError(f"{what}: dependency_aware=True needs a filter criterion (L1, L2, FPGM, APoZ, mean "
-                          f"activation, Taylor FO); {masker_class.__name__} has no per-filter importance")
-    if dummy_input is None:
-        raise ConfigError(f"{what}: dependency_aware=True needs dummy_input= (a tensor, a tuple of tensors or a "
-                          f"dict of keyword arguments for the model's forward) to trace the channel dependencies")
-    return True

@@ -41,6 +41,9 @@ from .wrapper import QuantizerModuleWrapper
 
 __all__ = ["TorchQuantizer", "Quantizer", "builtin_ste", "builtin_autograd"]
 
+#: ``(parent type, child attributes)``: children whose weights the parent's forward reads directly
+_DIRECT_READERS: tuple[tuple[type, tuple[str, ...]], ...] = ((nn.MultiheadAttention, ("out_proj",)),)
+
 
 class TorchQuantizer(QuantizerBaseMixin, Compressor):
     """Base quantizer: wraps the selected layers in :class:`QuantizerModuleWrapper`.
@@ -81,6 +84,21 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
         self._check_quant_types(layer_info.name, types)
         if "weight" in types and not isinstance(getattr(module, "weight", None), torch.Tensor):
             raise ConfigError(f"{what}: layer {layer_info.name!r} ({layer_info.type}) has no weight tensor to quantize")
+
+    def _check_direct_reads(self, model: nn.Module, layer: LayerInfo, module: nn.Module, what: str) -> None:
+        """A quantizer wrapper acts in its forward; a layer whose parent reads its weight directly (never
+        calling it) would stay float without a word: refused."""
+        for parent, attr in self._parent_slots(model, module):
+            for kind, attrs in _DIRECT_READERS:
+                if isinstance(parent, kind) and attr in attrs:
+                    owner = layer.name.rpartition(".")[0]
+                    raise ConfigError(
+                        f"{what}: layer {layer.name!r} cannot be quantized on its own: {type(parent).__name__} "
+                        f"reads {attr}.weight / {attr}.bias directly in its forward (F.multi_head_attention_forward) "
+                        f"and never calls {attr}, so a wrapper around it would change nothing. Select the "
+                        f"{type(parent).__name__} itself (op_names [{owner!r}] or op_types "
+                        f"['{type(parent).__name__}']): its weights, {attr}'s included, are then quantized where "
+                        f"the attention reads them")
 
     def _create_wrapper(self, module: nn.Module, layer_info: LayerInfo, config: dict[str, Any]) -> nn.Module:
         wrapper = QuantizerModuleWrapper(module, layer_info.name, layer_info.type, config, self)
