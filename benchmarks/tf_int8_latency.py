@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks._interleave import artifact_row, inputs, interleaved_medians  # noqa: E402
-from compressor.demo import TfHarness  # noqa: E402
+from compressor.app.demo import TfHarness  # noqa: E402
 from compressor.tf import PtqQuantizer  # noqa: E402
 from examples.models_tf import lenet_5  # noqa: E402
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._interleave import artifact_row, inputs, interleaved_medians  # noqa: E402
 from benchmarks.torch_speedup import ResNet18, randomize_norms  # noqa: E402
-from compressor.demo import TorchHarness  # noqa: E402
+from compressor.app.demo import TorchHarness  # noqa: E402
 from compressor.torch import PtqQuantizer  # noqa: E402
 from examples.models_torch import lenet_5  # noqa: E402
 

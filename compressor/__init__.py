@@ -3,7 +3,8 @@
 ``import compressor`` imports neither torch nor tensorflow. Algorithm names at this level
 (``compressor.LevelPruner(model, config_list, ...)``) pick the backend from the model's type.
 Backends: ``compressor.torch``, ``compressor.tf``; seed-004 prototype API: ``compressor.torchCompressor``,
-``compressor.tfCompressor``.
+``compressor.tfCompressor``. The ``compressor`` command line, the report of exported files and the demos are an
+application on top of the library: :mod:`compressor.app`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def count_flops_params(model: Any, *args: Any, **kwargs: Any) -> Any:
     return _backend_module(model).count_flops_params(model, *args, **kwargs)
 
 
-_SUBMODULES = {"torchCompressor", "tfCompressor", "core", "torch", "tf", "cli", "report"}
+_SUBMODULES = {"torchCompressor", "tfCompressor", "core", "torch", "tf", "app"}
 _DISPATCHERS: dict[str, Any] = {}
 
 
@@ -92,7 +93,7 @@ def __getattr__(name: str) -> Any:
     if name in registry().names():
         return _dispatcher(name)
     if name.isidentifier() and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f".{name}", __name__)  # e.g. compressor.demo
+        return importlib.import_module(f".{name}", __name__)  # e.g. compressor.app
     raise AttributeError(f"module 'compressor' has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """Shared pieces of the reproduction scripts: arguments, MNIST, training recipes, measuring, tables.
 
-The training loops are the demo's harnesses (:func:`compressor.demo.get_harness`): one object per
+The training loops are the demo's harnesses (:func:`compressor.app.demo.get_harness`): one object per
 backend with ``build``/``fit``/``evaluate``/``export`` helpers, so each recipe below is written once and
 runs unchanged on PyTorch and on Keras 3.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from compressor.data import Dataset, load_mnist
-from compressor.demo import get_harness, installed_backends
+from compressor.app.data import Dataset, load_mnist
+from compressor.app.demo import get_harness, installed_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MNIST = os.environ.get("COMPRESSOR_MNIST_DIR", str(ROOT.parent / "shared" / "data" / "mnist"))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from compressor.data import TextCorpus, byte_windows, load_text_corpus
+from compressor.app.data import TextCorpus, byte_windows, load_text_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = os.environ.get("COMPRESSOR_TEXT_CORPUS",

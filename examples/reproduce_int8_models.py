@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(max(1, args.threads))
         if "cnn" in args.parts:
-            from compressor.data import load_digits, load_mnist
+            from compressor.app.data import load_digits, load_mnist
 
             for data in args.data:
                 if data == "mnist" and not os.path.isdir(args.data_dir):

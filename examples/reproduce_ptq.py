@@ -53,7 +53,7 @@ N_CALIB = 500
 
 # ------------------------------------------------------------------------------------------ data / model
 def load(args: argparse.Namespace) -> Any:
-    from compressor.data import load_digits, load_mnist
+    from compressor.app.data import load_digits, load_mnist
 
     if args.data == "digits":
         return load_digits(seed=args.seed)
@@ -63,7 +63,7 @@ def load(args: argparse.Namespace) -> Any:
 
 def train_float(h: Any, ds: Any, args: argparse.Namespace, progress: Any) -> Any:
     """The demo's digits CNN with the demo's schedule, or LeNet-5 on MNIST."""
-    from compressor.demo import SCHEDULES
+    from compressor.app.demo import SCHEDULES
 
     h.seed(args.seed)
     if args.data == "digits":
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=("digits", "mnist"), default="digits")
     args = p.parse_args(argv)
     progress = False if args.no_progress else None
-    from compressor.demo import get_harness
+    from compressor.app.demo import get_harness
 
     ds = load(args)
     print(f"data: {ds.describe()}{' (quick)' if args.quick else ''}", flush=True)

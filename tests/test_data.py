@@ -1,4 +1,4 @@
-"""compressor.data: the digits split and the MNIST IDX reader (hand-written IDX files, exact values)."""
+"""compressor.app.data: the digits split and the MNIST IDX reader (hand-written IDX files, exact values)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compressor.data import MNIST_FILES, DataError, load_dataset, load_digits, load_mnist, read_idx
+from compressor.app.data import MNIST_FILES, DataError, load_dataset, load_digits, load_mnist, read_idx
 
 
 def idx_bytes(array: np.ndarray) -> bytes:
@@ -147,7 +147,7 @@ def _corpus_dir(tmp_path, n):
 def test_text_corpus_split_is_by_sorted_name_index(tmp_path):
     import tarfile
 
-    from compressor.data import byte_windows, load_text_corpus
+    from compressor.app.data import byte_windows, load_text_corpus
 
     d = _corpus_dir(tmp_path, 12)
     c = load_text_corpus(d)
@@ -168,7 +168,7 @@ def test_text_corpus_split_is_by_sorted_name_index(tmp_path):
 
 
 def test_text_corpus_bad_input(tmp_path):
-    from compressor.data import load_text_corpus
+    from compressor.app.data import load_text_corpus
 
     with pytest.raises(FileNotFoundError):
         load_text_corpus(tmp_path / "missing")
@@ -181,7 +181,7 @@ def test_text_corpus_bad_input(tmp_path):
 
 
 def test_shared_vim_help_corpus_protocol(text_corpus):
-    from compressor.data import load_text_corpus
+    from compressor.app.data import load_text_corpus
 
     c = load_text_corpus(text_corpus)
     assert (len(c.train_files), len(c.held_out_files)) == (136, 15)

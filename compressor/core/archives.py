@@ -16,7 +16,7 @@ and ``metadata.json`` at most KERAS_METADATA_MAX_BYTES, each a JSON object; the 
 weights' datasets (h5) or arrays (npz) may declare at most KERAS_WEIGHTS_RATIO x the weights entry +
 KERAS_WEIGHTS_BASE bytes (Keras writes them uncompressed, so a larger declaration is a shape bomb), without
 external or virtual datasets; the model's variables, which Keras creates from config.json before it reads any
-weight, are held to the same cap (``compressor.report.load_keras``: a config naming a 100-GB Dense layer is
+weight, are held to the same cap (``compressor.app.report.load_keras``: a config naming a 100-GB Dense layer is
 refused before it is allocated).
 
 torch ``.pt`` (:func:`check_torch_archive`; after loading, ``compressor.torch.archive_checks.check_torch_object``): ``torch.save`` writes a zip of
@@ -200,7 +200,7 @@ _KERAS_FILES = ("metadata.json", "config.json", "model.weights.h5", "model.weigh
 def check_keras_archive(path: str) -> tuple[dict[str, Any], int]:
     """Check a ``.keras`` file as described in the module docstring; ``(its config, the bytes the model's
     variables may hold)`` when it passes: KERAS_WEIGHTS_BASE + KERAS_WEIGHTS_RATIO x the weights entry, since
-    every variable is loaded from it (``compressor.report.load_keras`` holds Keras to that while it builds
+    every variable is loaded from it (``compressor.app.report.load_keras`` holds Keras to that while it builds
     the model from the config, before any weight is read)."""
     infos = check_zip(path, max_entries=KERAS_MAX_ENTRIES, inflate_base=KERAS_INFLATE_BASE,
                       inflate_ratio=KERAS_INFLATE_RATIO)

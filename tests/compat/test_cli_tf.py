@@ -5,7 +5,7 @@ import json
 import keras
 import numpy as np
 
-from compressor.cli import main
+from compressor.app.cli import main
 from compressor.tf import LevelPruner
 
 

@@ -5,7 +5,7 @@ import json
 import torch
 from torch import nn
 
-from compressor.cli import main
+from compressor.app.cli import main
 from compressor.torch import DoReFaQuantizer, LevelPruner
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from compressor import cli, demo_lm, unpack
+from compressor import unpack
+from compressor.app import cli, demo_lm
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
@@ -98,8 +99,8 @@ def test_cli_dispatch_and_bad_input(capsys):
 def test_imports_stay_apart():
     from tests.core.test_imports import loaded_after
 
-    assert loaded_after("import compressor.demo_lm") == set()
-    assert loaded_after("import compressor.torch.demo_lm_harness") == {"torch"}
+    assert loaded_after("import compressor.app.demo_lm") == set()
+    assert loaded_after("import compressor.app.demo_lm_torch") == {"torch"}
 
 
 def test_text_dir_corpus_split(tmp_path):

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf  # noqa: F401  (marks the module: collected only where tensorflow is installed)
 
-from compressor import cli, demo
-from compressor.data import load_dataset
+from compressor.app import cli, demo
+from compressor.app.data import load_dataset
 
 LAYER_SIZES = {"conv1": 16 * 1 * 9, "conv2": 32 * 16 * 9, "fc1": 512 * 64, "fc2": 64 * 10}
 # structured + speedup keeps 8 / 16 / 32 channels of conv1 / conv2 / fc1 (fc1 sees 16 * 4 * 4 inputs)

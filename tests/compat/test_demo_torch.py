@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch  # noqa: F401  (marks the module: collected only where torch is installed)
 
-from compressor import cli, demo
-from compressor.data import load_dataset
+from compressor.app import cli, demo
+from compressor.app.data import load_dataset
 
 # weights per layer of the demo CNN on 8x8 digits
 LAYER_SIZES = {"conv1": 16 * 1 * 9, "conv2": 32 * 16 * 9, "fc1": 512 * 64, "fc2": 64 * 10}

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from compressor.cli import main
+from compressor.app.cli import main
 from compressor.core import atomic, npz
 from compressor.core.atomic import atomic_path, atomic_paths, temp_path_for
 from compressor.core.errors import ConfigError

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import compressor
-from compressor.cli import main
+from compressor.app.cli import main
 from compressor.core import registry as R
 from compressor.core.errors import ConfigError
 from compressor.core.hookspecs import hookimpl
@@ -275,15 +275,15 @@ def test_report_plot(capsys, npz_model, tmp_path):
 # ------------------------------------------------------------------------------------------------- demo
 def test_demo_forwards_all_arguments(capsys, monkeypatch):
     seen = []
-    fake = types.ModuleType("compressor.demo")
+    fake = types.ModuleType("compressor.app.demo")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "compressor.demo", fake)
+    monkeypatch.setitem(sys.modules, "compressor.app.demo", fake)
     assert main(["demo", "--epochs", "2", "--backend", "tf"]) == 0
     assert seen == [["--epochs", "2", "--backend", "tf"]]
 
 
 def test_demo_placeholder_without_demo_module(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "compressor.demo", None)  # import fails as if the module were absent
+    monkeypatch.setitem(sys.modules, "compressor.app.demo", None)  # import fails as if the module were absent
     rc, out, _ = run(capsys, "demo")
     assert rc == 0 and out.startswith("compressor demo: the training demo arrives with the examples")
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from compressor.cli import main
+from compressor.app.cli import main
 from compressor.core.compressed_tensors import (
     CheckpointError,
     bitmask_entries,

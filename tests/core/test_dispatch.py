@@ -83,8 +83,9 @@ def test_unknown_names_and_private_names_are_attribute_errors():
 
 
 def test_submodules_load_on_access():
-    assert compressor.report.__name__ == "compressor.report"
-    assert compressor.cli.__name__ == "compressor.cli"
+    assert compressor.report.__name__ == "compressor.app.report"  # the old paths are the app's modules
+    assert compressor.cli.__name__ == "compressor.app.cli"
+    assert compressor.app.__name__ == "compressor.app"
 
 
 @pytest.mark.parametrize(("name", "expected"), [

@@ -22,7 +22,7 @@ def loaded_after(stmt: str) -> set[str]:
     "import compressor",
     "import compressor.core",
     "import compressor; compressor.available()",
-    "import compressor.cli; compressor.cli.main(['list'])",
+    "import compressor.app.cli; compressor.app.cli.main(['list'])",
     "import compressor.torch_plugin, compressor.tf_plugin",
 ])
 def test_core_imports_no_framework(stmt):

@@ -11,7 +11,8 @@ import zipfile
 
 import pytest
 
-from compressor import demo_lm, unpack
+from compressor import unpack
+from compressor.app import demo_lm
 
 # in tests/parity (both frameworks): the demo trains its model with PyTorch + transformers, also for Keras
 pytest.importorskip("transformers")
@@ -67,4 +68,4 @@ def test_pruned_files_hold_the_pattern(run):
 def test_keras_harness_does_not_import_torch():
     from tests.core.test_imports import loaded_after
 
-    assert "torch" not in loaded_after("import compressor.tf.demo_lm_harness")
+    assert "torch" not in loaded_after("import compressor.app.demo_lm_tf")

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 import torch
 
-from compressor.demo import TfHarness, TorchHarness
+from compressor.app.demo import TfHarness, TorchHarness
 
 LR, WD, W0 = 0.1, 0.5, 2.0
 

@@ -66,7 +66,7 @@ def _check_report(model_file, artifact, weight_params, extra):
     sped-up shapes), and the exported model with bits, MACs and both files' sizes in one JSON."""
     import json
 
-    from compressor import cli, report
+    from compressor.app import cli, report
 
     rows = report.layer_stats(*report.read_weights(artifact))
     assert len(rows) == 5 and {(r.bits, r.dtype) for r in rows} == {(8, "int8")}, [(r.bits, r.dtype) for r in rows]

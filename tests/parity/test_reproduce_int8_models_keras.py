@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from compressor.data import load_digits
+from compressor.app.data import load_digits
 from examples import llm_common as lc
 from examples import reproduce_int8_models as r
 

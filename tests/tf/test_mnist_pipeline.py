@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from compressor.data import load_mnist
-from compressor.demo import get_harness
+from compressor.app.data import load_mnist
+from compressor.app.demo import get_harness
 from examples import reproduce_agp, reproduce_han2015, reproduce_quant
 from examples.common import Train, dense_baseline
 

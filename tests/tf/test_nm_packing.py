@@ -136,7 +136,7 @@ def test_names_are_layer_paths_the_same_on_a_built_and_a_reloaded_nested_model(t
 
 
 def test_cli_pack_unpack_keras(tmp_path, capsys):
-    from compressor.cli import main
+    from compressor.app.cli import main
 
     model = net()
     LevelPruner(model, [{"sparsity": 0.9, "op_types": ["default"]}]).compress()

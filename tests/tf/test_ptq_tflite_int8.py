@@ -193,7 +193,7 @@ def test_strip_names_makes_the_recurrent_tflite_smaller_and_bit_identical(tmp_pa
     """The converter names each tensor of an unrolled GRU after every op fused into it; the export rewrites
     them as ``t<index>`` (issue 23: the int8 file must be smaller than the float one). Inputs, outputs,
     signatures and the weight names ``compressor report`` lists stay; the interpreter computes the same bits."""
-    from compressor.report import read_weights
+    from compressor.app.report import read_weights
     from compressor.tf.tflite import compact_tflite
 
     q = ctf.PtqQuantizer(bigru_model(), [{**CFG, "op_types": ["Dense"]}])

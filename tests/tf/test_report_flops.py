@@ -13,8 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-import compressor.report as file_report
-from compressor.cli import main
+import compressor.app.report as file_report
+from compressor.app.cli import main
 from compressor.core.errors import ConfigError
 from compressor.tf import L1FilterPruner
 from compressor.tf.pruning.report import sparsity_report

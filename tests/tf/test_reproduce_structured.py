@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from compressor.data import load_mnist
+from compressor.app.data import load_mnist
 from examples import reproduce_structured
 
 pytestmark = pytest.mark.mnist

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from compressor.data import load_mnist
-from compressor.demo import get_harness
+from compressor.app.data import load_mnist
+from compressor.app.demo import get_harness
 from examples import reproduce_agp, reproduce_han2015, reproduce_quant
 from examples.common import Train, dense_baseline, export_weights, kept_fractions
 

@@ -155,7 +155,7 @@ def test_bad_file_or_wrong_model_leaves_the_model_untouched(tmp_path):
 
 
 def test_cli_pack_unpack_torch_state_dict(tmp_path, capsys):
-    from compressor.cli import main
+    from compressor.app.cli import main
 
     model = net()
     LevelPruner(model, [{"sparsity": 0.9, "op_types": ["default"]}]).compress()

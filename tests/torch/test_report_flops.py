@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-import compressor.report as file_report
-from compressor.cli import main
+import compressor.app.report as file_report
+from compressor.app.cli import main
 from compressor.core.errors import ConfigError
 from compressor.torch import L1FilterPruner
 from compressor.torch.pruning.report import sparsity_report

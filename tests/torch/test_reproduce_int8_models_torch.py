@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from compressor.data import load_digits  # noqa: E402
+from compressor.app.data import load_digits  # noqa: E402
 from examples import llm_common as lc  # noqa: E402
 from examples import reproduce_int8_models as r  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The demo's PyTorch harness: training, evaluation, export and timing helpers for small image models.
 
-``compressor demo`` (:mod:`compressor.demo`, the backend-neutral driver) runs its stages through it, and the
-examples (``examples/``) reuse it with their own models; :func:`compressor.demo.get_harness` picks it.
+``compressor demo`` (:mod:`compressor.app.demo`, the backend-neutral driver) runs its stages through it, and the
+examples (``examples/``) reuse it with their own models; :func:`compressor.app.demo.get_harness` picks it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .._progress import progress_bar as _progress
+import compressor.torch as backend  # the harness's backend: importing the harness imports it
+
+from .progress import progress_bar as _progress
 
 __all__ = ["OnnxRunner", "TorchHarness"]
 
@@ -82,8 +84,6 @@ class TorchHarness:
 
     def __init__(self, device: str = "cpu"):
         import torch
-
-        import compressor.torch as backend
 
         self.torch = torch
         self.backend = backend
@@ -247,7 +247,7 @@ class TorchHarness:
     pruned_file, quant_file, suffix, file_format = "pruned.pt", "quant.pt", ".pt", "state_dict .pt"
 
     def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray, config_list: list[dict[str, Any]]) -> Any:
-        """Dependency-aware L1 filter pruner of ``config_list`` (the demo's :func:`~compressor.demo.struct_config`;
+        """Dependency-aware L1 filter pruner of ``config_list`` (the demo's :func:`~compressor.app.demo.struct_config`;
         traced on one sample of ``x``)."""
         return self.backend.L1FilterPruner(model, config_list, optimizer, dependency_aware=True,
                                            dummy_input=self.to_input(x[:1]))
@@ -277,7 +277,7 @@ class TorchHarness:
 
     def export_float_artifact(self, model: Any, path: str, x: np.ndarray) -> None:
         """``model`` as a float ONNX file (dynamic batch axis; TorchScript exporter), checked in onnxruntime."""
-        from .onnx_io import export_onnx
+        from ..torch.onnx_io import export_onnx
 
         model.eval()
         try:

@@ -1,4 +1,4 @@
-"""The Keras part of ``compressor demo --lm`` (:mod:`compressor.demo_lm`): a Keras 3 port of the byte-level
+"""The Keras part of ``compressor demo --lm`` (:mod:`compressor.app.demo_lm`): a Keras 3 port of the byte-level
 Hugging Face Llama holding the weights trained on PyTorch, compressed one-shot, shipped as ``.keras`` and
 measured after reloading it.
 
@@ -102,7 +102,7 @@ class _Block(keras.layers.Layer):
 class ByteLlama(keras.Model):
     """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]``: the demo's HF Llama on Keras.
 
-    ``config``: the ``LlamaConfig`` keys of :meth:`compressor.demo_lm.LmProfile.llama_config`;
+    ``config``: the ``LlamaConfig`` keys of :meth:`compressor.app.demo_lm.LmProfile.llama_config`;
     ``layer_policies``: Keras path of a ``Dense`` -> its serialized dtype policy (filled in by
     :meth:`get_config` for the layers ``to_keras_quantized`` converted)."""
 
@@ -218,7 +218,7 @@ class TfLmHarness:
         return load_hf_weights(build_byte_llama(self.config), self.state)
 
     def ship_dense(self, windows: np.ndarray, tmp: str) -> tuple[Any, Any]:
-        from ..demo_lm_rows import LmRow
+        from .demo_lm_rows import LmRow
 
         path = os.path.join(tmp, "dense_tf.keras")
         self.fresh().save(path)
@@ -227,7 +227,7 @@ class TfLmHarness:
                      ".keras file (float32)", kernel="dense: float32 Dense", file=os.path.basename(path)), shipped
 
     def run_method(self, method: Any, calib: np.ndarray, windows: np.ndarray, tmp: str) -> tuple[Any, Any]:
-        from ..demo_lm_rows import LmRow
+        from .demo_lm_rows import LmRow
 
         model = self.fresh()
         t0 = time.perf_counter()

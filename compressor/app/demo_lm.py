@@ -2,13 +2,13 @@
 
 1. **Corpus** (no download): the ``*.py`` files directly in Python's own standard library
    (``sysconfig.get_paths()['stdlib']``), sorted by name; file ``i`` is held out when ``i % 10 == 7``, the
-   rest is training text (:func:`compressor.data.load_text_corpus`). Bytes are the tokens (vocabulary 256).
+   rest is training text (:func:`compressor.app.data.load_text_corpus`). Bytes are the tokens (vocabulary 256).
    ``--text-dir DIR``: the ``*.txt`` files of a folder (or a ``.tar.gz`` of them) instead, same split.
    The numbers depend on the Python version (its standard library is the text).
 2. **Model**: a Hugging Face ``LlamaForCausalLM`` (2 layers, width 128, FFN 384, 4 heads, 0.49 M parameters;
    ``--quick``: 1 layer, width 64) trained here with AdamW for a fixed number of steps on windows of the
    training text, seeded. The Keras rows use the same trained weights in a Keras port of the model
-   (:mod:`compressor.tf.demo_lm_harness`). Training needs PyTorch + transformers, also for ``--backend tf``.
+   (:mod:`compressor.app.demo_lm_tf`). Training needs PyTorch + transformers, also for ``--backend tf``.
 3. **Methods** (one-shot, calibration windows from the training text, every decoder ``Linear`` / ``Dense``,
    ``lm_head`` left out): SparseGPT 50 %, SparseGPT 2:4, Wanda 50 %, RTN w4, GPTQ w4, AWQ w4 (4-bit
    symmetric codes, group 128; ``--quick``: group 32). Then each result is shipped and measured ON the
@@ -27,8 +27,8 @@
 4. A table per backend (method | perplexity | vs dense | weight size | decode ms/token | x dense) and one line
    in plain words. Perplexity: ``exp`` of the mean next-byte cross entropy over consecutive held-out windows.
 
-This module imports neither framework; the backend parts are :mod:`compressor.torch.demo_lm_harness` and
-:mod:`compressor.tf.demo_lm_harness`, imported only for the backends that run.
+This module imports neither framework; the backend parts are :mod:`compressor.app.demo_lm_torch` and
+:mod:`compressor.app.demo_lm_tf`, imported only for the backends that run.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .core.matching import DefaultSkipWarning
+from ..core.matching import DefaultSkipWarning
 from .data import DataError, TextCorpus, byte_windows, load_text_corpus
 from .demo_lm_rows import LmRow  # in its own module: the backend harnesses build rows
 
@@ -229,11 +229,11 @@ def calibration_windows(text: TextCorpus, p: LmProfile, seed: int) -> np.ndarray
 def get_lm_harness(backend: str, config: dict[str, Any], state: dict[str, np.ndarray]) -> Any:
     """The backend's LM harness holding the trained weights (``state``: HF keys, torch layouts, numpy)."""
     if backend == "torch":
-        from .torch.demo_lm_harness import TorchLmHarness
+        from .demo_lm_torch import TorchLmHarness
 
         return TorchLmHarness(config, state)
     if backend == "tf":
-        from .tf.demo_lm_harness import TfLmHarness
+        from .demo_lm_tf import TfLmHarness
 
         return TfLmHarness(config, state)
     raise ValueError(f"unknown backend {backend!r}; allowed: {list(BACKENDS)}")
@@ -295,7 +295,7 @@ def run_backend(backend: str, text: TextCorpus, p: LmProfile, state: dict[str, n
 
 def train(text: TextCorpus, p: LmProfile, seed: int, log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
     """Train the byte-level HF Llama on PyTorch; returns its state_dict as numpy arrays."""
-    from .torch.demo_lm_harness import train_byte_llama
+    from .demo_lm_torch import train_byte_llama
 
     return train_byte_llama(p.llama_config(), training_windows(text, p, seed), p.batch, p.lr, seed, log=log)
 

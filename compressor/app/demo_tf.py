@@ -1,7 +1,7 @@
 """The demo's TensorFlow / Keras 3 harness: the same helpers as the torch one, for Keras models (NHWC).
 
-``compressor demo`` (:mod:`compressor.demo`, the backend-neutral driver) runs its stages through it, and the
-examples (``examples/``) reuse it with their own models; :func:`compressor.demo.get_harness` picks it.
+``compressor demo`` (:mod:`compressor.app.demo`, the backend-neutral driver) runs its stages through it, and the
+examples (``examples/``) reuse it with their own models; :func:`compressor.app.demo.get_harness` picks it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .._progress import progress_bar as _progress
+import compressor.tf as backend  # the harness's backend: importing the harness imports it
+
+from .progress import progress_bar as _progress
 
 __all__ = ["TfHarness", "TfliteRunner"]
 
@@ -113,8 +115,6 @@ class TfHarness:
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
         import keras
         import tensorflow as tf
-
-        import compressor.tf as backend
 
         self.tf = tf
         self.keras = keras
@@ -259,7 +259,7 @@ class TfHarness:
             logger.setLevel(level)
 
     def struct_pruner(self, model: Any, optimizer: Any, x: np.ndarray, config_list: list[dict[str, Any]]) -> Any:
-        """Dependency-aware L1 filter pruner of ``config_list`` (the demo's :func:`~compressor.demo.struct_config`;
+        """Dependency-aware L1 filter pruner of ``config_list`` (the demo's :func:`~compressor.app.demo.struct_config`;
         the Functional graph gives the coupling, ``x`` is not needed)."""
         return self.backend.L1FilterPruner(model, config_list, optimizer, dependency_aware=True)
 

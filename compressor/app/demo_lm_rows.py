@@ -1,5 +1,5 @@
-"""The row record of ``compressor demo --lm`` (:mod:`compressor.demo_lm`), in its own module so the backend
-harnesses that build rows (:mod:`compressor.torch.demo_lm_harness`, :mod:`compressor.tf.demo_lm_harness`) import
+"""The row record of ``compressor demo --lm`` (:mod:`compressor.app.demo_lm`), in its own module so the backend
+harnesses that build rows (:mod:`compressor.app.demo_lm_torch`, :mod:`compressor.app.demo_lm_tf`) import
 it without importing the driver that imports them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The PyTorch part of ``compressor demo --lm`` (:mod:`compressor.demo_lm`): train the byte-level Hugging Face
+"""The PyTorch part of ``compressor demo --lm`` (:mod:`compressor.app.demo_lm`): train the byte-level Hugging Face
 Llama, compress it one-shot, ship it and measure the shipped model.
 
 Shipping, and what the row measures (always the model reloaded from the saved file, in a fresh model):
@@ -7,7 +7,7 @@ Shipping, and what the row measures (always the model reloaded from the saved fi
 * pruned: ``export_model(model_path, compressed_path=...)``: the plain ``state_dict`` (zeros in place, loaded
   into a fresh ``LlamaForCausalLM``) and the compressed file (kept values + positions, entropy coded), whose
   bytes are the row's size;
-* quantized: :func:`~compressor.torch.quantization.packed.pack_weights` (int4 codes two per byte, PyTorch's
+* quantized: :func:`~compressor.torch.quantization.lowbit.pack_weights` (int4 codes two per byte, PyTorch's
   int4 CPU kernel in bfloat16), ``torch.save`` of the packed ``state_dict``, loaded into a fresh model whose
   quantized layers are :class:`PackedLinear` skeletons of the same format.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .quantization.packed import PackedLinear, pack_weights
+from ..torch.quantization.lowbit import PackedLinear, pack_weights
 
 __all__ = ["TorchLmHarness", "build_byte_llama", "train_byte_llama", "perplexity"]
 
@@ -132,7 +132,7 @@ class TorchLmHarness:
         return model
 
     def ship_dense(self, windows: np.ndarray, tmp: str) -> tuple[Any, nn.Module]:
-        from ..demo_lm_rows import LmRow
+        from .demo_lm_rows import LmRow
 
         path = os.path.join(tmp, "dense.pt")
         torch.save(self.fresh().state_dict(), path)
@@ -158,7 +158,7 @@ class TorchLmHarness:
         return model, done, time.perf_counter() - t0
 
     def run_method(self, method: Any, calib: np.ndarray, windows: np.ndarray, tmp: str) -> tuple[Any, nn.Module]:
-        from ..demo_lm_rows import LmRow
+        from .demo_lm_rows import LmRow
 
         model, compressors, seconds = self.compress(method, calib)
         ppl_model = perplexity(model, windows)
