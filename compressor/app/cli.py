@@ -215,12 +215,13 @@ def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
     loaded with ``weights_only=True``), a Keras ``.keras`` file (weights by layer path) or a ``.npz``."""
     import os
 
-    from . import report
+    from .report.files import _check_file, _read_npz
+    from .report.torch_files import TORCH_SUFFIXES, _torch_load
 
-    p = report._check_file(path, "model file")
+    p = _check_file(path, "model file")
     suffix = os.path.splitext(p)[1].lower()
-    if suffix in report.TORCH_SUFFIXES:
-        state = report._torch_load(p)
+    if suffix in TORCH_SUFFIXES:
+        state = _torch_load(p)
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise ModelError(f"{p!r} is not a state_dict (a dict of parameter names to tensors)")
         from ..torch.packing import state_dict_arrays
@@ -237,7 +238,7 @@ def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
 
         return model_arrays(model), "tf"
     if suffix == ".npz":
-        return report._read_npz(p), None
+        return _read_npz(p), None
     raise ConfigError(f"cannot pack {p!r}: allowed model files are .pt/.pth (torch state_dict), .keras, .npz")
 
 
