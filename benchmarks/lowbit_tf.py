@@ -7,7 +7,7 @@ Part 1, one ``Dense(2048 -> 2048, use_bias=False)`` at M = 1 and M = 64 input ro
   (``Int8QuantizationConfig(activation_quantizer=None)``); Keras's own ``quantize('int4')`` per channel
   (``block_size=-1``) and with ``block_size=128``;
 * ours: ``RtnQuantizer`` codes (the layout is what matters for speed; GPTQ codes store the same way) through
-  :func:`compressor.tf.lowbit.to_keras_quantized`: w4 g128 (Keras ``int4/128``), w4 per channel
+  :func:`compressor.tf.quantization.lowbit.to_keras_quantized`: w4 g128 (Keras ``int4/128``), w4 per channel
   (``int4/-1``), w4 per channel with ``fast=True`` (the nibbles in Keras's ``int8`` layer), w8 per channel
   (``int8``, weight-only).
 
@@ -44,7 +44,7 @@ import keras  # noqa: E402
 
 from benchmarks._interleave import interleaved_medians  # noqa: E402
 from compressor.tf import RtnQuantizer  # noqa: E402
-from compressor.tf.lowbit import to_keras_quantized  # noqa: E402
+from compressor.tf.quantization.lowbit import to_keras_quantized  # noqa: E402
 
 N = 2048
 #: the trained weights: $COMPRESSOR_LLM_CACHE (default: out/llm under the repository root) / the cached file's name

@@ -38,6 +38,7 @@ PRUNING_EXPORTS: dict[str, tuple[str, ...]] = {
     "level": ("LevelPruner", "LevelPrunerMasker"),
     "lottery": ("LotteryTicketPruner",),
     "masker": ("WeightMasker",),
+    "oneshot": ("SparseGPTPruner", "WandaPruner"),
     "pruner": ("OneShotPruner", "Pruner"),
     "sensitivity": ("SensitivityPruner",),
     "slim": ("SlimPruner", "SlimPrunerMasker"),

@@ -1,18 +1,16 @@
 """TensorFlow / Keras 3 backend of compressor. Importing it imports tensorflow, never torch."""
 
 from .graph import build_graph
-from .lowbit import oneshot_codes, to_keras_quantized
-from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, SparseGPTPruner, WandaPruner
 from .ops import TfOps, ops
 from .packing import load_compressed, save_compressed
 from .pruning import *  # noqa: F401,F403
 from .pruning import __all__ as _pruning_all
 from .quantization import *  # noqa: F401,F403
 from .quantization import __all__ as _quant_all
+from .quantization.lowbit import oneshot_codes, to_keras_quantized
 from .speedup import count_flops_params, speedup_model
 from .weight_sharing import WeightSharingQuantizer
 
 __all__ = ["TfOps", "ops", *_pruning_all, *_quant_all, "build_graph", "count_flops_params", "speedup_model",
            "load_compressed", "save_compressed", "WeightSharingQuantizer",
-           "WandaPruner", "SparseGPTPruner", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer",
            "to_keras_quantized", "oneshot_codes"]

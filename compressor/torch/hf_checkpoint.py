@@ -53,10 +53,9 @@ from ..core.compressed_tensors import (
     write_safetensors,
 )
 from ..core.errors import ConfigError, ModelError
-from ..core.oneshot import quant_spec_of
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
-from .quantization.oneshot import oneshot_codes
+from .quantization.lowbit import oneshot_codes
 from .quantization.wrapper import QuantizerModuleWrapper
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS"]
@@ -272,7 +271,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
         if id(layer.weight) in tied:
             dense_notes.append(f"{w.name!r} (its weight is tied to another layer's)")
             continue
-        spec = quant_spec_of(w.config, type(w.quantizer).__name__)
+        spec = w.quant_spec
         n_in = layer.in_features
         gs = spec.group_width(n_in)
         if n_in % gs:
@@ -342,7 +341,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
                 bf16.add(key)
         groups: dict[tuple[int, int | None, bool], list[str]] = {}
         for name, w in pack.items():
-            spec = quant_spec_of(w.config, type(w.quantizer).__name__)
+            spec = w.quant_spec
             codes = oneshot_codes(w).cpu().numpy()
             scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
             zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()

@@ -151,8 +151,8 @@ def test_one_shot_quantizers_agree_code_for_code(name, extra):
                          ids=["rtn-w4-g8", "rtn-w8", "gptq-w4-g8-affine", "awq-w4-g8"])
 def test_torch_codes_give_the_keras_quantized_layer_of_the_keras_export(name, extra):
     """Issue 26: the torch quantizer's codes, written into Keras's own int4 / int8 / AWQ layer variables
-    (:func:`compressor.tf.lowbit.keras_quantized_variables`), are the variables the Keras export writes."""
-    from compressor.tf.lowbit import _plan_layer, keras_quantized_variables
+    (:func:`compressor.tf.quantization.lowbit.keras_quantized_variables`), are the variables the Keras export writes."""
+    from compressor.tf.quantization.lowbit import _plan_layer, keras_quantized_variables
 
     tm, km = twins()
     cfg = [{**extra, "op_types": ["default"]}]

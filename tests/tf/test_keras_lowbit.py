@@ -20,11 +20,15 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from compressor.cli import main as cli_main  # noqa: E402
+from compressor.app.cli import main as cli_main  # noqa: E402
 from compressor.core.errors import ConfigError, ModelError  # noqa: E402
 from compressor.tf import AwqQuantizer, GptqQuantizer, RtnQuantizer, oneshot_codes  # noqa: E402
 from compressor.tf.compressor import wrappers_of  # noqa: E402
-from compressor.tf.lowbit import describe_keras_quantized, keras_quantized_variables, to_keras_quantized  # noqa: E402
+from compressor.tf.quantization.lowbit import (  # noqa: E402
+    describe_keras_quantized,
+    keras_quantized_variables,
+    to_keras_quantized,
+)
 
 pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore:.*leaves out weighted layers"),
               pytest.mark.filterwarnings("ignore:.*not a chain of blocks")]

@@ -20,7 +20,7 @@ from compressor.core.compressed_tensors import (
 )
 from compressor.core.errors import ConfigError, ModelError
 from compressor.torch import AwqQuantizer, GptqQuantizer, QAT_Quantizer, RtnQuantizer, SparseGPTPruner
-from compressor.torch.quantization.oneshot import oneshot_codes
+from compressor.torch.quantization.lowbit import oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

@@ -24,8 +24,7 @@ from compressor.torch import (
     WandaPruner,
     speedup_model,
 )
-from compressor.torch.quantization.oneshot import oneshot_codes
-from compressor.torch.quantization.packed import PackedLinear, pack_weights
+from compressor.torch.quantization.lowbit import PackedLinear, oneshot_codes, pack_weights
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

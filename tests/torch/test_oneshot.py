@@ -25,8 +25,10 @@ from compressor.torch import (
     SparseGPTPruner,
     WandaPruner,
 )
-from compressor.torch.oneshot import TorchOneShotBackend, _Input, _merged_calls, calibration_batches
-from compressor.torch.quantization.oneshot import oneshot_codes
+from compressor.torch.calibration_data import calibration_batches
+from compressor.torch.oneshot import TorchOneShotBackend
+from compressor.torch.oneshot.blocks import _Input, _merged_calls
+from compressor.torch.quantization.lowbit import oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -25,8 +25,7 @@ from compressor.torch import (
     SparseGPTPruner,
     pack_weights,
 )
-from compressor.torch.quantization.oneshot import oneshot_codes
-from compressor.torch.quantization.packed import _int4_kernel_source
+from compressor.torch.quantization.lowbit import _int4_kernel_source, oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch]

@@ -13,6 +13,7 @@ from .export import read_calibration
 from .grad import QuantGrad, QuantType
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
 from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TfQuantizer, builtin_autograd, builtin_ste
@@ -21,5 +22,5 @@ from .wrapper import QuantizerLayerWrapper, QuantizerModuleWrapper
 __all__ = [
     "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
     "QuantGrad", "QuantType", "Quantizer", "QuantizerLayerWrapper", "QuantizerModuleWrapper", "TfQuantizer", "builtin_autograd",
-    "builtin_ste", "read_calibration",
+    "builtin_ste", "read_calibration", "GptqQuantizer", "RtnQuantizer", "AwqQuantizer",
 ]

@@ -5,9 +5,8 @@ The names both backends export are listed once, in :data:`compressor.core.algori
 
 from ...core.algorithms import PRUNING_EXPORTS, export_table
 
-#: names from modules of this backend's own layout, by submodule (the one-shot pruners live in
-#: compressor.tf.oneshot on Keras)
+#: names from modules of this backend's own layout, by submodule
 _TORCH_ONLY = {"pruner": ("TorchPruner",), "export": ("unwrapped_model", "unwrapped_state_dict"),
-               "report": ("SparsityReport",), "oneshot": ("SparseGPTPruner", "WandaPruner")}
+               "report": ("SparsityReport",)}
 
 __all__ = export_table(__name__, PRUNING_EXPORTS, globals(), _TORCH_ONLY)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ...core.matching import LayerInfo
-from ...core.pruning import nm_validate_config
 from ...core.oneshot import LayerResult, SparseGPTMethod, WandaMethod
+from ...core.pruning import nm_validate_config
 from ..layout import from_canonical
 from ..oneshot import OneShotMixin, oneshot_key_specs
 from .level import check_nm_module

@@ -7,10 +7,10 @@ Math lives in :mod:`compressor.core.quant`; this package adapts it to modules (w
 from .bnn import BNNGrad, BNNQuantizer
 from .dorefa import DoReFaQuantizer
 from .grad import QuantGrad, QuantType
+from .lowbit import PackedLinear, oneshot_codes, pack_weights
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
-from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer, oneshot_codes
-from .packed import PackedLinear, pack_weights
+from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
 from .ptq import PtqQuantizer
 from .qat import QAT_Quantizer
 from .quantizer import Quantizer, TorchQuantizer

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.errors import ConfigError, ModelError
-from ...core.oneshot import store_codes, stored_code_width, stored_codes_to_full
+from ...core.errors import ConfigError
 from ...core.oneshot import (
     QUANT_SCHEME_KEY,
     AwqMethod,
@@ -35,6 +34,8 @@ from ...core.oneshot import (
     LayerResult,
     RtnMethod,
     quant_spec_of,
+    store_codes,
+    stored_code_width,
     weight_only_config,
 )
 from ..layout import canonical_shape
@@ -43,26 +44,7 @@ from ..oneshot import OneShotMixin, OneShotReport, oneshot_key_specs
 from .quantizer import TorchQuantizer, builtin_ste
 from .wrapper import QuantizerModuleWrapper
 
-__all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer", "oneshot_codes"]
-
-
-def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
-    """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry, on the buffer's device) of a
-    layer quantized by :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer`; its
-    ``weight_codes`` buffer keeps codes of 4 bits or fewer two per byte. A wrapper of another quantizer, or one
-    not calibrated yet, is a ModelError."""
-    bufs = getattr(wrapper, "_buffers", {})
-    if "weight_codes" not in bufs or "oneshot_calibrated" not in bufs:
-        raise ModelError(f"oneshot_codes: {getattr(wrapper, 'name', type(wrapper).__name__)!r} holds no integer codes "
-                         f"(only GptqQuantizer / RtnQuantizer / AwqQuantizer wrappers keep them)")
-    if not bool(bufs["oneshot_calibrated"]):
-        raise ModelError(f"oneshot_codes: layer {wrapper.name!r} is not calibrated yet; run quantizer.calibrate(...) "
-                         f"first")
-    stored = bufs["weight_codes"]
-    bits = int(wrapper.quant_bits["weight"])
-    n_in = int(canonical_shape(wrapper.layer, wrapper.layer.weight.shape)[1])
-    full = stored_codes_to_full(stored.detach().cpu().numpy(), bits, n_in)
-    return torch.from_numpy(full.copy()).to(stored.device)
+__all__ = ["GptqQuantizer", "RtnQuantizer", "AwqQuantizer"]
 
 
 def _packs_loaded_codes(bits: int, n_in: int) -> Any:
@@ -95,7 +77,8 @@ class _OneShotQuantizer(OneShotMixin, TorchQuantizer):
             quant_spec_of(c, type(self).__name__)
 
     def init_wrapper(self, wrapper: QuantizerModuleWrapper) -> None:
-        spec = quant_spec_of(wrapper.config, type(self).__name__)
+        # the layer's grid, resolved once: the one-shot run and the checkpoint export read it from here
+        spec = wrapper.quant_spec = quant_spec_of(wrapper.config, type(self).__name__)
         n_out, n_in = canonical_shape(wrapper.layer, wrapper.layer.weight.shape)  # (not flagged a wrapper yet)
         groups = math.ceil(n_in / spec.group_width(n_in))
         dev = wrapper.weight.device

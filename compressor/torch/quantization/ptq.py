@@ -372,8 +372,8 @@ class PtqQuantizer(QAT_Quantizer):
     # ------------------------------------------------------------------ calibration
     def _batches(self, data: Any, num_batches: int | None, num_samples: int | None = None) -> Iterator[tuple[int, Any]]:
         """``(index, (args, kwargs))`` per batch, by the shared calibration-data rule
-        (:func:`compressor.torch.oneshot.calibration_batches`; NaN / inf inputs are refused)."""
-        from ..oneshot import calibration_batches
+        (:func:`compressor.torch.calibration_data.calibration_batches`; NaN / inf inputs are refused)."""
+        from ..calibration_data import calibration_batches
 
         for i, args, kwargs in calibration_batches(
                 data, "PtqQuantizer.calibrate", num_batches=num_batches, num_samples=num_samples,
@@ -391,7 +391,7 @@ class PtqQuantizer(QAT_Quantizer):
         -- its first element is the input (a tensor, a dict, or a tuple of positional inputs), the rest (labels)
         is ignored -- except when ``dummy_input`` is a tuple of n >= 2 positional inputs: then its first n
         elements are the positional inputs."""
-        from ..oneshot import forward_inputs
+        from ..calibration_data import forward_inputs
 
         return forward_inputs(batch, i, "PtqQuantizer.calibrate", self._positional(), self._expected())
 

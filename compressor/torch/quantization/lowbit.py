@@ -53,13 +53,32 @@ import torch
 from torch import nn
 
 from ...core.errors import ModelError
-from ..layout import in_out_features, to_canonical
+from ...core.oneshot import stored_codes_to_full
+from ..layout import canonical_shape, in_out_features, to_canonical
 from ..modules import innermost_module, named_wrappers
 from .grad import QuantType
-from .oneshot import oneshot_codes
 from .wrapper import QuantizerModuleWrapper
 
-__all__ = ["PackedLinear", "pack_weights", "INT4_KERNEL_GROUPS"]
+__all__ = ["PackedLinear", "pack_weights", "oneshot_codes", "INT4_KERNEL_GROUPS"]
+
+
+def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` integer codes (int8 symmetric / uint8 affine, one per entry, on the buffer's device) of a
+    layer quantized by :class:`GptqQuantizer` / :class:`RtnQuantizer` / :class:`AwqQuantizer`; its
+    ``weight_codes`` buffer keeps codes of 4 bits or fewer two per byte. A wrapper of another quantizer, or one
+    not calibrated yet, is a ModelError."""
+    bufs = getattr(wrapper, "_buffers", {})
+    if "weight_codes" not in bufs or "oneshot_calibrated" not in bufs:
+        raise ModelError(f"oneshot_codes: {getattr(wrapper, 'name', type(wrapper).__name__)!r} holds no integer codes "
+                         f"(only GptqQuantizer / RtnQuantizer / AwqQuantizer wrappers keep them)")
+    if not bool(bufs["oneshot_calibrated"]):
+        raise ModelError(f"oneshot_codes: layer {wrapper.name!r} is not calibrated yet; run quantizer.calibrate(...) "
+                         f"first")
+    stored = bufs["weight_codes"]
+    bits = int(wrapper.quant_bits["weight"])
+    n_in = int(canonical_shape(wrapper.layer, wrapper.layer.weight.shape)[1])
+    full = stored_codes_to_full(stored.detach().cpu().numpy(), bits, n_in)
+    return torch.from_numpy(full.copy()).to(stored.device)
 
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts (torch 2.13)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)

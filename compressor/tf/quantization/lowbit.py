@@ -56,10 +56,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..core.errors import ConfigError, ModelError
-from ..core.oneshot import stored_codes_to_full
-from .compressor import iter_layers, strip_model, wrappers_of
-from .kernel_layout import KernelLayout, kernel_layout
+from ...core.errors import ConfigError, ModelError
+from ...core.oneshot import stored_codes_to_full
+from ..compressor import iter_layers, strip_model, wrappers_of
+from ..kernel_layout import KernelLayout, kernel_layout
 
 __all__ = ["to_keras_quantized", "keras_quantized_variables", "describe_keras_quantized", "KerasLowbitPlan", "oneshot_codes"]
 
