@@ -1,6 +1,11 @@
 """Issue 29 (items 7-9, readers): crafted and fuzzed files are refused with the library's error, in bounded
-memory and time. Here: the .cmpk reader (core.packing), .npz mask/weight archives and the TFLite reader
+memory and work. Here: the .cmpk reader (core.packing), .npz mask/weight archives and the TFLite reader
 of ``compressor report`` (pure Python, so no interpreter can crash the process).
+
+No test here times the machine (a busy CI machine runs several times slower): the work a reader does is
+bounded by what it allocates (tracemalloc's peak, or the address space of the fuzz subprocess) and by the
+Python lines it executes (:func:`measured`, :func:`fuzz_loop`), counted in every frame it runs, the standard
+library's included: deterministic, and what a reader spends its time on when a crafted file makes it loop.
 
 More fuzz cases by hand: ``COMPRESSOR_FUZZ_CASES=5000 pytest tests/core/test_hostile_files.py -k fuzz``.
 """
@@ -11,7 +16,7 @@ import json
 import os
 import random
 import struct
-import time
+import sys
 import tracemalloc
 import zlib
 
@@ -34,26 +39,60 @@ def craft(header: dict | None = None, payload: bytes = b"", text: bytes | None =
     return out + struct.pack("<I", zlib.crc32(out))
 
 
+class LineCounter:
+    """Counts the Python lines executed while installed (``with LineCounter() as c: ...; c.lines``): every frame
+    of the calling thread, library and standard library alike (C code, e.g. numpy's loops, zlib or the json
+    parser, is bounded by what it allocates instead). The count is the work, the same on any machine."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def _call(self, frame, event, arg):
+        return self._local
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+        return self._local
+
+    def __enter__(self) -> LineCounter:
+        self._previous = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self._previous)
+
+
 def measured(fn, *args, **kw):
-    """(exception or None, seconds, peak bytes traced: numpy's buffers included) of ``fn(*args)``."""
+    """(exception or None, Python lines executed, peak bytes traced: numpy's buffers included) of ``fn(*args)``."""
     tracemalloc.start()
-    t0 = time.perf_counter()
     err = None
     try:
-        fn(*args, **kw)
+        with LineCounter() as counter:
+            fn(*args, **kw)
     except Exception as e:  # noqa: BLE001 - returned to the test, which asserts its type
         err = e
-    dt = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return err, dt, peak
+    return err, counter.lines, peak
 
 
-def refused(data: bytes, match: str, **kw) -> tuple[float, int]:
-    err, dt, peak = measured(K.unpack_bytes, data, "'crafted.cmpk'", **kw)
+def warm_cmpk() -> None:
+    """Read a valid file (every codec's decoder) once, so a count that follows is the crafted file's work, not
+    the first call's lazy imports."""
+    w = np.arange(3000, dtype=np.float32) % 3
+    for codec in ("huffman", "zlib", "lzma", "raw"):
+        K.unpack_bytes(K.pack_bytes({"w": w, "b": np.ones(3, np.float16)}, codec)[0])
+
+
+def refused(data: bytes, match: str, **kw) -> tuple[int, int]:
+    """(lines, peak bytes) of unpack_bytes refusing ``data``: a CompressedFileError naming it, matching ``match``."""
+    warm_cmpk()
+    err, lines, peak = measured(K.unpack_bytes, data, "'crafted.cmpk'", **kw)
     assert isinstance(err, CompressedFileError), repr(err)
     assert "'crafted.cmpk'" in str(err) and match in str(err), str(err)
-    return dt, peak
+    return lines, peak
 
 
 def zeros_entry(name: str, shape: list[int], layout: str = "rp") -> list:
@@ -65,11 +104,11 @@ def test_huge_declared_shape_is_refused_before_allocating():
     # 1 GiB of float32 zeros declared by a ~110-byte file ('rp': no kept value, positions and values empty)
     data = craft({"v": 1, "t": [zeros_entry("w", [1 << 28])]})
     assert len(data) < 120
-    dt, peak = refused(data, "1,073,741,824 bytes")
-    assert dt < 0.5 and peak < 1 << 20
+    lines, peak = refused(data, "1,073,741,824 bytes")
+    assert lines < 1000 and peak < 1 << 20  # (~150 lines: no step per declared value)
     # past any machine: 2**80 values (was MemoryError)
-    dt, peak = refused(craft({"v": 1, "t": [zeros_entry("w", [1 << 40, 1 << 40])]}), "bytes")
-    assert dt < 0.5 and peak < 1 << 20
+    lines, peak = refused(craft({"v": 1, "t": [zeros_entry("w", [1 << 40, 1 << 40])]}), "bytes")
+    assert lines < 1000 and peak < 1 << 20
     refused(craft({"v": 1, "t": [zeros_entry("w", [1 << 60])]}), "bad shape")
     refused(craft({"v": 1, "t": [zeros_entry("w", [1] * 40)]}), "40 axes")
 
@@ -90,17 +129,17 @@ def test_the_decoded_cap_is_stated_and_can_be_raised(tmp_path, monkeypatch):
 
 
 def test_deeply_nested_header_is_refused_without_recursion_error():
-    dt, peak = refused(craft(text=b"[" * 200_000 + b"]" * 200_000), "nested too deeply")
-    assert dt < 1.0
+    lines, peak = refused(craft(text=b"[" * 200_000 + b"]" * 200_000), "nested too deeply")
+    assert lines < 1000 and peak < 4 << 20  # the 400 KB of text (json's recursion is bounded by the interpreter's)
 
 
 def test_header_bomb_is_decompressed_with_a_limit():
     text = b'{"v":1,"t":[],"meta":"' + b" " * (64 << 20) + b'"}'  # 64 MiB of header from ~65 KB
     data = craft(text=text)
     assert len(data) < 100_000
-    dt, peak = refused(data, "header decompresses to more than")
+    lines, peak = refused(data, "header decompresses to more than")
     cap = K.HEADER_BASE + len(data) // 4
-    assert peak < cap + 4 * len(data) + (1 << 20) and dt < 1.0
+    assert peak < cap + 4 * len(data) + (1 << 20) and lines < 1000
 
 
 @pytest.mark.parametrize("codec", ["zlib", "lzma"])
@@ -109,8 +148,8 @@ def test_stream_bomb_decodes_no_more_than_it_claims(codec):
     coded = zlib.compress(raw, 9) if codec == "zlib" else K._compress("lzma", raw)
     code = K._CODE[codec]
     data = craft({"v": 1, "t": [["b", "|u1", [1000], "x", [[code, len(coded), 1000]]]]}, coded)
-    dt, peak = refused(data, "stream is corrupt")
-    assert peak < 4 * len(data) + (12 << 20) and dt < 1.0  # + lzma's 8 MiB dictionary (fixed by the format)
+    lines, peak = refused(data, "stream is corrupt")
+    assert peak < 4 * len(data) + (12 << 20) and lines < 1000  # + lzma's 8 MiB dictionary (fixed by the format)
     # and a stream cannot claim more than its codec can hold (zlib: 1032x)
     data = craft({"v": 1, "t": [["b", "|u1", [1 << 24], "x", [[code, 10, 1 << 24]]]]}, bytes(10))
     refused(data, "cannot hold")
@@ -123,31 +162,33 @@ def huffman_stream(n: int, bsize: int, nbytes: int) -> bytes:
     return head + struct.pack(f"<{blocks - 1}I", *([0] * (blocks - 1))) + bytes(nbytes)
 
 
-def test_crafted_huffman_stream_fails_in_milliseconds():
-    # 633 bytes claiming a billion symbols with huge blocks (was 18.7 s)
+def test_crafted_huffman_stream_fails_before_decoding():
+    # 633 bytes claiming a billion symbols with huge blocks (was 18.7 s: a million-step row loop)
     data = huffman_stream(1 << 20, 1 << 20, 620)
     assert len(data) == 627
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="bad Huffman stream header"):
-        K.huffman_decode(data, 1 << 20)
-    with pytest.raises(ValueError, match="truncated"):
-        K.huffman_decode(struct.pack("<BIB", 0, 4096, 1) + bytes([0x11]) + bytes(620), 10 ** 9)
-    with pytest.raises(ValueError, match="4961 symbols cannot fit in 4832 bits"):
-        K.huffman_decode(huffman_stream(4961, 1024, 604), 4961)
-    assert time.perf_counter() - t0 < 0.05
+    cases = [(data, 1 << 20, "bad Huffman stream header"),
+             (struct.pack("<BIB", 0, 4096, 1) + bytes([0x11]) + bytes(620), 10 ** 9, "truncated"),
+             (huffman_stream(4961, 1024, 604), 4961, "4961 symbols cannot fit in 4832 bits")]
+    warm_cmpk()
+    for stream, n, match in cases:
+        err, lines, peak = measured(K.huffman_decode, stream, n)
+        assert isinstance(err, ValueError) and match in str(err), repr(err)
+        assert lines < 200 and peak < 64 << 10, (match, lines, peak)  # (~10-45 lines: the header's checks)
     # offsets that cannot hold their blocks' codes (all 0) are refused before decoding
     n = 8 * 600
-    err, dt, peak = measured(K.huffman_decode, huffman_stream(n, K._block_size(n), 600), n)
-    assert isinstance(err, ValueError) and "do not fit the code lengths" in str(err) and dt < 0.05
-    # the worst a 633-byte stream can do: valid offsets, 8 symbols per byte, a bad code at the very end
+    err, lines, peak = measured(K.huffman_decode, huffman_stream(n, K._block_size(n), 600), n)
+    assert isinstance(err, ValueError) and "do not fit the code lengths" in str(err) and lines < 500, lines
+    # the worst a 633-byte stream can do: valid offsets, 8 symbols per byte, a bad code at the very end; a step
+    # per symbol position of a block (the row loop: ~9 lines x 1024) is what the doubling decoder saves
     blocks, bsize = -(-n // K._block_size(n)), K._block_size(n)
     ok = struct.pack("<BIB", 0, bsize, 1) + bytes([0x11])
     ok += struct.pack(f"<{blocks - 1}I", *[bsize * i for i in range(1, blocks)]) + bytes(600)
-    t0 = time.perf_counter()
     assert np.array_equal(K.huffman_decode(ok, n), np.zeros(n, np.uint8))
-    with pytest.raises(ValueError, match="invalid Huffman code|do not decode"):  # lengths 1 and 2: "11" is no code
-        K.huffman_decode(ok[:6] + bytes([0x12]) + ok[7:-1] + b"\xff", n - 4)
-    assert time.perf_counter() - t0 < 0.1
+    err, lines, _ = measured(K.huffman_decode, ok, n)
+    assert err is None and lines < 1000, lines  # (~320)
+    err, lines, _ = measured(K.huffman_decode, ok[:6] + bytes([0x12]) + ok[7:-1] + b"\xff", n - 4)
+    assert isinstance(err, ValueError) and lines < 1000, lines  # lengths 1 and 2: "11" is no code
+    assert "invalid Huffman code" in str(err) or "do not decode" in str(err), str(err)
 
 
 def test_a_big_foreign_file_is_refused_after_its_first_bytes(tmp_path):
@@ -155,14 +196,16 @@ def test_a_big_foreign_file_is_refused_after_its_first_bytes(tmp_path):
     with open(big, "wb") as f:
         f.write(b"PK\x03\x04")
         f.truncate(512 << 20)  # sparse: 512 MiB that take no disk
-    err, dt, peak = measured(K.unpack, big)
+    warm_cmpk()
+    err, lines, peak = measured(K.unpack, big)
     assert isinstance(err, CompressedFileError) and "not a compressed model file" in str(err) and str(big) in str(err)
-    assert peak < 1 << 20 and dt < 0.5
+    assert peak < 1 << 20 and lines < 1000
     # a real prefix that claims another length is refused before reading too
     with open(big, "r+b") as f:
         f.write(K._PREFIX.pack(K.MAGIC, K.VERSION, 10, 10))
-    err, dt, peak = measured(K.unpack, big)
+    err, lines, peak = measured(K.unpack, big)
     assert isinstance(err, CompressedFileError) and "its header says 44" in str(err) and peak < 1 << 20
+    assert lines < 1000
 
 
 def test_malformed_entries_name_the_tensor():
@@ -226,12 +269,14 @@ def mutations(data: bytes, rng: random.Random):
     return craft(h, payload)
 
 
-def fuzz_in_subprocess(target: str, cases: int, mem_mb: int = 256, timeout: float = 120) -> dict:
+def fuzz_in_subprocess(target: str, cases: int, mem_mb: int = 256, timeout: float = 1800) -> dict:
     """Run ``target`` ('module:function', called as ``function(cases, limit)`` and returning a JSON-able dict)
     in a fresh Python. The function prepares its inputs, then calls ``limit()``, which caps the address
     space (RLIMIT_AS) at what the process uses then + ``mem_mb``: a reader that allocates past the cap
     gets a MemoryError (reported as an unexpected error); one that crashes the interpreter kills only the
-    subprocess (the test then fails with its exit code)."""
+    subprocess (the test then fails with its exit code). ``timeout`` is for a hang, not a speed bound (the
+    work is bounded in lines, see :func:`fuzz_loop`): pytest-timeout (900 s, pyproject.toml) ends a stuck run
+    first, killing the subprocess with the test; the 1800 s default is the backstop without the plugin."""
     import subprocess
     import sys
 
@@ -256,35 +301,50 @@ def fuzz_in_subprocess(target: str, cases: int, mem_mb: int = 256, timeout: floa
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def fuzz_loop(reader, make_case, cases: int, allowed: tuple[type, ...]) -> dict:
-    """Run ``reader(make_case(rng))`` ``cases`` times: the errors seen by type, the unexpected ones, the
-    slowest case in seconds and its size."""
+def fuzz_loop(reader, make_case, cases: int, allowed: tuple[type, ...], legit: list) -> dict:
+    """Run ``reader(make_case(rng))`` ``cases`` times: the errors seen by type, the unexpected ones, and the work
+    of the costliest case (``worst_lines``: Python lines executed, see :class:`LineCounter`; ``worst_case``: its
+    number). ``legit``: the valid inputs the cases are made from, each read once to warm the reader (its first
+    imports) and once more counted: ``legit_lines``, the most of them, is the scale the fuzz tests hold the
+    worst case to (a crafted file may cost a few times what a real one does, not a step per declared value)."""
+    out = {"legit_lines": 0}
+    for data in legit:
+        reader(data)
+        with LineCounter() as counter:
+            reader(data)
+        out["legit_lines"] = max(out["legit_lines"], counter.lines)
     rng = random.Random(29)
     kinds: dict[str, int] = {}
-    unexpected, worst, worst_mb_s = [], 0.0, 0.0
+    unexpected, worst, worst_case = [], 0, -1
     for i in range(cases):
         data = make_case(rng)
-        t0 = time.perf_counter()
+        counter = LineCounter()
         try:
-            reader(data)
+            with counter:
+                reader(data)
             kind = "ok"
         except allowed as e:
             kind = type(e).__name__
         except Exception as e:  # noqa: BLE001 - what the test reports
             kind = "UNEXPECTED"
             unexpected.append(f"case {i}: {type(e).__name__}: {str(e)[:200]}")
-        dt = time.perf_counter() - t0
-        worst = max(worst, dt)
-        worst_mb_s = max(worst_mb_s, dt / max(len(data) / 2**20, 1.0))
+        if counter.lines > worst:
+            worst, worst_case = counter.lines, i
         kinds[kind] = kinds.get(kind, 0) + 1
-    return {"kinds": kinds, "unexpected": unexpected[:10], "worst_s": worst, "worst_s_per_mb": worst_mb_s}
+    return {**out, "kinds": kinds, "unexpected": unexpected[:10], "worst_lines": worst, "worst_case": worst_case}
+
+
+def bounded_work(res: dict) -> bool:
+    """A fuzz run's costliest case did at most 4x the Python lines of reading a valid file (+ 2,000 for an error
+    path's own): a crafted file may cost a few times what a real one does, never a step per declared value."""
+    return res["worst_lines"] <= 4 * res["legit_lines"] + 2000
 
 
 def fuzz_cmpk(cases: int, limit) -> dict:
     files, raw = legit_files()
     limit()
     return fuzz_loop(lambda d: K.unpack_bytes(d, "'fuzz.cmpk'", 4 * raw), lambda rng: mutations(rng.choice(files), rng),
-                     cases, (CompressedFileError,))
+                     cases, (CompressedFileError,), files)
 
 
 def test_fuzz_cmpk_reader_bounded():
@@ -295,7 +355,7 @@ def test_fuzz_cmpk_reader_bounded():
     res = fuzz_in_subprocess("tests.core.test_hostile_files:fuzz_cmpk", FUZZ_CASES, mem_mb=64)
     assert res["unexpected"] == [], res
     assert res["kinds"].get("CompressedFileError", 0) > FUZZ_CASES // 2, res
-    assert res["worst_s"] < 1.0, res
+    assert bounded_work(res), res
 
 
 # ---------------------------------------------------------------------------------------------- fuzz .tflite
@@ -332,7 +392,7 @@ def fuzz_tflite(cases: int, limit) -> dict:
         rw(path)
 
     limit()
-    return fuzz_loop(read, lambda rng: tflite_mutations(rng.choice(files), rng), cases, (ModelError,))
+    return fuzz_loop(read, lambda rng: tflite_mutations(rng.choice(files), rng), cases, (ModelError,), files)
 
 
 # ---------------------------------------------------------------------------------------------- fuzz .onnx
@@ -408,7 +468,7 @@ def fuzz_onnx(cases: int, limit) -> dict:
         read_weights(path)
 
     limit()
-    return fuzz_loop(read, lambda rng: onnx_mutations(model, rng), cases, (ModelError,))
+    return fuzz_loop(read, lambda rng: onnx_mutations(model, rng), cases, (ModelError,), [model.SerializeToString()])
 
 
 # ---------------------------------------------------------------------------------------------- HF checkpoints
@@ -439,7 +499,7 @@ def test_hostile_safetensors_headers_are_checkpoint_errors(tmp_path):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", SAFETENSORS_MAX_HEADER + 1))
         f.truncate(SAFETENSORS_MAX_HEADER + 64)
-    err, dt, peak = measured(read_safetensors, path)
+    err, _, peak = measured(read_safetensors, path)
     assert isinstance(err, CheckpointError) and "more than the 100,000,000 allowed" in str(err) and peak < 1 << 20
 
 
@@ -493,7 +553,7 @@ def fuzz_npz(cases: int, limit) -> dict:
         load_npz(path, "mask file", ConfigError, max_bytes=1 << 20)
 
     limit()
-    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (ConfigError,))
+    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (ConfigError,), [data])
 
 
 def fuzz_safetensors(cases: int, limit) -> dict:
@@ -513,7 +573,7 @@ def fuzz_safetensors(cases: int, limit) -> dict:
         read_safetensors(path)
 
     limit()
-    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (CheckpointError,))
+    return fuzz_loop(read, lambda r: npz_mutations(data, r), cases, (CheckpointError,), [data])
 
 
 @pytest.mark.parametrize("reader", ["fuzz_npz", "fuzz_safetensors"])
@@ -521,7 +581,7 @@ def test_fuzz_npz_and_safetensors_readers(reader):
     res = fuzz_in_subprocess(f"tests.core.test_hostile_files:{reader}", FUZZ_CASES, mem_mb=64)
     assert res["unexpected"] == [], res
     assert sum(v for k, v in res["kinds"].items() if k != "ok") > FUZZ_CASES // 3, res
-    assert res["worst_s"] < 1.0, res
+    assert bounded_work(res), res
 
 
 def test_huffman_both_decoders_round_trip(monkeypatch):
@@ -561,28 +621,23 @@ def one_bit_file(sizes: list[int], corrupt: bool = False) -> bytes:
     return craft({"v": 1, "t": entries}, payload)
 
 
-def test_many_small_one_bit_huffman_streams_decode_in_bounded_time_per_megabyte():
-    # 1-bit codes only (as no encoder writes them for real data): was 2-5 s/MB for streams of 0.6-16 KB
+def test_many_small_one_bit_huffman_streams_decode_in_bounded_work_per_megabyte():
+    # 1-bit codes only (as no encoder writes them for real data): was 2-5 s/MB for streams of 0.6-16 KB, when
+    # they were decoded by a numpy step per symbol position of a block (the row loop: ~5.6 M lines per MB of
+    # such a file); the doubling decoder makes a few passes per chunk of bits (~90 k lines per MB)
     sizes = [600, 4096, 16384, 1000, 8000, 2500] * 8
     good, bad = one_bit_file(sizes), one_bit_file(sizes, corrupt=True)
+    mb = len(good) / 2**20
     out, _ = K.unpack_bytes(good)
     for i, nbytes in enumerate(sizes):
         assert np.array_equal(out[f"t{i}"], np.random.default_rng(i).integers(0, 2, 8 * nbytes, dtype=np.uint8))
-    err, _, peak = measured(K.unpack_bytes, good)  # memory: the tensors (8x the file) + 4x the file + work arrays
+    # each line a numpy pass over at most a chunk of bits; memory: the tensors (8x the file) + 4x the file + work
+    err, lines, peak = measured(K.unpack_bytes, good)
     assert err is None and peak < 12 * len(good) + (8 << 20), peak
-    mb = len(good) / 2**20
-    dt_ok, dt_bad = [], []  # timed without tracemalloc (it slows numpy's allocations several times)
-    for _ in range(2):
-        t0 = time.perf_counter()
-        K.unpack_bytes(good)
-        t1 = time.perf_counter()
-        with pytest.raises(CompressedFileError, match="do not decode to their recorded lengths"):
-            K.unpack_bytes(bad)
-        dt_ok.append(t1 - t0)
-        dt_bad.append(time.perf_counter() - t1)
-    dt_ok, dt_bad = min(dt_ok), min(dt_bad)
-    # stated bound: 1 s/MB; asserted with a 3x margin for a shared CI machine (a quiet CPU: ~0.2-0.4 s/MB)
-    assert dt_ok / mb < 3.0 and dt_bad / mb < 3.0, (dt_ok / mb, dt_bad / mb)
+    assert lines / mb < 300_000, lines / mb
+    err, lines, _ = measured(K.unpack_bytes, bad)
+    assert isinstance(err, CompressedFileError) and "do not decode to their recorded lengths" in str(err), repr(err)
+    assert lines / mb < 300_000, lines / mb
 
 
 def _encode_with(lengths: np.ndarray, sym: np.ndarray, monkeypatch) -> bytes:
@@ -735,14 +790,14 @@ def fuzz_checkpoint(cases: int, limit) -> dict:
         load_compressed_tensors(folder)
 
     limit()
-    return fuzz_loop(read, make, cases, (CheckpointError,))
+    return fuzz_loop(read, make, cases, (CheckpointError,), [("config.json", files["config.json"])])
 
 
 def test_fuzz_checkpoint_config_and_index():
     res = fuzz_in_subprocess("tests.core.test_hostile_files:fuzz_checkpoint", FUZZ_CASES, mem_mb=64)
     assert res["unexpected"] == [], res
     assert res["kinds"].get("CheckpointError", 0) > FUZZ_CASES // 3, res
-    assert res["worst_s"] < 1.0, res
+    assert bounded_work(res), res
 
 
 # ---------------------------------------------------------------------------------------------- fuzz .keras (zip)
@@ -839,4 +894,4 @@ def fuzz_keras_archive(cases: int, limit) -> dict:
 
     read(legit)
     limit()
-    return fuzz_loop(read, lambda rng: keras_mutation(legit, rng), cases, (ArchiveError,))
+    return fuzz_loop(read, lambda rng: keras_mutation(legit, rng), cases, (ArchiveError,), [legit])
