@@ -3,8 +3,8 @@
 ``import compressor`` imports neither torch nor tensorflow. Algorithm names at this level
 (``compressor.LevelPruner(model, config_list, ...)``) pick the backend from the model's type.
 Backends: ``compressor.torch``, ``compressor.tf``; seed-004 prototype API: ``compressor.torchCompressor``,
-``compressor.tfCompressor``. The ``compressor`` command line, the report of exported files and the demos are an
-application on top of the library: :mod:`compressor.app`.
+``compressor.tfCompressor`` (shims over :mod:`compressor.compat`). The ``compressor`` command line, the report of
+exported files and the demos are an application on top of the library: :mod:`compressor.app`.
 """
 
 from __future__ import annotations

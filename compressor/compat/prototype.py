@@ -30,9 +30,9 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .core.algorithms import resolve_algorithm_name
-from .core.config import load_configs, normalize_config_list
-from .core.errors import ConfigError
+from ..core.algorithms import resolve_algorithm_name
+from ..core.config import load_configs, normalize_config_list
+from ..core.errors import ConfigError
 
 __all__ = ["BUILTIN_PROTOTYPES", "Configure", "PrototypeCompressor", "PrototypePruner", "PrototypeQuantizer",
            "PrunerAdapterMixin", "QuantizerAdapterMixin", "define_builtins"]
@@ -334,7 +334,7 @@ BUILTIN_PROTOTYPES: dict[str, tuple[str, str, dict[str, str], str]] = {
 def define_builtins(module: str, pruner_base: type, quantizer_base: type) -> tuple[type, ...]:
     """The classes of :data:`BUILTIN_PROTOTYPES` (in its order) for one shim: each subclasses the shim's
     ``pruner_base`` / ``quantizer_base`` and names its modern class; they present themselves as defined in
-    ``module`` (the shim's ``__name__``)."""
+    ``module`` (the backend module's ``__name__``)."""
     ns = pruner_base._namespace.__name__
     classes = []
     for name, (kind, modern, renames, doc) in BUILTIN_PROTOTYPES.items():

@@ -25,8 +25,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from . import tf as _modern
-from ._prototype import (
+from .. import tf as _modern
+from .prototype import (
     Configure,
     PrototypeCompressor,
     PrototypePruner,
@@ -108,5 +108,5 @@ class TfQuantizer(_TfPrototype, PrototypeQuantizer):
     _adapter = _QuantizerAdapter
 
 
-#: the seed-004 built-in names (:data:`compressor._prototype.BUILTIN_PROTOTYPES`)
+#: the seed-004 built-in names (:data:`compressor.compat.prototype.BUILTIN_PROTOTYPES`)
 LevelPruner, AGPruner, SensitivityPruner, QATquantizer, DoReFaQuantizer = define_builtins(__name__, TfPruner, TfQuantizer)

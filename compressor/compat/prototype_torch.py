@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import torch as _modern
-from ._prototype import (
+from .. import torch as _modern
+from ..core.matching import LayerInfo
+from ..torch.modules import innermost_module
+from .prototype import (
     Configure,
     PrototypeCompressor,
     PrototypePruner,
@@ -34,8 +36,6 @@ from ._prototype import (
     QuantizerAdapterMixin,
     define_builtins,
 )
-from .core.matching import LayerInfo
-from .torch.compressor import innermost_module
 
 __all__ = ["TorchPruner", "TorchQuantizer", "LevelPruner", "AGPruner", "SensitivityPruner", "QATquantizer",
            "DoReFaQuantizer"]
@@ -104,5 +104,5 @@ class TorchQuantizer(_TorchPrototype, PrototypeQuantizer):
     _adapter = _QuantizerAdapter
 
 
-#: the seed-004 built-in names (:data:`compressor._prototype.BUILTIN_PROTOTYPES`)
+#: the seed-004 built-in names (:data:`compressor.compat.prototype.BUILTIN_PROTOTYPES`)
 LevelPruner, AGPruner, SensitivityPruner, QATquantizer, DoReFaQuantizer = define_builtins(__name__, TorchPruner, TorchQuantizer)

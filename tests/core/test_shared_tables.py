@@ -32,7 +32,7 @@ def test_export_table_names_a_missing_name():
 def test_prototype_builtins_are_defined_once_for_any_shim():
     import types
 
-    from compressor._prototype import PrototypePruner, PrototypeQuantizer, define_builtins
+    from compressor.compat.prototype import PrototypePruner, PrototypeQuantizer, define_builtins
 
     ns = types.ModuleType("fake.modern")
     base_p = type("FakePruner", (PrototypePruner,), {"_namespace": ns})
