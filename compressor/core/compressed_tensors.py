@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelError
+from .oneshot.codes import stored_code_width, stored_codes_to_full
 
 __all__ = [
-    "CheckpointError", "pack_int32", "unpack_int32", "pack_bitmask", "unpack_bitmask", "read_safetensors",
+    "CheckpointError", "pack_int32", "pack_stored_int32", "unpack_int32", "pack_bitmask", "unpack_bitmask", "read_safetensors",
     "read_safetensors_header", "write_safetensors", "quant_args", "pack_quantized_entries", "naive_quantized_entries",
     "bitmask_entries", "sparse24_entries", "is_24_sparse", "load_compressed_tensors", "checkpoint_report",
     "format_checkpoint_report", "DTYPES",
@@ -75,6 +76,28 @@ def pack_int32(codes: np.ndarray, bits: int) -> np.ndarray:
     stream = np.pad(stream, ((0, 0), (0, padded - cols * bits)))
     words = np.packbits(stream, axis=1, bitorder="little").view("<u4").astype(np.uint32)
     return words[:, :math.ceil(cols * bits / 32)].view(np.int32).copy()
+
+
+def pack_stored_int32(stored: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """:func:`pack_int32` of signed codes as the one-shot quantizer wrappers keep them
+    (:func:`~compressor.core.oneshot.codes.store_codes`: ``[rows, ceil(cols / 2)]`` int8 at 4 bits or fewer).
+    At 4 bits the wrappers' nibbles are already in compressed-tensors' order (column ``2k`` low, ``2k + 1`` high,
+    little-endian words), so each word is four stored bytes with every nibble's top bit flipped (two's complement
+    ``v`` to ``v + 8``): the codes are converted once, from the layout they are kept in to the checkpoint's,
+    without a byte per code in between. Other widths are unpacked to one code per entry and packed."""
+    s = np.asarray(stored)
+    if bits != 4:
+        return pack_int32(stored_codes_to_full(s, bits, cols), bits)
+    width = stored_code_width(cols, bits)
+    if s.ndim != 2 or s.dtype != np.int8 or s.shape[1] != width:
+        raise ValueError(f"pack_stored_int32: 4-bit codes of {cols} columns are kept as int8 [rows, {width}], got "
+                         f"{s.dtype} of shape {s.shape}")
+    words = math.ceil(cols / 8)
+    b = np.zeros((s.shape[0], 4 * words), dtype=np.uint8)
+    b[:, :width] = s.view(np.uint8) ^ 0x88
+    if cols % 2:  # the odd last column's partner nibble is padding: zero bits, as pack_int32 pads
+        b[:, width - 1] &= 0x0F
+    return b.view("<u4").view(np.int32).copy()
 
 
 def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
@@ -208,16 +231,25 @@ def quant_args(bits: int, group_size: int | None, symmetric: bool) -> dict[str, 
 
 
 def pack_quantized_entries(name: str, codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, bits: int,
-                           symmetric: bool, scale_dtype: Any = np.float32) -> dict[str, np.ndarray]:
+                           symmetric: bool, scale_dtype: Any = np.float32, *,
+                           stored_cols: int | None = None) -> dict[str, np.ndarray]:
     """The ``pack-quantized`` tensors of layer ``name`` from our codes (``[out, in]``; symmetric: signed,
     affine: unsigned ``[0, 2^b - 1]`` with unsigned zero points ``[out, groups]``); affine codes and zero
     points are shifted by ``-2^(b-1)`` into compressed-tensors' signed range, which leaves ``code - zp``
-    unchanged."""
-    c = np.asarray(codes).astype(np.int32)
-    shift = 0 if symmetric else 1 << (bits - 1)
-    out = {f"{name}.weight_packed": pack_int32(c - shift, bits),
+    unchanged. ``stored_cols``: symmetric ``codes`` are in the quantizer wrappers' layout for that many input
+    columns (:func:`pack_stored_int32`)."""
+    if stored_cols is not None:
+        if not symmetric:
+            raise ValueError("pack_quantized_entries: stored_cols is for symmetric codes")
+        packed = pack_stored_int32(codes, bits, stored_cols)
+        shape = (np.asarray(codes).shape[0], stored_cols)
+    else:
+        c = np.asarray(codes).astype(np.int32)
+        shift = 0 if symmetric else 1 << (bits - 1)
+        packed, shape = pack_int32(c - shift, bits), c.shape
+    out = {f"{name}.weight_packed": packed,
            f"{name}.weight_scale": np.asarray(scale).astype(scale_dtype),
-           f"{name}.weight_shape": np.asarray(c.shape, dtype=np.int64)}
+           f"{name}.weight_shape": np.asarray(shape, dtype=np.int64)}
     if not symmetric:
         zp = np.asarray(zero_point).astype(np.int32) - shift
         out[f"{name}.weight_zero_point"] = np.ascontiguousarray(pack_int32(zp.T, bits).T)

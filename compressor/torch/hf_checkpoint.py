@@ -53,9 +53,9 @@ from ..core.compressed_tensors import (
     write_safetensors,
 )
 from ..core.errors import ConfigError, ModelError
+from ..core.oneshot.codes import stored_codes_to_full
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
-from .quantization.lowbit import oneshot_codes
 from .quantization.wrapper import QuantizerModuleWrapper
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS"]
@@ -342,17 +342,22 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
         groups: dict[tuple[int, int | None, bool], list[str]] = {}
         for name, w in pack.items():
             spec = w.quant_spec
-            codes = oneshot_codes(w).cpu().numpy()
+            # the codes as the wrapper keeps them (two per byte at 4 bits or fewer): converted once, to the file's
+            # int32 words (symmetric) or to one signed byte per code (affine: naive-quantized)
+            stored = w._buffers["weight_codes"].detach().cpu().numpy()
+            n_in = int(innermost_module(w).in_features)
             scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
             zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
-            symmetric = codes.dtype == np.int8
+            symmetric = spec.symmetric
             for _, rows in folds.get(f"{name}.weight_scale", []):
                 scale = scale / rows[:, None]
             weight = state[f"{name}.weight"]
             sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
-            entries = pack_quantized_entries if symmetric else naive_quantized_entries
-            tensors.update(entries(name, codes, scale, zp, spec.bits, symmetric, sdtype))
-            n_in = codes.shape[1]
+            if symmetric:
+                tensors.update(pack_quantized_entries(name, stored, scale, zp, spec.bits, True, sdtype, stored_cols=n_in))
+            else:
+                tensors.update(naive_quantized_entries(name, stored_codes_to_full(stored, spec.bits, n_in), scale, zp,
+                                                       spec.bits, False, sdtype))
             gs = spec.group_width(n_in)
             groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
         for name, kind in sparse_layers.items():

@@ -20,6 +20,7 @@ from compressor.core.compressed_tensors import (
     pack_bitmask,
     pack_int32,
     pack_quantized_entries,
+    pack_stored_int32,
     quant_args,
     read_safetensors,
     sparse24_entries,
@@ -28,6 +29,7 @@ from compressor.core.compressed_tensors import (
     write_safetensors,
 )
 from compressor.core.errors import ModelError
+from compressor.core.oneshot.codes import store_codes
 
 
 def test_pack_int32_exact_words():
@@ -44,6 +46,28 @@ def test_pack_int32_exact_words():
     assert int(words[0, 0]) == (base | 7 << 30) & 0xFFFFFFFF and int(words[0, 1]) == 1
     with pytest.raises(ValueError, match="outside the signed 4-bit range"):
         pack_int32(np.array([[8]]), 4)
+
+
+def test_codes_in_the_wrappers_layout_pack_to_the_same_words_without_unpacking():
+    """The one-shot wrappers keep 4-bit codes two per byte; the checkpoint's int32 words are those bytes with each
+    nibble's top bit flipped (code + 8), the odd last column's partner nibble zero, as pack_int32 pads."""
+    stored = store_codes(np.array([[-8, 7, 0, 1, -1]], np.int8), 4)  # bytes 0x78, 0x10, 0x0F (odd last column)
+    words = pack_stored_int32(stored, 4, 5).view(np.uint32)
+    assert words.shape == (1, 1)
+    assert int(words[0, 0]) == 0 | 15 << 4 | 8 << 8 | 9 << 12 | 7 << 16
+    rng = np.random.default_rng(0)
+    for bits in (2, 3, 4, 8):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        for cols in (1, 7, 8, 9, 64, 129):
+            codes = rng.integers(lo, hi + 1, size=(5, cols)).astype(np.int8)
+            got = pack_stored_int32(store_codes(codes, bits), bits, cols)
+            np.testing.assert_array_equal(got, pack_int32(codes, bits))
+    with pytest.raises(ValueError, match=r"kept as int8 \[rows, 3\]"):
+        pack_stored_int32(np.zeros((2, 4), np.int8), 4, 5)
+    ent = pack_quantized_entries("l", store_codes(codes, 8), np.ones((5, 1)), np.zeros((5, 1)), 8, True,
+                                 stored_cols=129)
+    np.testing.assert_array_equal(ent["l.weight_packed"], pack_int32(codes, 8))
+    assert ent["l.weight_shape"].tolist() == [5, 129]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
