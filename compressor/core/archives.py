@@ -1,4 +1,4 @@
-"""Checks of zip archives we did not write, before a framework reads them (issue 29): Keras ``.keras`` files
+"""Checks of zip archives we did not write, before a framework reads them: Keras ``.keras`` files
 and torch ``.pt`` files are zips, and neither ``keras.saving.load_model`` nor ``torch.load`` bounds what an
 entry may inflate to, how many entries the directory may list, or (torch) what the pickle may build.
 

@@ -1,4 +1,4 @@
-"""Calibration data in the forms Keras users hold, as a stream of model-input batches (issue 25).
+"""Calibration data in the forms Keras users hold, as a stream of model-input batches.
 
 One helper for every TF compressor that calibrates (``PtqQuantizer.calibrate`` and the one-shot
 compressors of :mod:`compressor.tf.oneshot`). :func:`calibration_batches` accepts

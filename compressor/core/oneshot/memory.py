@@ -55,7 +55,7 @@ def release_freed_heap() -> None:
     there is none). Between blocks a calibration run frees a block's worth of activations, statistics and
     solver copies; glibc keeps most of it (its mmap threshold grows with the first frees, so later
     activation-sized buffers come from the heap), and the next block's peak stacks on top: measured on the
-    issue-25 Llama (128 windows, max of 2 runs each), peak extra memory SparseGPT 129 -> 102 MiB, GPTQ 132 -> 96,
+    trained byte-level Llama of examples/RESULTS.md (128 windows, max of 2 runs each), peak extra memory SparseGPT 129 -> 102 MiB, GPTQ 132 -> 96,
     Wanda 92 -> 87."""
     if _TRIM is not None:
         _TRIM(0)

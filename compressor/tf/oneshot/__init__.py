@@ -1,4 +1,4 @@
-"""One-shot compression of Keras 3 models from a calibration set (issue 25): ``WandaPruner``,
+"""One-shot compression of Keras 3 models from a calibration set: ``WandaPruner``,
 ``SparseGPTPruner``, ``GptqQuantizer``, ``RtnQuantizer``, ``AwqQuantizer``.
 
 The math and the block-by-block loop are core's (:mod:`compressor.core.oneshot`,

@@ -208,7 +208,7 @@ class KerasOneShotBackend(OneShotBackend):
         (TF's default on x86, allocator ``mklcpu``) keeps the memory of freed tensors for reuse and never gives it
         back to the OS, so its footprint is the most tensor memory ever alive at once: replacing the inputs one by
         one lets each output reuse the buffer its input just freed, one copy of the activations instead of the
-        inputs and outputs side by side (+32 MiB on the issue-25 Llama)."""
+        inputs and outputs side by side (+32 MiB on the trained byte-level Llama of examples/RESULTS.md)."""
         with _float64_policies(block, self.float64) as wide:
             for i in range(len(inputs)):
                 inp = inputs[i]
@@ -228,7 +228,7 @@ class KerasOneShotBackend(OneShotBackend):
         hidden state's own dtype (the activations stay in the model's dtype between blocks). A wide call runs
         on slices of at most :data:`FLOAT64_PASS_TOKENS` tokens of the batch: TensorFlow's CPU allocator keeps
         the most tensor memory ever alive at once, and a float64 pass over a whole batch of 8 x 256 tokens
-        left +63 MiB there on the issue-25 Llama (slices of 2 sequences: see examples/RESULTS.md)."""
+        left +63 MiB there on the trained byte-level Llama (slices of 2 sequences: see examples/RESULTS.md)."""
         if not wide:
             return _hidden_of(self._invoke(block, inp, False), block)
         dtype = inp.hidden.dtype

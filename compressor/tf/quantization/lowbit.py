@@ -1,4 +1,4 @@
-"""One-shot-quantized Keras layers as the layers Keras 3 itself runs in low bit (issue 26, item 2).
+"""One-shot-quantized Keras layers as the layers Keras 3 itself runs in low bit.
 
 :func:`to_keras_quantized` turns every calibrated ``GptqQuantizer`` / ``RtnQuantizer`` / ``AwqQuantizer`` layer
 (``Dense`` / ``EinsumDense``, at any depth) into the layer Keras builds with ``layer.quantize(mode)``, with OUR

@@ -252,13 +252,13 @@ class TorchOneShotBackend(OneShotBackend):
         floating tensors, and the output comes back in the hidden state's dtype (the activations stay in the
         model's dtype between blocks); the module's own tensors are back when the pass ends (an exception
         included), its hooks still fire. Set up once per pass, not per call (per-call hook registration and
-        ``functional_call`` were a fifth of a float64 pass's CPU time on the issue-25 Llama):
+        ``functional_call`` were a fifth of a float64 pass's CPU time on the trained byte-level Llama of examples/RESULTS.md):
 
         * the tensors outside the wrapped layers (norms, layers not selected) are swapped for float64 copies for
           the whole pass;
         * each wrapped layer's tensors are copied to float64 when it is called and swapped back when it returns:
           one layer's float64 weight alive at a time, not the block's (half the float64 pass's extra memory on the
-          issue-25 Llama: examples/RESULTS.md; a float64 workspace kept for the whole pass measured no lower);
+          trained byte-level Llama: examples/RESULTS.md; a float64 workspace kept for the whole pass measured no lower);
         * a call's floating tensors other than the hidden state (the attention mask, the rotary tables: the same
           tensors on every call) are widened once per pass."""
         if not self.float64:
@@ -359,7 +359,7 @@ class TorchOneShotBackend(OneShotBackend):
         shape / dtype / device agree:
         the activations then never move, and the allocator is left with only the block's transient buffers to
         reuse (allocating each output anew while its input is freed grew the heap by ~3/4 of the activations
-        on the issue-25 Llama)."""
+        on the trained byte-level Llama of examples/RESULTS.md)."""
         with self._calling(block) as call:
             for i in range(len(inputs)):
                 inp = inputs[i]

@@ -129,7 +129,7 @@ def _host(t: torch.Tensor) -> Any:
     return t.to("cpu", copy=True)
 
 
-#: the most tokens (rows x sequence) one merged AWQ parent call takes (:func:`_merged_calls`). On the issue-25
+#: the most tokens (rows x sequence) one merged AWQ parent call takes (:func:`_merged_calls`). On the trained byte-level
 #: Llama (256-token windows, one thread) 1024 and 256 (= no merging of its windows) took the same CPU time, full
 #: search 101.8 vs 101.5 s, default search 31.1 vs 30.3 s, and 256 peaked 60 / 24 MiB lower (the merged batch's
 #: attention scores); 8192 was no faster than 1024 and took ~400 MiB more. Shorter sequences are still merged.

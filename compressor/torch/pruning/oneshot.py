@@ -1,4 +1,4 @@
-"""One-shot pruners for language models (issue 25): :class:`WandaPruner` and :class:`SparseGPTPruner`.
+"""One-shot pruners for language models: :class:`WandaPruner` and :class:`SparseGPTPruner`.
 
 ``p = SparseGPTPruner(model, [{'sparsity': 0.5, 'op_types': ['default']}]); p.calibrate(batches)`` runs the
 model block by block on the calibration batches (:mod:`compressor.torch.oneshot`), computes each layer's

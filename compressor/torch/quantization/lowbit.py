@@ -1,4 +1,4 @@
-"""Packed low-bit weights computing with PyTorch's own CPU kernels (issue 26).
+"""Packed low-bit weights computing with PyTorch's own CPU kernels.
 
 :class:`PackedLinear` replaces a weight-only quantized ``nn.Linear`` (or HF GPT-2 ``Conv1D``, whose weight is
 stored ``[in, out]``: the codes are canonical ``[out, in]``, so both become the same module) and holds its

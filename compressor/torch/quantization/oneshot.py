@@ -1,4 +1,4 @@
-"""One-shot weight-only quantizers for language models (issue 25): :class:`GptqQuantizer`,
+"""One-shot weight-only quantizers for language models: :class:`GptqQuantizer`,
 :class:`RtnQuantizer` (round to nearest, the baseline) and :class:`AwqQuantizer`.
 
 ``q = GptqQuantizer(model, [{'quant_bits': 4, 'group_size': 128, 'op_types': ['default']}]); q.calibrate(batches)``
