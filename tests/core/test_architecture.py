@@ -22,6 +22,13 @@ TF_BASE = {f"compressor.tf.{m}" for m in (
 PLUGINS = {"compressor.torch_plugin", "compressor.tf_plugin"}
 #: model-family integrations: reached through the registry's model-family hook, imported by no module
 FAMILY_MODULES = {"compressor.torch.hf"}
+#: the application (CLI, report readers, demos) imports the library; outside it only these import it: the
+#: ``python -m compressor`` entry point and the old paths kept as aliases of its modules
+APP = "compressor.app"
+APP_IMPORTERS = {"compressor.__main__", "compressor.cli", "compressor.report", "compressor.demo"}
+#: the seed-004 prototype API, imported only by the namespaces users import it from
+COMPAT = "compressor.compat"
+COMPAT_IMPORTERS = {"compressor.torchCompressor", "compressor.tfCompressor"}
 
 
 def _modules() -> dict[str, Path]:
@@ -178,3 +185,39 @@ def test_model_families_are_plugins_imported_by_no_module():
     assert sorted(f"{m} imports {d}" for m, deps in EDGES.items() for d in deps if d in FAMILY_MODULES) == []
     plugin = (PKG / "torch_plugin.py").read_text()
     assert '"compressor.torch.hf:FAMILY"' in plugin  # declared there, as a lazy string
+
+
+def _imports_of_package(edges: dict[str, set[str]], pkg: str, importers: set[str]) -> list[str]:
+    """``m imports d`` for every module ``m`` outside ``pkg`` and not in ``importers`` that imports ``pkg``."""
+
+    def inside(name: str) -> bool:
+        return name == pkg or name.startswith(f"{pkg}.")
+
+    return sorted(f"{m} imports {d}" for m, deps in edges.items() if not inside(m) and m not in importers
+                  for d in deps if inside(d))
+
+
+def test_package_rule_finds_a_planted_import():
+    edges = {"compressor.core.x": {"compressor.app.cli"}, "compressor.app.cli": {"compressor.core.x"},
+             "compressor.cli": {"compressor.app.cli"}}
+    assert _imports_of_package(edges, APP, APP_IMPORTERS) == ["compressor.core.x imports compressor.app.cli"]
+    assert _imports_of_package({"compressor.torch.x": {"compressor.compat"}}, COMPAT, COMPAT_IMPORTERS) == [
+        "compressor.torch.x imports compressor.compat"]
+
+
+def test_the_library_does_not_import_the_app():
+    assert {APP, f"{APP}.cli", f"{APP}.report", f"{APP}.demo"} | APP_IMPORTERS <= set(MODULES)
+    assert _imports_of_package(EDGES, APP, APP_IMPORTERS) == []
+
+
+def test_compat_is_imported_only_by_the_seed_namespaces():
+    assert {COMPAT} | COMPAT_IMPORTERS <= set(MODULES)
+    assert _imports_of_package(EDGES, COMPAT, COMPAT_IMPORTERS) == []
+
+
+@pytest.mark.parametrize("mod", sorted(APP_IMPORTERS | COMPAT_IMPORTERS))
+def test_root_shims_hold_no_code(mod):
+    """The app's old paths and the seed-004 namespaces only import (and alias) what lives in app/ and compat/."""
+    tree = ast.parse(MODULES[mod].read_text())
+    code = [type(n).__name__ for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
+    assert code == [] and len(tree.body) <= 6, (mod, code, len(tree.body))
