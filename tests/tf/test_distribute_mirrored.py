@@ -91,8 +91,10 @@ WORKER = textwrap.dedent('''
 def results(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("mirrored") / "out.pkl"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""}
+    # ~90 s on 2 busy cores; no deadline of its own short of a hang: pytest-timeout (900 s, pyproject.toml) ends
+    # a stuck run first (the subprocess is killed with the test), 1800 s is the backstop without the plugin
     proc = subprocess.run([sys.executable, "-c", WORKER, str(path), ",".join(ALGOS)], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(path, "rb") as f:
         return pickle.load(f)

@@ -93,7 +93,9 @@ def test_two_workers_hold_identical_state(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), ports, str(tmp_path / f"w{i}.pkl")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
-        errors = [p.communicate(timeout=240)[1] for p in procs]
+        # no deadline of its own short of a hang: pytest-timeout (900 s, pyproject.toml) ends a stuck run first
+        # (the workers are killed below), 1800 s is the backstop without the plugin
+        errors = [p.communicate(timeout=1800)[1] for p in procs]
     finally:
         for p in procs:
             p.kill()
