@@ -23,6 +23,8 @@ MIRRORED: dict[str, str] = {
     "compressor.py": "the Compressor base: config, layer matching, wrapping, collectors, the clock",
     "distributed.py": "compression state kept identical across DDP ranks / tf.distribute replicas",
     "graph.py": "a model translated into core's neutral channel graph",
+    "graph_layers.py": "what the channel graph knows about a layer: its kind, zero facts, MACs",
+    "graph_ops.py": "how ops outside layers (autograd ops / keras.ops calls) carry channels",
     "hooks.py": "the optimizer hook that runs step() (tf: also the Keras CompressionCallback it installs)",
     "layout.py": "framework weight layouts <-> core's canonical (output channels first) layout",
     "ops.py": "core's ArrayOps on the framework's tensors",
