@@ -83,6 +83,8 @@ ONE_SIDED: dict[str, str] = {
     "torch/semi_structured.py": "2:4 Linear layers on sparse tensor cores (torch.sparse, CUDA)",
     "torch/onnx_io.py": "ONNX export (torch's runtime format; Keras exports TFLite)",
     "torch/quantization/onnx_qdq.py": "the integer ONNX (QDQ) graph; Keras' int8 artifact is TFLite",
+    "torch/quantization/onnx_qdq_graph.py": "the integer ONNX export's graph rewriting (onnx_qdq.py's)",
+    "torch/quantization/onnx_qdq_io.py": "the integer ONNX export's float export and file names (onnx_qdq.py's)",
     "torch/quantization/joins.py": "quantized residual adds / concatenations / pools for the integer ONNX graph; "
                                    "the TFLite converter quantizes Keras joins itself",
     "torch/quantization/dataflow.py": "who reads which tensor, found by running an untraceable torch model; a "
