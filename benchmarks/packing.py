@@ -15,7 +15,7 @@ Models (float32):
 
 Columns: the dense float32 file (``np.savez``), the masked dense file (the same with the zeros in), the
 masked dense file zip-deflated (``np.savez_compressed``, a generic baseline), then our compressed file
-(:mod:`compressor.core.packing`) with each single codec and with ``auto`` (smallest per stream), the rate
+(:mod:`compressor.core.cmpk`) with each single codec and with ``auto`` (smallest per stream), the rate
 dense / auto, and the median wall time of ``pack`` (auto) and ``unpack`` over ``--rounds`` runs.
 """
 
@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from compressor.core.cmpk import CODECS, pack_bytes, unpack, unpack_bytes  # noqa: E402
 from compressor.core.ops import NumpyOps  # noqa: E402
-from compressor.core.packing import CODECS, pack_bytes, unpack, unpack_bytes  # noqa: E402
 from compressor.core.pruning import level_mask, nm_mask  # noqa: E402
 from compressor.core.weight_sharing import share_weights  # noqa: E402
 

@@ -14,9 +14,9 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+from .core.cmpk import pack, unpack
 from .core.config import load_config, load_configs, normalize_config_list
 from .core.errors import BackendNotAvailable, CompressedFileError, ConfigError, ConfigWarning, ModelError
-from .core.packing import pack, unpack
 from .core.registry import backend_for, register_plugin, registry
 
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from compressor.core.packing import CODECS, packed_sizes, unpack
+from compressor.core.cmpk import CODECS, packed_sizes, unpack
 from examples.common import (
     BACKEND_LABEL,
     Train,

@@ -3,7 +3,7 @@
 ``compressor list`` (backends and algorithms, incl. plugins), ``compressor check CONFIG.yaml`` (validate a
 config file, print it normalised), ``compressor report MODEL_FILE`` (per-layer sparsity / bits of an
 exported model; ``--flops``: MACs and params dense vs. after speedup), ``compressor pack MODEL_FILE OUT`` /
-``compressor unpack PACKED OUT`` (the compressed model file of :mod:`compressor.core.packing`),
+``compressor unpack PACKED OUT`` (the compressed model file of :mod:`compressor.core.cmpk`),
 ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is one readable line
 on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
 nor tensorflow.
@@ -224,7 +224,7 @@ def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
         state = _torch_load(p)
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise ModelError(f"{p!r} is not a state_dict (a dict of parameter names to tensors)")
-        from ..torch.packing import state_dict_arrays
+        from ..torch.cmpk import state_dict_arrays
 
         try:
             return state_dict_arrays(state), "torch"
@@ -234,7 +234,7 @@ def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
         from .report import load_keras
 
         model = load_keras(p)
-        from ..tf.packing import model_arrays
+        from ..tf.cmpk import model_arrays
 
         return model_arrays(model), "tf"
     if suffix == ".npz":
@@ -245,7 +245,7 @@ def _read_exported(path: str) -> tuple[dict[str, Any], str | None]:
 def _cmd_pack(args: argparse.Namespace) -> int:
     import os
 
-    from ..core.packing import CODECS, pack, packed_sizes
+    from ..core.cmpk import CODECS, pack, packed_sizes
 
     arrays, backend = _read_exported(args.model)
     try:
@@ -277,8 +277,8 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..core.atomic import atomic_path
+    from ..core.cmpk import unpack
     from ..core.npz import save_npz
-    from ..core.packing import unpack
 
     suffix = os.path.splitext(args.output)[1].lower()
     if _is_checkpoint_dir(args.packed):  # a compressed-tensors checkpoint folder -> float weights
@@ -314,7 +314,7 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
         from .report import load_keras
 
         model = load_keras(args.model)  # ModelError (missing, not a .keras archive) / BackendNotAvailable
-        from ..tf.packing import load_compressed
+        from ..tf.cmpk import load_compressed
 
         load_compressed(model, args.packed)
         with atomic_path(args.output) as tmp:

@@ -11,7 +11,7 @@ Reading: numpy's ``np.load`` with ``allow_pickle=False`` refuses pickled members
 ``ValueError`` / ``UnpicklingError`` / ``BadZipFile`` on foreign files and allocates whatever shape a member's
 header declares before reading it. :func:`load_npz` first checks that the file is a zip of ``.npy`` members,
 reads every member's header (numpy's own header reader), refuses object dtypes, a declared size larger than
-the member, and a total larger than :func:`~compressor.core.packing.decoded_cap` of the file's size
+the member, and a total larger than :func:`~compressor.core.cmpk.decoded_cap` of the file's size
 (256 MiB + 256x the file: ``np.savez_compressed`` of zeros is the only legit way past it; pass ``max_bytes``
 or set ``COMPRESSOR_MAX_DECODED_BYTES``), and only then loads the arrays. Every failure is the caller's error
 type (``ConfigError`` for mask files, ``ModelError`` for model files) naming the file.
@@ -47,7 +47,7 @@ def load_npz(path: str | os.PathLike, what: str = "mask file", error: type[Excep
              max_bytes: int | None = None) -> dict[str, np.ndarray]:
     """``{name: array}`` of the ``.npz`` archive ``path``, checked as described above before anything is
     allocated; ``error(message)`` for a missing, foreign, pickled, oversized or corrupted file."""
-    from .packing import decoded_cap
+    from .cmpk import decoded_cap
 
     p = os.fspath(path)
     if not os.path.isfile(p):

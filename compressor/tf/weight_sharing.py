@@ -118,9 +118,9 @@ class WeightSharingQuantizer(TfQuantizer):
                      **kwargs: Any) -> dict[str, np.ndarray]:
         """Write the plain model with its shared weights to ``model_path`` (``*.keras``, ``*.weights.h5`` or a
         SavedModel directory) and/or its weights to the compressed file ``compressed_path`` (see
-        :mod:`compressor.core.packing`); both or neither (atomic). The quantizer stays installed. Returns
+        :mod:`compressor.core.cmpk`); both or neither (atomic). The quantizer stays installed. Returns
         :meth:`codebooks`."""
-        from .packing import save_compressed
+        from .cmpk import save_compressed
         from .quantization.export import _save
 
         if kwargs:

@@ -1,8 +1,8 @@
 """PyTorch backend of compressor. Importing it imports torch, never tensorflow."""
 
+from .cmpk import load_compressed, save_compressed
 from .graph import build_graph
 from .ops import TorchOps, ops
-from .packing import load_compressed, save_compressed
 from .pruning import *  # noqa: F401,F403
 from .pruning import __all__ as _pruning_all
 from .quantization import *  # noqa: F401,F403

@@ -128,8 +128,8 @@ class WeightSharingQuantizer(TorchQuantizer):
                      **kwargs: Any) -> dict[str, np.ndarray]:
         """Write the state_dict of the ORIGINAL model class (shared weights) to ``model_path`` and/or the
         compressed file ``compressed_path`` (codebook + indices per shared layer; see
-        :mod:`compressor.core.packing`); both or neither (atomic). Returns :meth:`codebooks`."""
-        from .packing import save_compressed
+        :mod:`compressor.core.cmpk`); both or neither (atomic). Returns :meth:`codebooks`."""
+        from .cmpk import save_compressed
         from .quantization.export import quantized_state_dict
 
         if kwargs:

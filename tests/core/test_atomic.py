@@ -12,9 +12,9 @@ import pytest
 from compressor.app.cli import main
 from compressor.core import atomic, npz
 from compressor.core.atomic import atomic_path, atomic_paths, temp_path_for
+from compressor.core.cmpk import pack
 from compressor.core.errors import ConfigError
 from compressor.core.npz import save_npz
-from compressor.core.packing import pack
 
 
 def _write(path, data: bytes) -> None:

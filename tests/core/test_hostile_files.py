@@ -1,5 +1,5 @@
 """Issue 29 (items 7-9, readers): crafted and fuzzed files are refused with the library's error, in bounded
-memory and work. Here: the .cmpk reader (core.packing), .npz mask/weight archives and the TFLite reader
+memory and work. Here: the .cmpk reader (core.cmpk), .npz mask/weight archives and the TFLite reader
 of ``compressor report`` (pure Python, so no interpreter can crash the process).
 
 No test here times the machine (a busy CI machine runs several times slower): the work a reader does is
@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compressor.core import packing as K
+from compressor.core import cmpk as K
+from compressor.core import huffman as H
 from compressor.core.errors import CompressedFileError, ConfigError, ModelError
 
 FUZZ_CASES = int(os.environ.get("COMPRESSOR_FUZZ_CASES", "300"))
@@ -171,22 +172,22 @@ def test_crafted_huffman_stream_fails_before_decoding():
              (huffman_stream(4961, 1024, 604), 4961, "4961 symbols cannot fit in 4832 bits")]
     warm_cmpk()
     for stream, n, match in cases:
-        err, lines, peak = measured(K.huffman_decode, stream, n)
+        err, lines, peak = measured(H.huffman_decode, stream, n)
         assert isinstance(err, ValueError) and match in str(err), repr(err)
         assert lines < 200 and peak < 64 << 10, (match, lines, peak)  # (~10-45 lines: the header's checks)
     # offsets that cannot hold their blocks' codes (all 0) are refused before decoding
     n = 8 * 600
-    err, lines, peak = measured(K.huffman_decode, huffman_stream(n, K._block_size(n), 600), n)
+    err, lines, peak = measured(H.huffman_decode, huffman_stream(n, H._block_size(n), 600), n)
     assert isinstance(err, ValueError) and "do not fit the code lengths" in str(err) and lines < 500, lines
     # the worst a 633-byte stream can do: valid offsets, 8 symbols per byte, a bad code at the very end; a step
     # per symbol position of a block (the row loop: ~9 lines x 1024) is what the doubling decoder saves
-    blocks, bsize = -(-n // K._block_size(n)), K._block_size(n)
+    blocks, bsize = -(-n // H._block_size(n)), H._block_size(n)
     ok = struct.pack("<BIB", 0, bsize, 1) + bytes([0x11])
     ok += struct.pack(f"<{blocks - 1}I", *[bsize * i for i in range(1, blocks)]) + bytes(600)
-    assert np.array_equal(K.huffman_decode(ok, n), np.zeros(n, np.uint8))
-    err, lines, _ = measured(K.huffman_decode, ok, n)
+    assert np.array_equal(H.huffman_decode(ok, n), np.zeros(n, np.uint8))
+    err, lines, _ = measured(H.huffman_decode, ok, n)
     assert err is None and lines < 1000, lines  # (~320)
-    err, lines, _ = measured(K.huffman_decode, ok[:6] + bytes([0x12]) + ok[7:-1] + b"\xff", n - 4)
+    err, lines, _ = measured(H.huffman_decode, ok[:6] + bytes([0x12]) + ok[7:-1] + b"\xff", n - 4)
     assert isinstance(err, ValueError) and lines < 1000, lines  # lengths 1 and 2: "11" is no code
     assert "invalid Huffman code" in str(err) or "do not decode" in str(err), str(err)
 
@@ -589,8 +590,8 @@ def test_huffman_both_decoders_round_trip(monkeypatch):
     give back every stream exactly; the cost model picks the rows for many blocks of long codes."""
     used = []
     for fn in ("_huffman_chains", "_huffman_rows"):
-        orig = getattr(K, fn)
-        monkeypatch.setattr(K, fn, lambda *a, _f=orig, _n=fn: used.append(_n) or _f(*a))
+        orig = getattr(H, fn)
+        monkeypatch.setattr(H, fn, lambda *a, _f=orig, _n=fn: used.append(_n) or _f(*a))
     rng = np.random.default_rng(1)
     for n in (1, 7, 1000, 4097, 70_000, 400_000):
         for dist in ("uniform", "skewed", "two"):
@@ -600,7 +601,7 @@ def test_huffman_both_decoders_round_trip(monkeypatch):
                 sym = np.minimum(rng.geometric(0.3, n), 255).astype(np.uint8)
             else:
                 sym = (rng.random(n) < 0.01).astype(np.uint8)
-            assert np.array_equal(K.huffman_decode(K.huffman_encode(sym), n), sym), (n, dist)
+            assert np.array_equal(H.huffman_decode(H.huffman_encode(sym), n), sym), (n, dist)
     assert set(used) == {"_huffman_chains", "_huffman_rows"}
 
 
@@ -613,9 +614,9 @@ def one_bit_file(sizes: list[int], corrupt: bool = False) -> bytes:
     for i, nbytes in enumerate(sizes):
         n = 8 * nbytes
         if corrupt and i == len(sizes) - 1:
-            stream = K.huffman_encode(np.zeros(n, np.uint8))[:-1] + b"\xff"
+            stream = H.huffman_encode(np.zeros(n, np.uint8))[:-1] + b"\xff"
         else:
-            stream = K.huffman_encode(np.random.default_rng(i).integers(0, 2, n, dtype=np.uint8))
+            stream = H.huffman_encode(np.random.default_rng(i).integers(0, 2, n, dtype=np.uint8))
         entries.append([f"t{i}", "|u1", [n], "x", [["h", len(stream), n]]])
         payload += stream
     return craft({"v": 1, "t": entries}, payload)
@@ -642,49 +643,49 @@ def test_many_small_one_bit_huffman_streams_decode_in_bounded_work_per_megabyte(
 
 def _encode_with(lengths: np.ndarray, sym: np.ndarray, monkeypatch) -> bytes:
     """Our encoder's stream for ``sym`` under the given code lengths (any prefix code, incomplete included)."""
-    monkeypatch.setattr(K, "_code_lengths", lambda freq: lengths.copy())
+    monkeypatch.setattr(H, "_code_lengths", lambda freq: lengths.copy())
     try:
-        return K.huffman_encode(sym)
+        return H.huffman_encode(sym)
     finally:
         monkeypatch.undo()
 
 
 def _decode_rows(data: bytes, n: int) -> np.ndarray:
     """huffman_decode forced onto the row-loop path (the decoder before the doubling one)."""
-    orig = K._huffman_chains
+    orig = H._huffman_chains
 
     def rows(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n):
-        return K._huffman_rows(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, int(counts[0]))
-    K._huffman_chains = rows
+        return H._huffman_rows(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, int(counts[0]))
+    H._huffman_chains = rows
     try:
-        return K.huffman_decode(data, n)
+        return H.huffman_decode(data, n)
     finally:
-        K._huffman_chains = orig
+        H._huffman_chains = orig
 
 
 def _decode_chains(data: bytes, n: int) -> np.ndarray:
-    orig = K._huffman_rows
+    orig = H._huffman_rows
 
     def chains(stream, offsets, total_bits, dec_sym, dec_len, maxl, n, bsize):
         counts = np.full(offsets.size, bsize, np.int64)
         counts[-1] = n - (offsets.size - 1) * bsize
-        return K._huffman_chains(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n)
-    K._huffman_rows = chains
+        return H._huffman_chains(stream, offsets, counts, total_bits, dec_sym, dec_len, maxl, n)
+    H._huffman_rows = chains
     try:
-        return K.huffman_decode(data, n)
+        return H.huffman_decode(data, n)
     finally:
-        K._huffman_rows = orig
+        H._huffman_rows = orig
 
 
 def _decode_without_small(decode):
     """``decode`` with the few-symbols path switched off (the stream goes to the numpy decoders)."""
     def run(data: bytes, n: int) -> np.ndarray:
-        orig = K._SMALL_SYMBOLS
-        K._SMALL_SYMBOLS = 0
+        orig = H._SMALL_SYMBOLS
+        H._SMALL_SYMBOLS = 0
         try:
             return decode(data, n)
         finally:
-            K._SMALL_SYMBOLS = orig
+            H._SMALL_SYMBOLS = orig
     return run
 
 
@@ -716,11 +717,11 @@ def test_doubling_decoder_equals_row_decoder_on_random_code_books(k, n, dist, se
         data = _encode_with(lengths, sym, mp)
     rows, chains = _decode_without_small(_decode_rows), _decode_without_small(_decode_chains)
     assert np.array_equal(chains(data, n), sym) and np.array_equal(rows(data, n), sym)
-    assert np.array_equal(K.huffman_decode(data, n), sym)  # (the few-symbols path for n <= 512)
+    assert np.array_equal(H.huffman_decode(data, n), sym)  # (the few-symbols path for n <= 512)
     bad = bytearray(data)
     for f in flips:  # damaged streams: every decoder refuses, or all give the same symbols
         bad[f % len(bad)] ^= 1 << (f % 8)
-    assert _outcome(chains, bytes(bad), n) == _outcome(rows, bytes(bad), n) == _outcome(K.huffman_decode, bytes(bad), n)
+    assert _outcome(chains, bytes(bad), n) == _outcome(rows, bytes(bad), n) == _outcome(H.huffman_decode, bytes(bad), n)
 
 
 # ---------------------------------------------------------------------------------------------- fuzz HF config / index

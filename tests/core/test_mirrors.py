@@ -109,7 +109,7 @@ ONESHOT_MIRRORED: dict[str, str] = {
     "quantization/oneshot.py": "GptqQuantizer, RtnQuantizer, AwqQuantizer",
     "quantization/lowbit.py": "one-shot-quantized layers run by the framework's own low-bit kernels",
     "calibration_data.py": "calibration data in the forms users hold, as model-input batches",
-    "packing.py": "compressed model files (core's entropy-coded format) <-> the model's weights",
+    "cmpk.py": "compressed model files (core's entropy-coded format) <-> the model's weights",
 }
 ONESHOT_ONE_SIDED: dict[str, str] = {
     "tf/kernel_layout.py": "a Dense / EinsumDense kernel <-> core's [out, in] for the one-shot compressors and "

@@ -158,7 +158,7 @@ def test_bad_mask_files_get_clear_errors(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- load_compressed
 def test_load_compressed_checks_the_model_before_decoding(tmp_path):
-    from compressor.tf.packing import load_compressed, model_arrays, save_compressed
+    from compressor.tf.cmpk import load_compressed, model_arrays, save_compressed
 
     model = tiny_model()
     save_compressed(model, tmp_path / "m.cmpk")

@@ -12,7 +12,7 @@ from compressor.core.errors import CompressedFileError, ConfigError
 from compressor.core.ops import NumpyOps
 from compressor.core.pruning import nm_mask
 from compressor.tf import AGPPruner, FPGMPruner, LevelPruner, PruningCallback, load_compressed
-from compressor.tf.packing import model_arrays
+from compressor.tf.cmpk import model_arrays
 
 RNG = np.random.default_rng(0)
 X = RNG.random((16, 6, 6, 4), dtype=np.float32)

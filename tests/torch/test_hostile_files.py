@@ -175,7 +175,7 @@ def test_npz_member_declaring_more_than_it_holds_is_refused_before_allocating(tm
 
 # ---------------------------------------------------------------------------------------------- load_compressed
 def test_load_compressed_checks_names_and_shapes_before_decoding(tmp_path):
-    from compressor.torch.packing import load_compressed, save_compressed
+    from compressor.torch.cmpk import load_compressed, save_compressed
 
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     save_compressed(model.state_dict(), tmp_path / "ok.cmpk")

@@ -232,7 +232,7 @@ def test_weight_sharing_export_stores_a_codebook(tmp_path):
     _bits_equal(state, compressor.unpack(tmp_path / "m.cmpk"))
     assert set(books) == {"0", "2"} and all(v.size <= 4 for v in books.values())
     assert set(torch.unique(state["0.weight"]).tolist()) <= {0.0, *books["0"].tolist()}
-    layouts = {t["name"]: t["layout"] for t in compressor.core.packing.read_info(tmp_path / "m.cmpk")["tensors"]}
+    layouts = {t["name"]: t["layout"] for t in compressor.core.cmpk.read_info(tmp_path / "m.cmpk")["tensors"]}
     assert layouts["0.weight"][1] == "s" and layouts["2.weight"][1] == "s"
     with pytest.raises(ConfigError, match="1..16"):
         WeightSharingQuantizer(sparse_mlp(), [{"quant_types": ["weight"], "quant_bits": 17, "op_types": ["Linear"]}])
@@ -296,5 +296,5 @@ def test_exported_pruned_weights_are_positive_zeros(tmp_path):
     pruner.export_model(tmp_path / "m.pt", compressed_path=tmp_path / "m.cmpk")
     w = torch.load(tmp_path / "m.pt", weights_only=True)["4.weight"]
     assert not bool(torch.signbit(w[w == 0]).any())
-    layout = {t["name"]: t for t in compressor.core.packing.read_info(tmp_path / "m.cmpk")["tensors"]}["4.weight"]
+    layout = {t["name"]: t for t in compressor.core.cmpk.read_info(tmp_path / "m.cmpk")["tensors"]}["4.weight"]
     assert layout["layout"][0] in "mrMR" and layout["bytes"] < 0.15 * 16 * 128 * 4

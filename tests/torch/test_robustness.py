@@ -456,9 +456,9 @@ def test_wrong_type_flags_are_refused():
 
 
 def test_a_compressed_file_with_two_values_for_one_tied_tensor_is_refused(tmp_path):
+    from compressor.core.cmpk import pack
     from compressor.core.errors import CompressedFileError
-    from compressor.core.packing import pack
-    from compressor.torch.packing import load_compressed
+    from compressor.torch.cmpk import load_compressed
 
     class Tied(nn.Module):
         def __init__(self):

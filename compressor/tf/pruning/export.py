@@ -123,7 +123,7 @@ def export_pruned_model(pruner: Any, model_path: str | None = None, mask_path: s
             if tmp_model is not None:
                 model.save(tmp_model)
             if tmp_packed is not None:
-                from ..packing import save_compressed
+                from ..cmpk import save_compressed
 
                 save_compressed(model, tmp_packed)
             if tmp_saved is not None:

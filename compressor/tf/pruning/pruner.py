@@ -179,7 +179,7 @@ class TfPruner(Compressor):
         """Save the plain (unwrapped) model with masked weights: ``.keras`` file, SavedModel, masks
         (``.npz``: layer name -> mask) and/or TFLite flatbuffer; loadable without compressor installed.
         ``compressed_path``: also its weights (by Keras path) as a compressed file (kept values, positions,
-        entropy coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``.
+        entropy coded; :mod:`compressor.core.cmpk`), read by ``compressor.unpack`` / ``load_compressed``.
         The pruner stays installed; returns the model."""
         from .export import export_pruned_model
 

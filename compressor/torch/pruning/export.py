@@ -103,7 +103,7 @@ def export_pruned_model(pruner: Any, model_path: str | os.PathLike, mask_path: s
     """Write the original-keys state_dict, the masks and an onnxruntime-checked ONNX file (inputs:
     ``dummy_input`` -- a tensor, tuple or dict of keyword arguments -- or ``torch.randn(*input_shape)``;
     see :mod:`compressor.torch.onnx_io`), and the same state_dict as a compressed file
-    (``compressed_path``, :mod:`compressor.torch.packing`)."""
+    (``compressed_path``, :mod:`compressor.torch.cmpk`)."""
     from ..onnx_io import model_inputs
 
     model = pruner.bound_model
@@ -119,7 +119,7 @@ def export_pruned_model(pruner: Any, model_path: str | os.PathLike, mask_path: s
         state = unwrapped_state_dict(model)
         save_file(state, tmp_model)
         if tmp_packed is not None:
-            from ..packing import save_compressed
+            from ..cmpk import save_compressed
 
             save_compressed(state, tmp_packed)
         if tmp_masks is not None:

@@ -141,7 +141,7 @@ class TorchPruner(Compressor):
         ``{'input_ids': ids, 'attention_mask': mask}``) or ``input_shape`` (a random float tensor); the
         graph has dynamic batch (and token sequence) axes; ``onnx_kwargs`` go to ``torch.onnx.export``.
         ``compressed_path``: also the same state_dict as a compressed file (kept values, positions, entropy
-        coded; :mod:`compressor.core.packing`), read by ``compressor.unpack`` / ``load_compressed``.
+        coded; :mod:`compressor.core.cmpk`), read by ``compressor.unpack`` / ``load_compressed``.
         ``hf_path``: a Hugging Face model as a compressed-tensors checkpoint folder (pruned layers stored as
         ``hf_sparse_format``: ``'dense'``, ``'bitmask'``, ``'2:4'`` or ``'auto'``; one-shot quantized layers
         of a quantizer composed on top packed; see :mod:`compressor.torch.hf_checkpoint`); ``model_path``

@@ -1,4 +1,4 @@
-"""Compressed model files on Keras 3: model weights <-> :mod:`compressor.core.packing` (the format is core's).
+"""Compressed model files on Keras 3: model weights <-> :mod:`compressor.core.cmpk` (the format is core's).
 
 Weights are named by their path in the model: ``<layer path>/<variable name>`` with layer paths as the TF
 backend names layers (:func:`~compressor.tf.compressor.iter_layers`: ``block1/conv``), e.g. ``fc1/kernel``,
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..core.cmpk import PackResult, fits_model, pack, unpack
 from ..core.errors import ModelError
-from ..core.packing import PackResult, fits_model, pack, unpack
 
 __all__ = ["load_compressed", "model_arrays", "save_compressed"]
 
@@ -55,7 +55,7 @@ def model_arrays(model: Any) -> dict[str, np.ndarray]:
 
 
 def save_compressed(model: Any, path: str | os.PathLike, codec: str = "auto") -> PackResult:
-    """Pack the weights of ``model`` into the compressed file ``path`` (see :func:`compressor.core.packing.pack`)."""
+    """Pack the weights of ``model`` into the compressed file ``path`` (see :func:`compressor.core.cmpk.pack`)."""
     return pack(model_arrays(model), path, codec=codec, backend="tf")
 
 

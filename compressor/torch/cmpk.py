@@ -1,4 +1,4 @@
-"""Compressed model files on PyTorch: state_dict <-> :mod:`compressor.core.packing` (the format is core's).
+"""Compressed model files on PyTorch: state_dict <-> :mod:`compressor.core.cmpk` (the format is core's).
 
 * :func:`state_dict_arrays` -- ``{key: numpy array}`` of a state_dict, bit for bit (on the CPU);
 * :func:`save_compressed` -- pack a state_dict (what ``pruner.export_model(..., compressed_path=...)`` does
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.cmpk import PackResult, fits_model, pack, unpack
 from ..core.errors import CompressedFileError, ModelError
-from ..core.packing import PackResult, fits_model, pack, unpack
 
 __all__ = ["load_compressed", "save_compressed", "state_dict_arrays"]
 
@@ -38,7 +38,7 @@ def state_dict_arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def save_compressed(state: Mapping[str, Any], path: str | os.PathLike, codec: str = "auto") -> PackResult:
-    """Pack a state_dict into the compressed file ``path`` (see :func:`compressor.core.packing.pack`)."""
+    """Pack a state_dict into the compressed file ``path`` (see :func:`compressor.core.cmpk.pack`)."""
     return pack(state_dict_arrays(state), path, codec=codec, backend="torch")
 
 

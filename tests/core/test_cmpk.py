@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from compressor.core import packing as K
+from compressor.core import cmpk as K
+from compressor.core import huffman as H
 from compressor.core.errors import CompressedFileError
 
 RNG = np.random.default_rng(3)
@@ -32,23 +33,23 @@ def test_huffman_code_lengths_are_the_optimal_ones():
     # counts 1, 1, 2, 4, 8: the classic skewed tree, lengths 4, 4, 3, 2, 1
     freq = np.zeros(256, np.int64)
     freq[[10, 11, 12, 13, 14]] = [1, 1, 2, 4, 8]
-    assert K._code_lengths(freq)[[10, 11, 12, 13, 14]].tolist() == [4, 4, 3, 2, 1]
-    codes = K._canonical_codes(K._code_lengths(freq))
+    assert H._code_lengths(freq)[[10, 11, 12, 13, 14]].tolist() == [4, 4, 3, 2, 1]
+    codes = H._canonical_codes(H._code_lengths(freq))
     # canonical: the shortest code is 0, then increasing within each length
     assert codes[[14, 13, 12, 10, 11]].tolist() == [0b0, 0b10, 0b110, 0b1110, 0b1111]
     symbols = np.repeat(np.array([10, 11, 12, 13, 14], np.uint8), [1, 1, 2, 4, 8])
-    enc = K.huffman_encode(symbols)
+    enc = H.huffman_encode(symbols)
     # 1*4 + 1*4 + 2*3 + 4*2 + 8*1 = 30 bits -> 4 bytes of code after the header
     header = 6 + (15 // 2 + 1)  # flags, block size, top symbol, 15 nibble-packed lengths
     assert len(enc) == header + 4
-    np.testing.assert_array_equal(K.huffman_decode(enc, symbols.size), symbols)
+    np.testing.assert_array_equal(H.huffman_decode(enc, symbols.size), symbols)
 
 
 def test_huffman_lengths_are_limited_to_15_bits():
     counts = np.maximum((2.0 ** -np.arange(1, 30) * 1e6).astype(np.int64), 1)
     freq = np.zeros(256, np.int64)
     freq[:29] = counts
-    lengths = K._code_lengths(freq)
+    lengths = H._code_lengths(freq)
     assert lengths.max() == 15 and (lengths[:29] > 0).all()
     assert np.sum(2.0 ** -lengths[:29]) <= 1.0  # still a prefix code
 
@@ -56,16 +57,16 @@ def test_huffman_lengths_are_limited_to_15_bits():
 @settings(max_examples=40, deadline=None)
 @given(hnp.arrays(np.uint8, st.integers(0, 9000), elements=st.integers(0, 20)))
 def test_huffman_round_trip(symbols):
-    np.testing.assert_array_equal(K.huffman_decode(K.huffman_encode(symbols), symbols.size), symbols)
+    np.testing.assert_array_equal(H.huffman_decode(H.huffman_encode(symbols), symbols.size), symbols)
 
 
 def test_huffman_rejects_a_damaged_stream():
     symbols = RNG.integers(0, 50, 5000).astype(np.uint8)
-    enc = K.huffman_encode(symbols)
+    enc = H.huffman_encode(symbols)
     with pytest.raises(ValueError):
-        K.huffman_decode(enc[:-40], symbols.size)
+        H.huffman_decode(enc[:-40], symbols.size)
     with pytest.raises(ValueError):
-        K.huffman_decode(enc, symbols.size + 3000)
+        H.huffman_decode(enc, symbols.size + 3000)
 
 
 @pytest.mark.parametrize("codec", ["auto", *K.CODECS])
