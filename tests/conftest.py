@@ -5,6 +5,8 @@
 * ``COMPRESSOR_REQUIRE_BACKENDS=torch,tf`` (set by tox, and implied for both by ``CI=true``) turns a
   missing framework into an ERROR instead of a skip: in CI a backend test is never silently skipped.
 * ``mnist_dir`` fixture: ``$COMPRESSOR_MNIST_DIR`` or ``../shared/data/mnist``; skips when absent (fails in CI).
+* Hypothesis runs without its per-example deadline and "too slow" health check: bounds on time belong in
+  benchmarks/, not in tests (a busy CI machine is slow, not wrong).
 * ``text_corpus`` fixture: ``$COMPRESSOR_TEXT_CORPUS`` or ``../shared/data/text/vim-help.tar.gz``; likewise.
 """
 
@@ -19,6 +21,14 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+try:  # no property test times the machine: Hypothesis's per-example deadline and its "too slow" check are off
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("compressor", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("compressor")
+except ImportError:  # hypothesis is a test extra; the suites that use it import it themselves
+    pass
 
 FRAMEWORK = {"torch": "torch", "tf": "tensorflow"}
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "benchmarks", *args, "--out", "-"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=1800)
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu:0"])

@@ -10,7 +10,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 
 def loaded_after(stmt: str) -> set[str]:
     code = f"import sys\n{stmt}\nprint('LOADED=' + ','.join(m for m in ('torch', 'tensorflow', 'keras') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=1800,
                          env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]

@@ -208,7 +208,7 @@ def _reload_elsewhere(converted, cases, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-I", "-c", CHILD, json.dumps(paths), str(tmp_path / "x.npy"),
-                        str(tmp_path / "out.npz")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                        str(tmp_path / "out.npz")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
     for case in cases:

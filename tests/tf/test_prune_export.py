@@ -65,7 +65,7 @@ def test_export_keras_savedmodel_tflite_load_without_compressor(tmp_path):
     np.save(d + "/x.npy", X)
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", LOADER, d], capture_output=True, text=True, env=env, cwd=d, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", LOADER, d], capture_output=True, text=True, env=env, cwd=d, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["compressor_loaded"] is False

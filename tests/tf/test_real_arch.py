@@ -74,7 +74,7 @@ def reload_in_fresh_process(tmp_path, x, models):
     spec = {"x": str(tmp_path / "x.npy"), "out": str(tmp_path / "out.npz"), "models": models}
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", RELOAD, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=str(tmp_path))
+                          timeout=1800, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"compressor_imported": False}
     with np.load(tmp_path / "out.npz") as z:

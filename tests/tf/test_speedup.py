@@ -405,7 +405,7 @@ def test_result_saves_reloads_without_compressor_tflite_and_trains(tmp_path):
     small.export(str(tmp_path / "small_savedmodel"), verbose=False)  # SavedModel
     np.save(tmp_path / "x.npy", x)
     proc = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+                          cwd=tmp_path, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["compressor"] is False

@@ -397,7 +397,7 @@ except OSError as e:
     print(type(e).__name__, e.errno == errno.EFBIG, e.filename, str(e))
 """
     (tmp_path / "model.pt").write_bytes(b"old model")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1800,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split(" ")[:3] == ["OSError", "True", str(tmp_path / "model.pt")], out.stdout
