@@ -77,7 +77,6 @@ from .graph_layers import (
     mha_macs,
     rnn_macs,
 )
-from .graph_layers import to_numpy as to_numpy  # (re-exported: compressor.tf.speedup reads values with it)
 from .graph_ops import BINARY_OPS as BINARY_OPS  # (re-exported, public names of this module before the split)
 from .graph_ops import ELEMENTWISE_OPS as ELEMENTWISE_OPS
 from .graph_ops import _classify_operation

@@ -28,7 +28,8 @@ from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
 from . import layout
 from .compressor import Compressor, iter_layers
-from .graph import build_graph, is_graph_model, to_numpy, walkable
+from .graph import build_graph, is_graph_model, walkable
+from .graph_layers import to_numpy
 from .pruning.export import zero_masked
 
 __all__ = ["speedup_model", "count_flops_params", "SpeedupReport"]

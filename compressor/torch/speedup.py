@@ -24,7 +24,8 @@ from torch import nn
 from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
 from .families import after_speedup
-from .graph import _is_hf_conv1d, attention_spec, build_graph
+from .graph import build_graph
+from .graph_layers import _is_hf_conv1d, attention_spec
 from .layout import is_grn
 
 __all__ = ["speedup_model", "count_flops_params", "speedup_report", "SpeedupReport"]
