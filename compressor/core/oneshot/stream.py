@@ -1,0 +1,209 @@
+"""A one-shot run over a model that is not in memory: block by block, from a checkpoint on disk to a compressed
+checkpoint on disk, resumable after a kill.
+
+The block is the unit of memory, work and failure. For each block in order: its weights are read from the
+checkpoint (``io.load_block``), every stage of the recipe observes and compresses it in turn (a stage is a
+``(backend, method)`` pair as :func:`~compressor.core.oneshot.driver.run_sequential` takes, e.g. SparseGPT then
+GPTQ on the same block), the compressed block computes the next block's inputs, its compressed state is written
+(``io.save_block``) and its memory released (``io.release_block``). Nothing holds the whole model: peak memory is
+one block + its calibration activations + its statistics.
+
+A run's progress lives in a :class:`RunStore` folder beside the output: a ``state.json`` naming the recipe's and
+the inputs' fingerprints and how many blocks are done, each finished block's state, and the recorded inputs of
+the next block. A killed run started again with the same recipe and data continues at the first unfinished
+block; the state is written (file, then ``os.replace`` of ``state.json``) only after the files it names, so a
+kill at any point leaves either the old or the new state, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ConfigError, ModelError
+from .memory import Undo, release_freed_heap
+from .method import OneShotMethod
+from .observe import observers
+from .protocol import OneShotBackend
+
+__all__ = ["RunStore", "BlockIO", "run_streamed"]
+
+STATE_VERSION = 1
+
+
+class RunStore:
+    """The folder of a streamed run's progress: ``state.json`` (``{"version", "key", "blocks", "done"}``),
+    ``block-<i>`` (block ``i``'s compressed state, as the backend writes it) and ``inputs-<i>`` (the recorded
+    inputs of block ``i``). ``key`` identifies the run (the recipe's hash, the checkpoint's and the data's
+    fingerprints): a folder holding another run's state is refused, not mixed in."""
+
+    def __init__(self, folder: str | os.PathLike[str], key: str, blocks: int) -> None:
+        self.folder = os.fspath(folder)
+        self.key = key
+        self.blocks = int(blocks)
+        os.makedirs(self.folder, exist_ok=True)
+        self.done = 0
+        path = self._state_path
+        if os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    state = json.load(f)
+                ok = (isinstance(state, dict) and state.get("version") == STATE_VERSION
+                      and isinstance(state.get("done"), int) and 0 <= state["done"] <= self.blocks)
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                raise ModelError(f"{path}: not the state of a compressor run (remove the folder {self.folder!r} to "
+                                 f"start over)")
+            if state.get("key") != key or state.get("blocks") != self.blocks:
+                raise ModelError(f"{self.folder!r} holds the progress of another run (a different recipe, checkpoint or "
+                                 f"calibration data); remove it to start this one")
+            self.done = state["done"]
+
+    @property
+    def _state_path(self) -> str:
+        return os.path.join(self.folder, "state.json")
+
+    def block_path(self, i: int) -> str:
+        return os.path.join(self.folder, f"block-{i:05d}")
+
+    def inputs_path(self, i: int) -> str:
+        return os.path.join(self.folder, f"inputs-{i:05d}")
+
+    def mark_done(self, done: int) -> None:
+        """Record that blocks ``0 .. done - 1`` are finished (their files are written and synced before)."""
+        tmp = self._state_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": STATE_VERSION, "key": self.key, "blocks": self.blocks, "done": int(done)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._state_path)
+        self.done = int(done)
+
+
+class BlockIO:
+    """What a streamed run asks of the model's storage; a backend implements it over its checkpoint format."""
+
+    def load_block(self, block: Any) -> None:
+        """Read ``block``'s weights (and its compressors' state, fresh) into memory."""
+        raise NotImplementedError
+
+    def save_block(self, block: Any, path: str) -> None:
+        """Write ``block``'s compressed state to the file ``path``, synced to disk."""
+        raise NotImplementedError
+
+    def release_block(self, block: Any) -> None:
+        """Give ``block``'s memory back (its weights leave memory until :meth:`load_block`)."""
+        raise NotImplementedError
+
+    def save_inputs(self, inputs: list[Any], path: str) -> None:
+        """Write a block's recorded inputs to the file ``path``, synced to disk."""
+        raise NotImplementedError
+
+    def load_inputs(self, path: str) -> list[Any]:
+        """Read back what :meth:`save_inputs` wrote."""
+        raise NotImplementedError
+
+
+def _say(progress: Any) -> Callable[[str], None]:
+    if progress is None or progress is False:
+        return lambda msg: None
+    if callable(progress):
+        return progress
+    import sys
+
+    out = sys.stderr if progress is True else progress
+    return lambda msg: print(msg, file=out, flush=True)
+
+
+def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: BlockIO, batches: Sequence[Any],
+                 store: RunStore, progress: Any = True) -> list[dict[str, Any]]:
+    """Compress every block of the model with the recipe's ``stages`` in order, one block in memory at a time,
+    resuming after ``store.done`` finished blocks. The stages' backends share one model (the first one finds the
+    blocks and runs them); a selected layer outside every block is an error (a streamed run has no whole-model
+    pass: exclude it, e.g. ``{op_names: [lm_head], exclude: true}``). Returns the report rows of the blocks
+    compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line."""
+    if not stages:
+        raise ConfigError("a streamed one-shot run needs at least one stage")
+    say = _say(progress)
+    lead = stages[0][0]
+    blocks = list(lead.blocks())
+    if len(blocks) != store.blocks:
+        raise ModelError(f"the model has {len(blocks)} blocks, the run's state counts {store.blocks}")
+    if not blocks:
+        raise ModelError("no repeated blocks (decoder layers) were found in the model: a streamed run compresses "
+                         "block by block; give sequential_targets with the block class name")
+    for backend, method in stages:
+        rest = backend.block_layers(None)
+        if rest:
+            raise ConfigError(f"{type(method).__name__}: layers outside the decoder blocks are selected "
+                              f"({[t.name for t in rest][:4]}); a streamed run compresses blocks only: exclude them "
+                              f"(e.g. {{op_names: [lm_head], exclude: true}})")
+        if method.statistics is not None and not batches:
+            raise ConfigError(f"{type(method).__name__}: the calibration set is empty; give a few hundred sequences")
+    rows: list[dict[str, Any]] = []
+    start = store.done
+    inputs: list[Any] | None = io.load_inputs(store.inputs_path(start)) if 0 < start < len(blocks) else None
+    t_run = time.perf_counter()
+    for i, (name, block) in enumerate(blocks):
+        if i < start:
+            continue
+        t0 = time.perf_counter()
+        io.load_block(block)
+        try:
+            if inputs is None:
+                inputs = lead.first_inputs(batches)
+            n_layers = 0
+            for backend, method in stages:
+                tasks = backend.block_layers(block)
+                n_layers += len(tasks)
+                if not tasks:
+                    continue
+                accs: dict[str, Any] = {}
+                if method.statistics is not None:
+                    accs, observe = observers(method, tasks, backend.shared_inputs(block, inputs, tasks))
+                    backend.run_block(block, inputs, observe)
+                    observe = None
+                undo = Undo(_NoUndo())
+                method.compress_block(backend, block, inputs, tasks, accs, rows, name, undo)
+                accs = {}
+                release_freed_heap()
+            if i + 1 < len(blocks):
+                inputs = lead.advance(block, inputs)
+            io.save_block(block, store.block_path(i))
+            if i + 1 < len(blocks):
+                io.save_inputs(inputs, store.inputs_path(i + 1))
+        finally:
+            io.release_block(block)
+        store.mark_done(i + 1)
+        if os.path.exists(store.inputs_path(i)):  # the inputs of a finished block are not read again
+            os.remove(store.inputs_path(i))
+        release_freed_heap()
+        done, total = i + 1, len(blocks)
+        elapsed = time.perf_counter() - t_run
+        eta = elapsed / (done - start) * (total - done)
+        say(f"block {done}/{total} {name}: {n_layers} layer(s), {time.perf_counter() - t0:.1f} s, elapsed "
+            f"{elapsed:.0f} s, ETA {eta:.0f} s{_rss()}")
+    return rows
+
+
+class _NoUndo:
+    """A streamed run changes no user model in place (the model is built from the checkpoint for the run): no undo
+    copies are kept."""
+
+    @staticmethod
+    def snapshot(task: Any) -> None:
+        return None
+
+
+def _rss() -> str:
+    """``, RSS <MiB>`` of this process where /proc says it (Linux), else nothing."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+        return f", RSS {pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB"
+    except (OSError, ValueError, IndexError, AttributeError):
+        return ""
