@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,8 @@ from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
 
-__all__ = ["save_compressed_tensors", "SPARSE_FORMATS"]
+__all__ = ["save_compressed_tensors", "SPARSE_FORMATS", "TensorPlan", "plan_tensors", "quantization_config", "write_config",
+           "packed_layers"]
 
 SPARSE_FORMATS = ("dense", "bitmask", "2:4", "auto")
 #: (consumer suffix, producer suffix): the producer's output rows feed the consumer's input columns one to one
@@ -248,22 +250,44 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
     return folds, unfolded
 
 
-def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
-                            sparse_format: str = "dense") -> None:
-    """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
-    keys) as a compressed-tensors checkpoint folder at ``path``, atomically (a temporary folder next to it,
-    renamed into place). See the module docstring for what is packed."""
-    path = os.fspath(path)
-    if sparse_format not in SPARSE_FORMATS:
-        raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ModelError(f"hf_path {path!r} exists and is not a folder; a compressed-tensors checkpoint is a folder")
+@dataclass
+class TensorPlan:
+    """What a checkpoint holds for a set of layers, before anything is written: ``tensors`` (file names ->
+    arrays; bf16 values as uint16 bit patterns, named in ``bf16``), the packed layers by ``(bits, group size or
+    None, symmetric)`` (``groups``), the sparse-format layers (``sparse``: name -> format, with their weights'
+    element and zero counts), the layers written in float with why (``dense_notes``), whether AWQ's 1/s folds
+    were used (``folded``)."""
+
+    tensors: dict[str, np.ndarray]
+    bf16: set[str]
+    groups: dict[tuple[int, int | None, bool], list[str]]
+    sparse: dict[str, str]
+    sparse_total: int
+    sparse_zeros: int
+    dense_notes: list[str]
+    folded: bool
+
+    def merge(self, other: TensorPlan) -> None:
+        """Add ``other``'s layers (another part of the same model) to this plan's counts and groups; the
+        tensors stay in their own parts (a streamed checkpoint writes each part to its own shard)."""
+        for k, names in other.groups.items():
+            self.groups.setdefault(k, []).extend(names)
+        self.sparse.update(other.sparse)
+        self.sparse_total += other.sparse_total
+        self.sparse_zeros += other.sparse_zeros
+        self.dense_notes.extend(other.dense_notes)
+        self.folded = self.folded or other.folded
+
+
+def packed_layers(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, QuantizerModuleWrapper],
+                                                                              dict[str, np.ndarray], list[str]]:
+    """The one-shot quantized Linear layers of ``model`` that a compressed-tensors checkpoint packs, their AWQ
+    scales, and the notes of those it cannot (GPT-2's Conv1D, weights tied to another layer)."""
     tied = _tied(model)
-    wrappers = _quantized_layers(model)
     pack: dict[str, QuantizerModuleWrapper] = {}
     dense_notes: list[str] = []
     awq: dict[str, np.ndarray] = {}
-    for w in wrappers:
+    for w in _quantized_layers(model):
         layer = innermost_module(w)
         if not isinstance(layer, nn.Linear):
             dense_notes.append(f"{w.name!r} ({type(layer).__name__}: not a Linear for compressed-tensors)")
@@ -283,121 +307,160 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     missing = [f"{n}.weight" for n in pack if f"{n}.weight" not in state]
     if missing:
         raise ModelError(f"hf_path: the model's state has no {missing}")
-    base_pack, base_notes = dict(pack), list(dense_notes)
+    return pack, awq, dense_notes
+
+
+def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format: str = "dense",
+                 fold: bool = True) -> TensorPlan:
+    """The checkpoint's tensors for ``model`` (the whole model, or a part of it such as one decoder block with
+    ``fold=False``) from its compressed ``state`` (original keys); see the module docstring. ``fold``: fold
+    AWQ's 1/s into the layers that produce an AWQ layer's input (needs one forward of the whole model)."""
+    if sparse_format not in SPARSE_FORMATS:
+        raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
+    tied = _tied(model)
+    pack, awq, dense_notes = packed_layers(model, state)
+    folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq and fold else ({}, list(awq))
+    for n in unfolded:
+        pack.pop(n)
+        dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
+                           f"its norm took another reader's 1/s)" if fold else
+                           f"{n!r} (AWQ: its 1/s is not folded when a checkpoint is written block by block)")
+    # pruned float layers
+    sparse_layers: dict[str, str] = {}
+    if sparse_format != "dense":
+        for _, pw in model.named_modules():
+            if not isinstance(pw, PrunerModuleWrapper) or pw.name in pack:
+                continue
+            key = f"{pw.name}.weight"
+            if key not in state or state[key].dim() != 2 or id(innermost_module(pw).weight) in tied:
+                continue
+            value = state[key]
+            if value.dtype == torch.bfloat16:
+                continue
+            two_four = is_24_sparse(value.cpu().numpy())
+            if sparse_format == "2:4" and not two_four:
+                raise ModelError(f"hf_path: hf_sparse_format='2:4' but layer {pw.name!r} is not 2:4 sparse (at most 2 "
+                                 f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
+            sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
+                sparse_format == "auto" and two_four) else "sparse-bitmask"
+        kinds = set(sparse_layers.values())
+        if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
+            sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
+
+    # ---- build the tensors (nothing written yet)
+    def host(key: str) -> tuple[np.ndarray, bool]:
+        value = state[key]
+        if key in folds:
+            v = value.detach().cpu().double()
+            for how, s in folds[key]:
+                t = torch.from_numpy(s)
+                v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
+            value = v.to(value.dtype)
+        return _np(value)
+
+    tensors: dict[str, np.ndarray] = {}
+    bf16: set[str] = set()
+    seen: dict[int, str] = {}
+    for key, value in state.items():
+        if id(value) in seen:  # tied: stored once, as save_pretrained does
+            continue
+        seen[id(value)] = key
+        layer = key[: -len(".weight")] if key.endswith(".weight") else None
+        if layer in pack or layer in sparse_layers:
+            continue
+        arr, is_bf16 = host(key)
+        tensors[key] = arr
+        if is_bf16:
+            bf16.add(key)
+    groups: dict[tuple[int, int | None, bool], list[str]] = {}
+    for name, w in pack.items():
+        spec = w.quant_spec
+        # the codes as the wrapper keeps them (two per byte at 4 bits or fewer): converted once, to the file's
+        # int32 words (symmetric) or to one signed byte per code (affine: naive-quantized)
+        stored = w._buffers["weight_codes"].detach().cpu().numpy()
+        n_in = int(innermost_module(w).in_features)
+        scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
+        zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
+        symmetric = spec.symmetric
+        for _, rows in folds.get(f"{name}.weight_scale", []):
+            scale = scale / rows[:, None]
+        weight = state[f"{name}.weight"]
+        sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
+        if symmetric:
+            tensors.update(pack_quantized_entries(name, stored, scale, zp, spec.bits, True, sdtype, stored_cols=n_in))
+        else:
+            tensors.update(naive_quantized_entries(name, stored_codes_to_full(stored, spec.bits, n_in), scale, zp,
+                                                   spec.bits, False, sdtype))
+        gs = spec.group_width(n_in)
+        groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
+    total = zeros = 0
+    for name, kind in sparse_layers.items():
+        arr, _ = host(f"{name}.weight")
+        tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
+        total += state[f"{name}.weight"].numel()
+        zeros += int((state[f"{name}.weight"] == 0).sum())
+    return TensorPlan(tensors, bf16, groups, sparse_layers, total, zeros, dense_notes, bool(folds))
+
+
+def quantization_config(plan: TensorPlan) -> dict[str, Any]:
+    """The ``quantization_config`` of config.json for what ``plan`` packs ({} when nothing is)."""
+    groups, sparse_layers = plan.groups, plan.sparse
+    if not (groups or sparse_layers):
+        return {}
+    formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
+    qc: dict[str, Any] = {
+        "quant_method": "compressed-tensors",
+        "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+        "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
+        "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
+    for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
+        qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
+                                             "input_activations": None, "output_activations": None,
+                                             "format": "pack-quantized" if sym else "naive-quantized"}
+    if sparse_layers:
+        kind = next(iter(sparse_layers.values()))
+        qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
+                                 "global_sparsity": plan.sparse_zeros / plan.sparse_total if plan.sparse_total else 0.0,
+                                 "sparsity_structure": "2:4" if kind == "sparse-24-bitmask" else "unstructured"}
+    return qc
+
+
+def write_config(model: nn.Module, folder: str, qc: dict[str, Any]) -> None:
+    """config.json (with ``qc`` as its quantization_config) and generation_config.json of ``model`` into
+    ``folder``."""
+    model.config.save_pretrained(folder)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+        gen.save_pretrained(folder)
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    if qc:
+        config["quantization_config"] = qc
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
+                            sparse_format: str = "dense") -> None:
+    """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
+    keys) as a compressed-tensors checkpoint folder at ``path``, atomically (a temporary folder next to it,
+    renamed into place). See the module docstring for what is packed."""
+    path = os.fspath(path)
+    if sparse_format not in SPARSE_FORMATS:
+        raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ModelError(f"hf_path {path!r} exists and is not a folder; a compressed-tensors checkpoint is a folder")
+    packed_layers(model, state)  # refuse what cannot be written before anything is
 
     def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
-        pack, dense_notes = dict(base_pack), list(base_notes)
-        folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq and fold else ({}, list(awq))
-        for n in unfolded:
-            pack.pop(n)
-            dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
-                               f"its norm took another reader's 1/s)")
-        # pruned float layers
-        sparse_layers: dict[str, str] = {}
-        if sparse_format != "dense":
-            for _, pw in model.named_modules():
-                if not isinstance(pw, PrunerModuleWrapper) or pw.name in pack:
-                    continue
-                key = f"{pw.name}.weight"
-                if key not in state or state[key].dim() != 2 or id(innermost_module(pw).weight) in tied:
-                    continue
-                value = state[key]
-                if value.dtype == torch.bfloat16:
-                    continue
-                two_four = is_24_sparse(value.cpu().numpy())
-                if sparse_format == "2:4" and not two_four:
-                    raise ModelError(f"hf_path: hf_sparse_format='2:4' but layer {pw.name!r} is not 2:4 sparse (at most 2 "
-                                     f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
-                sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
-                    sparse_format == "auto" and two_four) else "sparse-bitmask"
-            kinds = set(sparse_layers.values())
-            if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
-                sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
-
-        # ---- build the tensors (nothing written yet)
-        def host(key: str) -> tuple[np.ndarray, bool]:
-            value = state[key]
-            if key in folds:
-                v = value.detach().cpu().double()
-                for how, s in folds[key]:
-                    t = torch.from_numpy(s)
-                    v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
-                value = v.to(value.dtype)
-            return _np(value)
-
-        tensors: dict[str, np.ndarray] = {}
-        bf16: set[str] = set()
-        seen: dict[int, str] = {}
-        for key, value in state.items():
-            if id(value) in seen:  # tied: stored once, as save_pretrained does
-                continue
-            seen[id(value)] = key
-            layer = key[: -len(".weight")] if key.endswith(".weight") else None
-            if layer in pack or layer in sparse_layers:
-                continue
-            arr, is_bf16 = host(key)
-            tensors[key] = arr
-            if is_bf16:
-                bf16.add(key)
-        groups: dict[tuple[int, int | None, bool], list[str]] = {}
-        for name, w in pack.items():
-            spec = w.quant_spec
-            # the codes as the wrapper keeps them (two per byte at 4 bits or fewer): converted once, to the file's
-            # int32 words (symmetric) or to one signed byte per code (affine: naive-quantized)
-            stored = w._buffers["weight_codes"].detach().cpu().numpy()
-            n_in = int(innermost_module(w).in_features)
-            scale = w._buffers["weight_group_scale"].detach().cpu().double().numpy()
-            zp = w._buffers["weight_group_zero_point"].detach().cpu().numpy()
-            symmetric = spec.symmetric
-            for _, rows in folds.get(f"{name}.weight_scale", []):
-                scale = scale / rows[:, None]
-            weight = state[f"{name}.weight"]
-            sdtype = np.float32 if weight.dtype != torch.float16 else np.float16
-            if symmetric:
-                tensors.update(pack_quantized_entries(name, stored, scale, zp, spec.bits, True, sdtype, stored_cols=n_in))
-            else:
-                tensors.update(naive_quantized_entries(name, stored_codes_to_full(stored, spec.bits, n_in), scale, zp,
-                                                       spec.bits, False, sdtype))
-            gs = spec.group_width(n_in)
-            groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
-        for name, kind in sparse_layers.items():
-            arr, _ = host(f"{name}.weight")
-            tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
-
-        qc: dict[str, Any] = {}
-        if groups or sparse_layers:
-            formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
-            qc = {"quant_method": "compressed-tensors",
-                  "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
-                  "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
-                  "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
-            for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
-                qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
-                                                     "input_activations": None, "output_activations": None,
-                                                     "format": "pack-quantized" if sym else "naive-quantized"}
-            if sparse_layers:
-                kind = next(iter(sparse_layers.values()))
-                total = sum(state[f"{n}.weight"].numel() for n in sparse_layers)
-                zeros = sum(int((state[f"{n}.weight"] == 0).sum()) for n in sparse_layers)
-                qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
-                                         "global_sparsity": zeros / total if total else 0.0,
-                                         "sparsity_structure": "2:4" if kind == "sparse-24-bitmask" else "unstructured"}
-        return tensors, bf16, qc, dense_notes, bool(folds)
+        p = plan_tensors(model, state, sparse_format, fold)
+        return p.tensors, p.bf16, quantization_config(p), p.dense_notes, p.folded
 
     def write(tmp: str, tensors: dict[str, np.ndarray], bf16: set[str], qc: dict[str, Any]) -> None:
         os.makedirs(tmp)
-        model.config.save_pretrained(tmp)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
-            gen.save_pretrained(tmp)
-        cfg_path = os.path.join(tmp, "config.json")
-        with open(cfg_path, encoding="utf-8") as f:
-            config = json.load(f)
-        config.pop("quantization_config", None)
-        if qc:
-            config["quantization_config"] = qc
-        with open(cfg_path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        write_config(model, tmp, qc)
         write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"}, bf16=bf16)
 
     # ---- write: a temporary folder next to the target, renamed into place
