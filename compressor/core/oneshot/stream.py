@@ -29,7 +29,7 @@ from .method import OneShotMethod
 from .observe import observers
 from .protocol import OneShotBackend
 
-__all__ = ["RunStore", "BlockIO", "run_streamed"]
+__all__ = ["RunStore", "BlockIO", "run_streamed", "check_stages"]
 
 STATE_VERSION = 1
 
@@ -119,21 +119,12 @@ def _say(progress: Any) -> Callable[[str], None]:
     return lambda msg: print(msg, file=out, flush=True)
 
 
-def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: BlockIO, batches: Sequence[Any],
-                 store: RunStore, progress: Any = True) -> list[dict[str, Any]]:
-    """Compress every block of the model with the recipe's ``stages`` in order, one block in memory at a time,
-    resuming after ``store.done`` finished blocks. The stages' backends share one model (the first one finds the
-    blocks and runs them); a selected layer outside every block is an error (a streamed run has no whole-model
-    pass: exclude it, e.g. ``{op_names: [lm_head], exclude: true}``). Returns the report rows of the blocks
-    compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line."""
+def check_stages(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], batches: Sequence[Any]) -> None:
+    """What a streamed run refuses before it starts: no blocks, a selected layer outside every block (a streamed run
+    has no whole-model pass), no calibration data for a method that needs it."""
     if not stages:
         raise ConfigError("a streamed one-shot run needs at least one stage")
-    say = _say(progress)
-    lead = stages[0][0]
-    blocks = list(lead.blocks())
-    if len(blocks) != store.blocks:
-        raise ModelError(f"the model has {len(blocks)} blocks, the run's state counts {store.blocks}")
-    if not blocks:
+    if not list(stages[0][0].blocks()):
         raise ModelError("no repeated blocks (decoder layers) were found in the model: a streamed run compresses "
                          "block by block; give sequential_targets with the block class name")
     for backend, method in stages:
@@ -144,6 +135,21 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
                               f"(e.g. {{op_names: [lm_head], exclude: true}})")
         if method.statistics is not None and not batches:
             raise ConfigError(f"{type(method).__name__}: the calibration set is empty; give a few hundred sequences")
+
+
+def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: BlockIO, batches: Sequence[Any],
+                 store: RunStore, progress: Any = True) -> list[dict[str, Any]]:
+    """Compress every block of the model with the recipe's ``stages`` in order, one block in memory at a time,
+    resuming after ``store.done`` finished blocks. The stages' backends share one model (the first one finds the
+    blocks and runs them); a selected layer outside every block is an error (a streamed run has no whole-model
+    pass: exclude it, e.g. ``{op_names: [lm_head], exclude: true}``). Returns the report rows of the blocks
+    compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line."""
+    check_stages(stages, batches)
+    say = _say(progress)
+    lead = stages[0][0]
+    blocks = list(lead.blocks())
+    if len(blocks) != store.blocks:
+        raise ModelError(f"the model has {len(blocks)} blocks, the run's state counts {store.blocks}")
     rows: list[dict[str, Any]] = []
     start = store.done
     inputs: list[Any] | None = io.load_inputs(store.inputs_path(start)) if 0 < start < len(blocks) else None
