@@ -96,6 +96,9 @@ ONE_SIDED: dict[str, str] = {
                                      "Keras QAT does not fold, Keras PTQ folds BN statically in "
                                      "tf/quantization/ptq.py",
     "tf/tflite.py": "TFLite conversion of recurrent Keras layers (torch exports ONNX)",
+    "torch/token_data.py": "calibration token ids from a Hugging Face checkpoint's tokenizer.json and from .pt "
+                           "files (torch.load); core/token_data.py reads .npy and text, a keras-hub preset "
+                           "brings its own tokenizer",
 }
 
 # --------------------------------------------------------------------------------------------------------------
