@@ -73,6 +73,8 @@ ONE_SIDED: dict[str, str] = {
     "torch/families.py": "model-family plug-ins (Hugging Face) the torch base asks its questions; the Keras "
                          "backend has no model-family plug-ins",
     "torch/hf.py": "the Hugging Face transformers model family",
+    "torch/hf_oneshot.py": "the streaming one-shot command over a Hugging Face checkpoint (safetensors in, "
+                           "compressed-tensors out); Keras streams keras-hub presets, another format",
     "torch/hf_stream.py": "a Hugging Face safetensors checkpoint read one submodule at a time (meta-device "
                           "skeleton) for the streaming one-shot command; Keras streams keras-hub presets, "
                           "another format",

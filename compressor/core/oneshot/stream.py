@@ -62,6 +62,8 @@ class RunStore:
                 raise ModelError(f"{self.folder!r} holds the progress of another run (a different recipe, checkpoint or "
                                  f"calibration data); remove it to start this one")
             self.done = state["done"]
+        else:
+            self.mark_done(0)  # the folder says whose it is from the start
 
     @property
     def _state_path(self) -> str:

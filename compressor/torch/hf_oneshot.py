@@ -1,0 +1,324 @@
+"""One-shot compression of a Hugging Face checkpoint, disk to disk, one decoder block in memory at a time:
+``compressor.torch.oneshot(SRC_DIR, OUT_DIR, recipe, data)`` and ``compressor oneshot`` on the command line.
+
+The model is built without weights (:class:`~compressor.torch.hf_stream.HfCheckpoint`: parameters on the meta
+device), the recipe's compressors wrap it as they wrap any model, and the streamed driver
+(:func:`compressor.core.oneshot.stream.run_streamed`) takes one block at a time: its weights are read from the
+safetensors shards (memory-mapped), every stage of the recipe calibrates and compresses it, the compressed block
+computes the next block's inputs, its compressed state goes to the run folder and its memory is released. Then
+the compressed-tensors checkpoint is written a block per shard (:func:`compressor.torch.hf_checkpoint.plan_tensors`)
+into a folder beside OUT_DIR that becomes OUT_DIR by one rename at the end.
+
+The run folder, ``OUT_DIR.partial``, holds the progress (finished blocks, the recorded inputs of the next one,
+the fingerprint of the recipe, checkpoint and data): the same command after a kill continues at the first
+unfinished block and writes the same checkpoint as an uninterrupted run. SRC_DIR is only read.
+
+What it holds in memory: the embeddings, final norm and head (read once), one block's weights and its
+compressors' state, the calibration activations of one block (inputs and outputs), that block's statistics. The
+block passes run in the checkpoint's dtype (``forward_dtype='model'``, the default here, as llmcompressor does);
+statistics are summed in float64 (:class:`~compressor.core.oneshot.statistics.GramAccumulator`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.compressed_tensors import write_safetensors
+from ..core.errors import ConfigError, ModelError
+from ..core.oneshot import forward_in_float64
+from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
+from ..core.recipe import load_recipe, recipe_hash
+from ..core.token_data import calibration_tokens, cut_token_array
+from .hf_checkpoint import TensorPlan, plan_tensors, quantization_config, write_config
+from .hf_stream import HfCheckpoint
+from .modules import is_wrapper
+from .oneshot import TorchOneShotBackend
+from .oneshot.blocks import _Input
+from .token_data import checkpoint_tokenizer, load_token_file
+
+__all__ = ["oneshot"]
+
+#: files of a checkpoint folder that hold weights (the output writes its own)
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _original_names(model: nn.Module) -> dict[str, str]:
+    """Wrapped state_dict name -> the checkpoint's name, for every parameter and buffer of ``model``: a compressor
+    wrapper keeps its layer as ``<layer>.module`` (nested wrappers: ``module.module``); the wrapper's own buffers
+    (masks, codes) map to themselves and are in no checkpoint."""
+    out: dict[str, str] = {}
+    for mod_name, mod in model.named_modules():
+        parts = mod_name.split(".") if mod_name else []
+        orig, node = [], model
+        for p in parts:
+            if not (is_wrapper(node) and p == "module"):
+                orig.append(p)
+            node = getattr(node, p)
+        for kind in ("_parameters", "_buffers"):
+            for local, t in mod.__dict__.get(kind, {}).items():
+                if t is None:
+                    continue
+                full = f"{mod_name}.{local}" if mod_name else local
+                out[full] = ".".join([*orig, local]) if not is_wrapper(mod) or kind == "_parameters" else full
+    return out
+
+
+def _decoder_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's decoder layers: its longest ``nn.ModuleList`` whose children share one class (the rule the
+    one-shot block finder applies)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+            if best is None or len(m) > len(best[1]):
+                best = (name, m)
+    if best is None:
+        raise ModelError("the model has no list of repeated decoder layers; a streamed run compresses block by block")
+    return best
+
+
+class _Checkpoint(BlockIO):
+    """Blocks of the skeleton read from the source checkpoint and written to the run folder."""
+
+    def __init__(self, ckpt: HfCheckpoint, model: nn.Module, names: dict[str, str], prefix_of: dict[int, str],
+                 template: dict[str, torch.Tensor]) -> None:
+        self.ckpt, self.model, self.names, self.prefix_of, self.template = ckpt, model, names, prefix_of, template
+
+    def _fill(self, module: nn.Module, prefix: str, fresh: dict[str, torch.Tensor] | None) -> None:
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for kind in (module.named_parameters(), module.named_buffers()):
+                for rel, t in kind:
+                    key = self.names[prefix + rel]
+                    if key in self.ckpt.tensors:
+                        t.copy_(self.ckpt.read(key))
+                    elif fresh is not None and rel in fresh:
+                        t.copy_(fresh[rel])
+                    else:
+                        raise ModelError(f"{key}: not in the checkpoint and no initial value for it")
+
+    def load_block(self, block: nn.Module) -> None:
+        self._fill(block, self.prefix_of[id(block)], self.template)
+
+    def save_block(self, block: nn.Module, path: str) -> None:
+        _save(block.state_dict(), path)
+
+    def release_block(self, block: nn.Module) -> None:
+        block.to("meta")
+
+    def save_inputs(self, inputs: list[Any], path: str) -> None:
+        _save([(c.args, c.kwargs, c.where, c.keep) for c in inputs], path)
+
+    def load_inputs(self, path: str) -> list[Any]:
+        # the run's own file (written by save_inputs above into the run folder): the call arguments of a block
+        # hold the model's own objects (position embeddings, masks), hence a full unpickle
+        return [_Input(*c) for c in torch.load(path, weights_only=False)]
+
+
+def _save(obj: Any, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tokens(data: Any, src: str, num_samples: int, seq_len: int, vocab_size: int | None) -> np.ndarray:
+    """The calibration token ids ``[num_samples, seq_len]``: from a file or folder (text through the checkpoint's
+    tokenizer, ``.npy`` / ``.pt`` ids) or from an integer array / tensor."""
+    if isinstance(data, (str, os.PathLike)):
+        return calibration_tokens(data, num_samples=num_samples, seq_len=seq_len, tokenize=checkpoint_tokenizer(src),
+                                  load_pt=load_token_file, vocab_size=vocab_size, what="--data")
+    arr = data.detach().cpu().numpy() if torch.is_tensor(data) else np.asarray(data)
+    return cut_token_array(arr, num_samples=num_samples, seq_len=seq_len, source="data", what="data",
+                           vocab_size=vocab_size)
+
+
+def _fingerprint(stages: Any, ckpt: HfCheckpoint, tokens: np.ndarray, options: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(recipe_hash(stages).encode())
+    h.update(json.dumps(sorted((k, v[1], list(v[2])) for k, v in ckpt.tensors.items())).encode())
+    h.update(str(tokens.shape).encode() + tokens.tobytes())
+    h.update(json.dumps(options, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _state_of(module: nn.Module, prefix: str, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``module``'s compressed values under the checkpoint's names (tied parameters once): its parameters and the
+    persistent buffers of its plain modules, not the compressors' own state (masks, codes)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for rel, p in module.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[names[prefix + rel]] = p.detach()
+    for mod_name, mod in module.named_modules():
+        if is_wrapper(mod):
+            continue
+        for b, t in mod._buffers.items():
+            if t is not None and b not in mod._non_persistent_buffers_set:
+                rel = f"{mod_name}.{b}" if mod_name else b
+                out[names[prefix + rel]] = t.detach()
+    return out
+
+
+def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: Any, data: Any, *,
+            num_samples: int = 128, seq_len: int = 512, batch_size: int = 8, forward_dtype: str = "model",
+            sparse_format: str = "dense", progress: Any = True) -> dict[str, Any]:
+    """Compress the Hugging Face checkpoint ``src`` (config.json + safetensors) with ``recipe`` (a YAML file, a
+    YAML string or a list of ``{AlgorithmName: config_list}`` stages; the one-shot algorithms only) calibrated on
+    ``data`` (a text file or folder, tokenized with the checkpoint's tokenizer.json; a ``.npy`` / ``.pt`` integer
+    array ``[sequences, length]``; or such an array), ``num_samples`` sequences of ``seq_len`` tokens, and write a
+    compressed-tensors checkpoint folder ``out`` that ``transformers`` loads. One decoder block is in memory at a
+    time; a killed run continues where it stopped when called again. Returns a summary (sizes in and out, the
+    per-layer report rows, seconds)."""
+    t0 = time.perf_counter()
+    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
+    what = "oneshot"
+    if not os.path.isdir(src):
+        raise ConfigError(f"{what}: SRC_DIR {src!r} is not a folder")
+    if out == src or out.startswith(src + os.sep):
+        raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
+    if os.path.lexists(out):
+        raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
+                          f"the end)")
+    stages = load_recipe(recipe, "torch", what="--recipe")
+    ckpt = HfCheckpoint(src)
+    tokens = _tokens(data, src, num_samples, seq_len, getattr(ckpt.config, "vocab_size", None))
+    float64 = forward_in_float64(forward_dtype, what, True)
+    options = {"forward_dtype": forward_dtype, "sparse_format": sparse_format, "batch_size": batch_size}
+    work = out + ".partial"
+
+    with torch.no_grad():
+        model = ckpt.skeleton()
+        model.eval()
+        list_name, layers = _decoder_list(model)
+        first = layers[0]
+        prefix0 = f"{list_name}.0."
+        # the modules outside the blocks (embeddings, final norm, head) and block 0 are read before the
+        # compressors wrap the model: block 0's wrappers then start from real values, the template of every block
+        for name, _ in list(model.named_parameters()):
+            if not name.startswith(f"{list_name}."):
+                _set(model, name, ckpt.read(name) if name in ckpt.tensors else ckpt.read(_tied_source(model, name)))
+        first.to_empty(device="cpu")
+        for rel, t in [*first.named_parameters(), *first.named_buffers()]:
+            if prefix0 + rel in ckpt.tensors:
+                t.copy_(ckpt.read(prefix0 + rel))
+        compressors = [stage.cls(model, stage.config_list) for stage in stages]
+        names = _original_names(model)
+        template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
+        first.to("meta")
+        prefix_of = {id(b): f"{list_name}.{i}." for i, b in enumerate(layers)}
+        io = _Checkpoint(ckpt, model, names, prefix_of, template)
+        backends = [TorchOneShotBackend(c, None, float64) for c in compressors]
+        found = [b for _, b in backends[0].blocks()]
+        if [id(b) for b in found] != [id(b) for b in layers]:
+            raise ModelError(f"{what}: the compressors' blocks are not the model's decoder layers {list_name!r}")
+        stage_pairs = [(be, c.method_class()) for be, c in zip(backends, compressors)]
+        batches = [((), {"input_ids": t}) for t in torch.tensor(tokens).split(batch_size)]
+        check_stages(stage_pairs, batches)  # before the run folder is made
+        key = _fingerprint(stages, ckpt, tokens, options)
+        store = RunStore(os.path.join(work, "state"), key, len(layers))
+        rows = run_streamed(stage_pairs, io, batches, store, progress)
+        for c in compressors:
+            c.calibrated = True
+        plan = _write(ckpt, model, layers, list_name, names, store, io, os.path.join(work, "checkpoint"), src,
+                      sparse_format)
+    os.replace(os.path.join(work, "checkpoint"), out)
+    shutil.rmtree(work, ignore_errors=True)
+    size_out = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": size_out, "rows": rows,
+            "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0}
+
+
+def _tied_source(model: nn.Module, name: str) -> str:
+    """The checkpoint name holding a tied parameter absent from the file (``lm_head.weight`` -> the embedding's)."""
+    target = model.get_parameter(name)
+    for other, p in model.named_parameters(remove_duplicate=False):
+        if p is target and other != name:
+            return other
+    raise ModelError(f"{name}: not in the checkpoint")
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, local = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = owner._parameters[local]
+    new = nn.Parameter(value, requires_grad=False)
+    # every module that shares this parameter (tied weights) gets the same new one
+    for _, mod in model.named_modules():
+        for k, p in list(mod._parameters.items()):
+            if p is old:
+                mod._parameters[k] = new
+
+
+def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], list_name: str, names: dict[str, str],
+           store: RunStore, io: _Checkpoint, folder: str, src: str, sparse_format: str) -> TensorPlan:
+    """The compressed-tensors checkpoint: one shard per block (read back from the run folder, planned, written,
+    released), one for the rest, the index, config.json with its quantization_config, the source's other files."""
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    layers = list(layers)
+    n_shards = len(layers) + 1
+    weight_map: dict[str, str] = {}
+    total = 0
+    plan: TensorPlan | None = None
+
+    def shard(i: int, part: TensorPlan) -> None:
+        nonlocal total, plan
+        fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        write_safetensors(os.path.join(folder, fname), part.tensors, {"format": "pt"}, bf16=part.bf16)
+        for k, v in part.tensors.items():
+            weight_map[k] = fname
+            total += v.nbytes
+        part.tensors = {}
+        if plan is None:
+            plan = part
+        else:
+            plan.merge(part)
+
+    for i, block in enumerate(layers):
+        prefix = f"{list_name}.{i}."
+        block.to_empty(device="cpu")
+        block.load_state_dict(torch.load(store.block_path(i), weights_only=True))
+        shard(i, plan_tensors(block, _state_of(block, prefix, names), sparse_format, fold=False))
+        block.to("meta")
+    rest = {k: v for k, v in _state_of(model, "", names).items() if not k.startswith(f"{list_name}.")}
+    shard(len(layers), plan_tensors(_Rest(model, list_name), rest, sparse_format, fold=False))
+    assert plan is not None
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    write_config(model, folder, quantization_config(plan))
+    for f in sorted(os.listdir(src)):
+        p = os.path.join(src, f)
+        if os.path.isfile(p) and f != "config.json" and f not in _WEIGHT_FILES and not f.endswith(".safetensors"):
+            shutil.copyfile(p, os.path.join(folder, f))
+    return plan
+
+
+class _Rest(nn.Module):
+    """The model without its decoder layers, for planning the last shard (no module of a block is visited)."""
+
+    def __init__(self, model: nn.Module, list_name: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_skip", list_name)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        skip = self._skip + "."
+        return ((n, m) for n, m in self._model.named_modules() if n != self._skip and not n.startswith(skip))
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        skip = self._skip + "."
+        return ((n, p) for n, p in self._model.named_parameters(*args, **kwargs) if not n.startswith(skip))

@@ -1,0 +1,149 @@
+"""compressor.torch.oneshot: a Hugging Face checkpoint compressed disk to disk one decoder block at a time, equal to
+the in-memory calibrate + export_model(hf_path=) checkpoint, resumable after a kill, loaded by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("accelerate")
+
+from compressor.core.compressed_tensors import read_safetensors  # noqa: E402
+from compressor.core.errors import ConfigError  # noqa: E402
+from compressor.torch import hf_oneshot  # noqa: E402
+from compressor.torch.hf_oneshot import oneshot  # noqa: E402
+
+GPTQ = [{"GptqQuantizer": [{"quant_bits": 4, "group_size": 32, "op_types": ["Linear"]},
+                           {"op_names": ["lm_head"], "exclude": True}]}]
+SPARSEGPT = [{"SparseGPTPruner": [{"sparsity": 0.5, "op_types": ["Linear"]}, {"op_names": ["lm_head"], "exclude": True}]}]
+
+
+def llama(tmp_path, layers=3, dtype=torch.float32, shard="40KB"):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    src = tmp_path / "src"
+    model.save_pretrained(src, safe_serialization=True, max_shard_size=shard)
+    (src / "tokenizer_config.json").write_text("{}")  # copied to the output as it is
+    return src
+
+
+def tokens(tmp_path, n=8, length=32):
+    ids = np.random.default_rng(1).integers(0, 128, size=(n, length))
+    path = tmp_path / "ids.npy"
+    np.save(path, ids)
+    return path, torch.from_numpy(ids)
+
+
+def tensors_of(folder):
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(read_safetensors(os.path.join(folder, f)))
+    return out
+
+
+def in_memory(src, stage, ids, batch_size, out):
+    from compressor.torch import GptqQuantizer, SparseGPTPruner
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    (name, config), = stage[0].items()
+    cls = {"GptqQuantizer": GptqQuantizer, "SparseGPTPruner": SparseGPTPruner}[name]
+    comp = cls(model, config)
+    comp.calibrate(list(ids.split(batch_size)), progress=False, forward_dtype="model")
+    comp.export_model(str(out / "m.pt"), hf_path=str(out / "ref")) if name != "SparseGPTPruner" else \
+        comp.export_model(str(out / "m.pt"), str(out / "mask.pt"), hf_path=str(out / "ref"))
+    return model, out / "ref"
+
+
+@pytest.mark.parametrize("recipe", [GPTQ, SPARSEGPT], ids=["gptq", "sparsegpt"])
+def test_streamed_checkpoint_equals_the_in_memory_one_and_loads_in_transformers(tmp_path, recipe):
+    src = llama(tmp_path)
+    path, ids = tokens(tmp_path)
+    loads = []
+    real_load = hf_oneshot._Checkpoint.load_block
+
+    def counting(self, block):
+        resident = [b for b in self.model.model.layers if next(b.parameters()).device.type != "meta"]
+        loads.append(len(resident))
+        return real_load(self, block)
+    hf_oneshot._Checkpoint.load_block = counting
+    try:
+        summary = oneshot(src, tmp_path / "out", recipe, str(path), num_samples=8, seq_len=32, batch_size=4,
+                          progress=False)
+    finally:
+        hf_oneshot._Checkpoint.load_block = real_load
+    assert loads == [0, 0, 0]  # no other block in memory when a block is read
+    assert summary["blocks"] == 3 and summary["bytes_out"] > 0
+    model, ref = in_memory(src, recipe, ids, 4, tmp_path)
+    got, want = tensors_of(tmp_path / "out"), tensors_of(ref)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg.get("quantization_config") == json.loads((ref / "config.json").read_text()).get("quantization_config")
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == "{}"
+    assert not (tmp_path / "out.partial").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        a = loaded(ids[:2]).logits
+        b = model(ids[:2]).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_run_killed_after_any_block_continues_to_the_same_checkpoint(tmp_path):
+    src = llama(tmp_path)
+    path, _ = tokens(tmp_path)
+    oneshot(src, tmp_path / "ref", GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
+    want = tensors_of(tmp_path / "ref")
+    real_save = hf_oneshot._Checkpoint.save_block
+    for kill_block in range(3):
+        calls = []
+
+        def dying(self, block, p, kill_block=kill_block, calls=calls):
+            calls.append(p)
+            if len(calls) == kill_block + 1:
+                raise KeyboardInterrupt  # stands for the kill: the run stops here, the run folder stays
+            return real_save(self, block, p)
+        hf_oneshot._Checkpoint.save_block = dying
+        out = tmp_path / f"out{kill_block}"
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                oneshot(src, out, GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
+        finally:
+            hf_oneshot._Checkpoint.save_block = real_save
+        assert not out.exists() and (tmp_path / f"out{kill_block}.partial").exists()
+        state = json.loads((tmp_path / f"out{kill_block}.partial" / "state" / "state.json").read_text())
+        assert state["done"] == kill_block
+        lines = []
+        oneshot(src, out, GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=lines.append)
+        assert len(lines) == 3 - kill_block  # only the unfinished blocks are run again
+        got = tensors_of(out)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path):
+    src = llama(tmp_path, layers=2)
+    path, _ = tokens(tmp_path)
+    with pytest.raises(ConfigError, match="is inside SRC_DIR"):
+        oneshot(src, src / "out", GPTQ, str(path), num_samples=8, seq_len=32)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(ConfigError, match="exists; give a new folder"):
+        oneshot(src, tmp_path / "exists", GPTQ, str(path), num_samples=8, seq_len=32)
+    with pytest.raises(ConfigError, match="LevelPruner"):
+        oneshot(src, tmp_path / "o1", [{"LevelPruner": [{"sparsity": 0.5, "op_types": ["default"]}]}], str(path),
+                num_samples=8, seq_len=32)
+    with pytest.raises(ConfigError, match="layers outside the decoder blocks"):
+        oneshot(src, tmp_path / "o2", [{"GptqQuantizer": [{"quant_bits": 4, "op_types": ["Linear"]},
+                                                           {"quant_bits": 4, "op_names": ["lm_head"]}]}],
+                str(path), num_samples=8, seq_len=32, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["exists", "ids.npy", "src"]  # nothing made beside the refused outputs
