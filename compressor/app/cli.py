@@ -4,7 +4,8 @@
 config file, print it normalised), ``compressor report MODEL_FILE`` (per-layer sparsity / bits of an
 exported model; ``--flops``: MACs and params dense vs. after speedup), ``compressor pack MODEL_FILE OUT`` /
 ``compressor unpack PACKED OUT`` (the compressed model file of :mod:`compressor.core.cmpk`),
-``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is one readable line
+``compressor oneshot SRC_DIR OUT_DIR --recipe R --data D`` (a language-model checkpoint compressed block by block,
+disk to disk, resumable), ``compressor demo`` (the examples' demo). Exit codes: 0 ok, 2 bad input; every error is one readable line
 on stderr. ``list`` and ``check`` without a backend algorithm import neither torch
 nor tensorflow.
 """
@@ -326,6 +327,40 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- oneshot
+def _cmd_oneshot(args: argparse.Namespace) -> int:
+    import os
+
+    if args.workers != 1:
+        raise ConfigError("--workers: several processes are not supported yet; run with --workers 1")
+    if not os.path.isfile(os.path.join(args.src, "config.json")):
+        raise ConfigError(f"SRC_DIR {args.src!r} has no config.json: give a Hugging Face checkpoint folder "
+                          f"(config.json + safetensors); keras-hub presets are not streamed yet")
+    try:
+        from ..torch.hf_oneshot import oneshot
+    except ModuleNotFoundError as e:
+        raise BackendNotAvailable(f"compressor oneshot needs {e.name!r} (pip install 'compressor[torch,hf,llm]')") from None
+    if not os.path.isfile(args.recipe):
+        _no_file(args.recipe)
+    summary = oneshot(args.src, args.out, args.recipe, args.data, num_samples=args.num_samples, seq_len=args.seq_len,
+                      batch_size=args.batch_size, forward_dtype=args.forward_dtype, sparse_format=args.sparse_format,
+                      progress=True)
+    rows = summary["rows"]
+    errors = [r["error"] for r in rows if isinstance(r.get("error"), float)]
+    print(f"{args.src} -> {args.out}: {summary['blocks']} blocks, {len(rows)} layers compressed, "
+          f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB, "
+          + (f"mean layer error {sum(errors) / len(errors):.4g}, " if errors else "")
+          + f"{summary['seconds']:.1f} s")
+    if summary["dense_notes"]:
+        print(f"written as float weights: {', '.join(summary['dense_notes'])}")
+    return 0
+
+
+def _no_file(path: str) -> NoReturn:
+    raise ConfigError(f"--recipe {path!r}: no such file (a YAML list of stages, e.g. '- GptqQuantizer: "
+                      f"[{{quant_bits: 4, op_types: [Linear]}}]')")
+
+
 # ---------------------------------------------------------------------------------------------- demo
 def _cmd_demo(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "args", []) or [])
@@ -408,6 +443,30 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("output", metavar="OUT")
     up.add_argument("--model", metavar="ARCH.keras", help="for a .keras OUT: the model file giving the architecture")
     up.set_defaults(func=_cmd_unpack)
+
+    os_ = sub.add_parser("oneshot", help="compress a language-model checkpoint block by block, disk to disk",
+                         description="Compress the Hugging Face checkpoint SRC_DIR (config.json + safetensors) with "
+                                     "the one-shot RECIPE, one decoder block in memory at a time, into a "
+                                     "compressed-tensors checkpoint OUT_DIR that transformers loads. Killed, the "
+                                     "same command continues at the first unfinished block (progress in "
+                                     "OUT_DIR.partial); OUT_DIR appears whole at the end.")
+    os_.add_argument("src", metavar="SRC_DIR")
+    os_.add_argument("out", metavar="OUT_DIR")
+    os_.add_argument("--recipe", required=True, metavar="RECIPE.yaml",
+                     help="a YAML list of stages, each {AlgorithmName: config_list} (WandaPruner, SparseGPTPruner, "
+                          "GptqQuantizer, RtnQuantizer, AwqQuantizer)")
+    os_.add_argument("--data", required=True, metavar="PATH",
+                     help="calibration data: a text file or folder (tokenized with SRC_DIR's tokenizer.json), or a "
+                          ".npy / .pt integer array [sequences, length] of token ids")
+    os_.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    os_.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    os_.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    os_.add_argument("--forward-dtype", choices=("model", "float64", "auto"), default="model",
+                     help="dtype of the block passes (default model: the checkpoint's)")
+    os_.add_argument("--sparse-format", choices=("dense", "bitmask", "2:4", "auto"), default="dense",
+                     help="how pruned layers are stored (default dense)")
+    os_.add_argument("--workers", type=int, default=1, help="processes (only 1 for now)")
+    os_.set_defaults(func=_cmd_oneshot)
 
     demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)

@@ -147,3 +147,28 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
                                                            {"quant_bits": 4, "op_names": ["lm_head"]}]}],
                 str(path), num_samples=8, seq_len=32, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["exists", "ids.npy", "src"]  # nothing made beside the refused outputs
+
+
+def test_the_command_line_runs_the_same_compression(tmp_path, capsys):
+    from compressor.app.cli import main
+
+    src = llama(tmp_path, layers=2)
+    path, _ = tokens(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- GptqQuantizer: [{quant_bits: 4, group_size: 32, op_types: [Linear]}, "
+                      "{op_names: [lm_head], exclude: true}]\n")
+    argv = [str(src), str(tmp_path / "out"), "--recipe", str(recipe), "--data", str(path), "--num-samples", "8",
+            "--seq-len", "32", "--batch-size", "4"]
+    assert main(["oneshot", *argv]) == 0
+    out = capsys.readouterr()
+    assert "2 blocks, 14 layers compressed" in out.out and "block 2/2" in out.err
+    oneshot(src, tmp_path / "api", GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
+    got, want = tensors_of(tmp_path / "out"), tensors_of(tmp_path / "api")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    assert main(["oneshot", *argv]) == 2  # OUT_DIR exists now
+    assert "exists; give a new folder" in capsys.readouterr().err
+    assert main(["oneshot", str(src), str(tmp_path / "o3"), "--recipe", str(tmp_path / "nope.yaml"), "--data",
+                 str(path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["oneshot", *argv[:1], str(tmp_path / "o4"), *argv[2:], "--workers", "2"]) == 2
+    assert "several processes are not supported yet" in capsys.readouterr().err
