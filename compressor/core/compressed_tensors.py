@@ -203,11 +203,12 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
     offset, blobs = 0, []
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _NAMES:
+        is_bf16 = name in bf16 and arr.dtype == np.uint16
+        if arr.dtype not in _NAMES and not is_bf16:
             raise ValueError(f"write_safetensors: tensor {name!r} has dtype {arr.dtype}, not one of "
-                             f"{sorted(str(d) for d in _NAMES)}")
+                             f"{sorted(str(d) for d in _NAMES)} (or bfloat16 bit patterns as uint16 named in bf16)")
         blob = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        kind = "BF16" if name in bf16 and arr.dtype == np.uint16 else _NAMES[arr.dtype]
+        kind = "BF16" if is_bf16 else _NAMES[arr.dtype]
         header[name] = {"dtype": kind, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
         blobs.append(blob)

@@ -188,3 +188,15 @@ def test_cli_report_and_unpack_on_folder(tmp_path, capsys):
     assert main(["unpack", str(tmp_path / "ck"), str(tmp_path / "w.safetensors")]) == 0
     back = read_safetensors(tmp_path / "w.safetensors")
     np.testing.assert_array_equal(back["q.weight"], (codes * np.repeat(scale, 4, axis=1)).astype(np.float32))
+
+
+def test_bfloat16_bit_patterns_are_written_as_bf16(tmp_path):
+    bits = np.array([[0x3F80, 0xC000]], np.uint16)  # bfloat16 1.0, -2.0
+    write_safetensors(tmp_path / "m.safetensors", {"w": bits, "f": np.ones(2, np.float32)}, bf16={"w"})
+    header = json.loads((tmp_path / "m.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (tmp_path / "m.safetensors").read_bytes()[:8], "little")])
+    assert header["w"]["dtype"] == "BF16" and header["f"]["dtype"] == "F32"
+    got = read_safetensors(tmp_path / "m.safetensors")["w"]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), [[1.0, -2.0]])
+    with pytest.raises(ValueError, match="has dtype uint16"):  # uint16 not named as bf16 is no safetensors dtype here
+        write_safetensors(tmp_path / "n.safetensors", {"w": bits})

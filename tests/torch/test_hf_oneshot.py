@@ -51,10 +51,10 @@ def tensors_of(folder):
     return out
 
 
-def in_memory(src, stage, ids, batch_size, out):
+def in_memory(src, stage, ids, batch_size, out, dtype=None):
     from compressor.torch import GptqQuantizer, SparseGPTPruner
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
     (name, config), = stage[0].items()
     cls = {"GptqQuantizer": GptqQuantizer, "SparseGPTPruner": SparseGPTPruner}[name]
     comp = cls(model, config)
@@ -97,6 +97,22 @@ def test_streamed_checkpoint_equals_the_in_memory_one_and_loads_in_transformers(
         a = loaded(ids[:2]).logits
         b = model(ids[:2]).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bfloat16_checkpoint_streams_in_bfloat16_to_the_in_memory_tensors(tmp_path):
+    src = llama(tmp_path, dtype=torch.bfloat16)
+    path, ids = tokens(tmp_path)
+    oneshot(src, tmp_path / "out", GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
+    _, ref = in_memory(src, GPTQ, ids, 4, tmp_path, dtype=torch.bfloat16)
+    got, want = tensors_of(tmp_path / "out"), tensors_of(ref)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    header = json.loads(open(tmp_path / "out" / "model.safetensors.index.json").read())
+    norm = header["weight_map"]["model.norm.weight"]
+    raw = (tmp_path / "out" / norm).read_bytes()
+    meta = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert meta["model.norm.weight"]["dtype"] == "BF16"  # the float tensors stay in the checkpoint's dtype
 
 
 def test_a_run_killed_after_any_block_continues_to_the_same_checkpoint(tmp_path):
