@@ -188,3 +188,28 @@ def test_the_command_line_runs_the_same_compression(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(["oneshot", *argv[:1], str(tmp_path / "o4"), *argv[2:], "--workers", "2"]) == 2
     assert "several processes are not supported yet" in capsys.readouterr().err
+
+
+def test_a_two_stage_recipe_prunes_then_quantizes_each_block(tmp_path):
+    """SparseGPT 2:4 then GPTQ w4 on each block in turn: the packed codes keep the 2:4 zeros (GPTQ respects the
+    pruner's mask), the config says both, transformers loads the checkpoint."""
+    src = llama(tmp_path, layers=2)
+    path, ids = tokens(tmp_path)
+    recipe = [{"SparseGPTPruner": [{"sparse_pattern": "2:4", "op_types": ["Linear"]},
+                                   {"op_names": ["lm_head"], "exclude": True}]}, GPTQ[0]]
+    summary = oneshot(src, tmp_path / "out", recipe, str(path), num_samples=8, seq_len=32, batch_size=4,
+                      progress=False)
+    assert [r["method"] for r in summary["rows"]] == ["sparsegpt"] * 7 + ["gptq"] * 7 + ["sparsegpt"] * 7 + ["gptq"] * 7
+    from compressor.core.compressed_tensors import load_compressed_tensors
+
+    weights = load_compressed_tensors(str(tmp_path / "out"))  # the packed layers decoded to float
+    linear = [k for k in weights if k.startswith("model.layers.") and "proj.weight" in k]
+    assert len(linear) == 14
+    for k in linear:
+        w = weights[k].reshape(weights[k].shape[0], -1, 4)
+        assert int((w != 0).sum(-1).max()) <= 2, k  # 2:4 after quantization too
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized" and len(cfg["config_groups"]["group_0"]["targets"]) == 14
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids[:1]).logits).all()

@@ -24,6 +24,7 @@ from ...core.oneshot import (
 )
 from ..calibration_data import _tensors
 from ..layout import canonical_shape, from_canonical, to_canonical
+from ..modules import is_wrapper
 from ..pruning.wrapper import PrunerModuleWrapper
 from .blocks import (
     _dedupe,
@@ -61,6 +62,14 @@ class TorchOneShotBackend(OneShotBackend):
             params = {}
         self._no_cache = "use_cache" in params
         self._shared: dict[str, str] = {}
+
+    def _called(self, wrapper: nn.Module) -> nn.Module:
+        """The module the model calls for ``wrapper``'s layer: the wrapper itself, or the outer wrapper of a
+        compressor applied later (a quantizer over a pruner's wrapper, as a streamed recipe's stages stand at
+        once), which hands its input on unchanged (weight-only) and may reach the inner layer without calling
+        the inner wrapper."""
+        outer = self.model.get_submodule(wrapper.name) if wrapper.name else wrapper
+        return outer if is_wrapper(outer) else wrapper
 
     # ---- structure
     def blocks(self) -> list[tuple[str, nn.Module]]:
@@ -184,7 +193,7 @@ class TorchOneShotBackend(OneShotBackend):
                         raise ObservedAll
             else:
                 continue
-            handles.append(w.register_forward_pre_hook(pre))
+            handles.append(self._called(w).register_forward_pre_hook(pre))
 
         def reset() -> None:
             last[:] = [None, -1, None]
@@ -210,7 +219,7 @@ class TorchOneShotBackend(OneShotBackend):
                     alive.append(args[0])
                     first.setdefault(name, len(alive))
                     calls.setdefault(name, []).append((id(args[0]), _version(args[0])))
-                handles.append(w.register_forward_pre_hook(pre))
+                handles.append(self._called(w).register_forward_pre_hook(pre))
         try:
             block(*inputs[0].args, **inputs[0].kwargs)
         finally:
