@@ -10,7 +10,7 @@ embeddings (rotate-half convention), grouped-query heads repeated, causal mask, 
 RMSNorm -> SiLU-gated MLP -> residual) -> final RMSNorm -> ``lm_head``. Every projection is a
 ``Dense(use_bias=False)`` named as in HF (``q_proj`` ... ``down_proj``); the blocks are the list attribute
 ``decoder_layers`` of the model, named ``layers_0``, ``layers_1``, ... so the one-shot compressors of
-:mod:`compressor.tf.oneshot` find them as the repeated blocks, and layer paths read
+:mod:`compressor.tf.sequential` find them as the repeated blocks, and layer paths read
 ``layers_0/self_attn/q_proj`` (HF: ``model.layers.0.self_attn.q_proj``).
 
 ``load_hf_weights`` copies an HF state_dict (numpy arrays, torch layouts) into the port and

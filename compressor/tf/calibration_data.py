@@ -1,7 +1,7 @@
 """Calibration data in the forms Keras users hold, as a stream of model-input batches.
 
 One helper for every TF compressor that calibrates (``PtqQuantizer.calibrate`` and the one-shot
-compressors of :mod:`compressor.tf.oneshot`). :func:`calibration_batches` accepts
+compressors of :mod:`compressor.tf.sequential`). :func:`calibration_batches` accepts
 
 * a tensor / numpy array of samples (split into batches of ``batch_size`` along axis 0);
 * a dict (or any mapping, e.g. a tokenizer's output) of such arrays, one per named input, keras-hub style

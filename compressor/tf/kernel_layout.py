@@ -1,5 +1,5 @@
 """How a Keras Dense / EinsumDense kernel maps to core's canonical ``[out, in]`` weight and its input to rows
-``[tokens, in]``: used by the one-shot compressors (:mod:`compressor.tf.oneshot`) and the low-bit export
+``[tokens, in]``: used by the one-shot compressors (:mod:`compressor.tf.sequential`) and the low-bit export
 (:mod:`compressor.tf.quantization.lowbit`), below both."""
 
 from __future__ import annotations

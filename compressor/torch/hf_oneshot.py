@@ -42,8 +42,8 @@ from ..core.token_data import calibration_tokens, cut_token_array
 from .hf_checkpoint import TensorPlan, plan_tensors, quantization_config, write_config
 from .hf_stream import HfCheckpoint
 from .modules import is_wrapper
-from .oneshot import TorchOneShotBackend
-from .oneshot.blocks import _Input
+from .sequential import TorchOneShotBackend
+from .sequential.blocks import _Input
 from .token_data import checkpoint_tokenizer, load_token_file
 
 __all__ = ["oneshot"]
@@ -175,7 +175,7 @@ def _state_of(module: nn.Module, prefix: str, names: dict[str, str]) -> dict[str
 def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: Any, data: Any, *,
             num_samples: int = 128, seq_len: int = 512, batch_size: int = 8, forward_dtype: str = "model",
             sparse_format: str = "dense", progress: Any = True) -> dict[str, Any]:
-    """Compress the Hugging Face checkpoint ``src`` (config.json + safetensors) with ``recipe`` (a YAML file, a
+    """Compress the Hugging Face checkpoint ``src`` (config.json + safetensors), disk to disk with ``recipe`` (a YAML file, a
     YAML string or a list of ``{AlgorithmName: config_list}`` stages; the one-shot algorithms only) calibrated on
     ``data`` (a text file or folder, tokenized with the checkpoint's tokenizer.json; a ``.npy`` / ``.pt`` integer
     array ``[sequences, length]``; or such an array), ``num_samples`` sequences of ``seq_len`` tokens, and write a

@@ -109,10 +109,10 @@ ONE_SIDED: dict[str, str] = {
 # into MIRRORED / ONE_SIDED above (checked the same way meanwhile).
 # --------------------------------------------------------------------------------------------------------------
 ONESHOT_MIRRORED: dict[str, str] = {
-    "oneshot/__init__.py": "the one-shot package's public names",
-    "oneshot/backend.py": "the OneShotBackend adapter: block calls, observed inputs, weights in [out, in]",
-    "oneshot/blocks.py": "a model's decoder blocks and the calls they receive",
-    "oneshot/mixin.py": "OneShotMixin, what the five one-shot compressors share",
+    "sequential/__init__.py": "the one-shot package's public names",
+    "sequential/backend.py": "the OneShotBackend adapter: block calls, observed inputs, weights in [out, in]",
+    "sequential/blocks.py": "a model's decoder blocks and the calls they receive",
+    "sequential/mixin.py": "OneShotMixin, what the five one-shot compressors share",
     "pruning/oneshot.py": "WandaPruner, SparseGPTPruner",
     "quantization/oneshot.py": "GptqQuantizer, RtnQuantizer, AwqQuantizer",
     "quantization/lowbit.py": "one-shot-quantized layers run by the framework's own low-bit kernels",

@@ -15,7 +15,7 @@ keras_hub = pytest.importorskip("keras_hub")
 
 from compressor.core.errors import ConfigError  # noqa: E402
 from compressor.tf import AwqQuantizer, GptqQuantizer, SparseGPTPruner, oneshot_codes  # noqa: E402
-from compressor.tf.oneshot import kernel_layout  # noqa: E402
+from compressor.tf.sequential import kernel_layout  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

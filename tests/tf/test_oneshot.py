@@ -211,7 +211,7 @@ def test_forward_dtype_float64_runs_the_block_on_slices_of_the_batch(monkeypatch
     """A float64 block call covers at most FLOAT64_PASS_TOKENS tokens (TensorFlow's allocator keeps its peak):
     with 24 tokens a slice, each 8-sequence batch of 12 tokens runs as 4 calls of 2 sequences; the layers see
     the same rows as one call on the whole batch, and the pruned kernels match the unsliced run's."""
-    import compressor.tf.oneshot.backend as tfo
+    import compressor.tf.sequential.backend as tfo
 
     whole = lm()
     SparseGPTPruner(whole, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
@@ -229,7 +229,7 @@ def test_awq_search_passes_run_on_slices_of_the_batch(monkeypatch):
     """AWQ's search runs its module on at most SEARCH_PASS_TOKENS tokens a call (TensorFlow's allocator keeps the
     largest call's transients): with 24 tokens, 2 sequences of 12 a call; the scales and codes are the unsliced
     run's."""
-    import compressor.tf.oneshot.backend as tfo
+    import compressor.tf.sequential.backend as tfo
 
     cfg = [{"quant_bits": 4, "group_size": 8, "search_samples": None, **DEFAULT}]
     whole = AwqQuantizer(lm(), cfg).calibrate(CALIB, progress=False)
@@ -400,7 +400,7 @@ def test_dict_input_functional_model():
 def test_calibrate_turns_the_remapper_off_while_it_runs_and_puts_the_users_setting_back(user_setting, monkeypatch):
     import tensorflow as tf
 
-    from compressor.tf.oneshot import mixin as tos
+    from compressor.tf.sequential import mixin as tos
 
     opts = tf.config.optimizer.get_experimental_options()
     if user_setting is not None:
@@ -566,7 +566,7 @@ def _same_state(a, b):
                                      (AwqQuantizer, {"quant_bits": 4, "group_size": 8})],
                          ids=["sparsegpt", "gptq", "awq"])
 def test_calibrate_that_fails_in_block_two_leaves_every_weight_and_state_as_before(cls, cfg, monkeypatch):
-    from compressor.tf.oneshot import KerasOneShotBackend
+    from compressor.tf.sequential import KerasOneShotBackend
 
     m = lm()
     p = cls(m, [{**cfg, **DEFAULT}])
@@ -637,7 +637,7 @@ class _MaskedLM(keras.Model):
 
 
 def test_block_inputs_share_repeated_arguments_and_advance_replaces_them_in_place():
-    from compressor.tf.oneshot import KerasOneShotBackend
+    from compressor.tf.sequential import KerasOneShotBackend
 
     keras.utils.set_random_seed(0)
     m = _MaskedLM()

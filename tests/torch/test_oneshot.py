@@ -26,8 +26,8 @@ from compressor.torch import (
     WandaPruner,
 )
 from compressor.torch.calibration_data import calibration_batches
-from compressor.torch.oneshot import TorchOneShotBackend
-from compressor.torch.oneshot.blocks import _Input, _merged_calls
+from compressor.torch.sequential import TorchOneShotBackend
+from compressor.torch.sequential.blocks import _Input, _merged_calls
 from compressor.torch.quantization.lowbit import oneshot_codes
 
 transformers = pytest.importorskip("transformers")

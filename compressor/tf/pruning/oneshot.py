@@ -1,5 +1,5 @@
 """One-shot pruners for Keras language models: :class:`WandaPruner` and :class:`SparseGPTPruner`
-(:mod:`compressor.tf.oneshot` runs them block by block; the math is :mod:`compressor.core.oneshot`)."""
+(:mod:`compressor.tf.sequential` runs them block by block; the math is :mod:`compressor.core.oneshot`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ...core.oneshot import (
 )
 from ...core.pruning import nm_validate_config
 from ..kernel_layout import KernelLayout
-from ..oneshot.mixin import OneShotMixin
+from ..sequential.mixin import OneShotMixin
 from .pruner import TfPruner
 from .wrapper import PrunerLayerWrapper
 

@@ -223,7 +223,7 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
 
 
 def _is_oneshot_quantizer(obj: Any) -> bool:
-    """A GptqQuantizer / RtnQuantizer / AwqQuantizer (by their marker: this module sits below compressor.tf.oneshot,
+    """A GptqQuantizer / RtnQuantizer / AwqQuantizer (by their marker: this module sits below compressor.tf.sequential,
     which calls it, so it cannot import their classes)."""
     return getattr(type(obj), "holds_integer_codes", False) is True
 

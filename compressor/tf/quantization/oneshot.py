@@ -1,5 +1,5 @@
 """One-shot weight-only quantizers for Keras language models: :class:`GptqQuantizer`, :class:`RtnQuantizer` and
-:class:`AwqQuantizer` (:mod:`compressor.tf.oneshot` runs them block by block; the math is
+:class:`AwqQuantizer` (:mod:`compressor.tf.sequential` runs them block by block; the math is
 :mod:`compressor.core.oneshot`). The wrapper keeps the integer grid for :mod:`compressor.tf.lowbit`."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ...core.oneshot import (
     weight_only_config,
 )
 from ..kernel_layout import KernelLayout
-from ..oneshot.mixin import OneShotMixin
+from ..sequential.mixin import OneShotMixin
 from .quantizer import TfQuantizer
 from .wrapper import QuantizerLayerWrapper
 

@@ -1,7 +1,7 @@
 """One-shot pruners for language models: :class:`WandaPruner` and :class:`SparseGPTPruner`.
 
 ``p = SparseGPTPruner(model, [{'sparsity': 0.5, 'op_types': ['default']}]); p.calibrate(batches)`` runs the
-model block by block on the calibration batches (:mod:`compressor.torch.oneshot`), computes each layer's
+model block by block on the calibration batches (:mod:`compressor.torch.sequential`), computes each layer's
 mask (and, for SparseGPT, its updated weights) with the core math (:mod:`compressor.core.oneshot`), and
 leaves the model pruned: each selected layer sits in the usual :class:`PrunerModuleWrapper` holding the mask
 the method chose, so ``report()``, ``export_model(...)`` and speedup work as for the other pruners. Masks are
@@ -24,7 +24,7 @@ from ...core.matching import LayerInfo
 from ...core.oneshot import LayerResult, SparseGPTMethod, WandaMethod
 from ...core.pruning import nm_validate_config
 from ..layout import from_canonical
-from ..oneshot import OneShotMixin, oneshot_key_specs
+from ..sequential import OneShotMixin, oneshot_key_specs
 from .level import check_nm_module
 from .pruner import TorchPruner
 

@@ -2,7 +2,7 @@
 :class:`RtnQuantizer` (round to nearest, the baseline) and :class:`AwqQuantizer`.
 
 ``q = GptqQuantizer(model, [{'quant_bits': 4, 'group_size': 128, 'op_types': ['default']}]); q.calibrate(batches)``
-runs the model block by block (:mod:`compressor.torch.oneshot`), quantizes each layer's weight with the core
+runs the model block by block (:mod:`compressor.torch.sequential`), quantizes each layer's weight with the core
 math (:mod:`compressor.core.oneshot`) and writes the DEQUANTIZED weight (what the method settled on; AWQ:
 ``Q(W s) / s``) into the layer, which sits in a :class:`QuantizerModuleWrapper` as with every quantizer.
 The integer form is kept on the wrapper for a low-bit export, in the canonical ``[out, in]`` layout:
@@ -40,7 +40,7 @@ from ...core.oneshot import (
 )
 from ..layout import canonical_shape
 from ..modules import is_wrapper
-from ..oneshot import OneShotMixin, OneShotReport, oneshot_key_specs
+from ..sequential import OneShotMixin, OneShotReport, oneshot_key_specs
 from .quantizer import TorchQuantizer, builtin_ste
 from .wrapper import QuantizerModuleWrapper
 
