@@ -60,7 +60,7 @@ from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS", "TensorPlan", "plan_tensors", "quantization_config", "write_config",
-           "packed_layers"]
+           "packed_layers", "capture_call"]
 
 SPARSE_FORMATS = ("dense", "bitmask", "2:4", "auto")
 #: (consumer suffix, producer suffix): the producer's output rows feed the consumer's input columns one to one
@@ -137,6 +137,35 @@ def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     return ins, outs
 
 
+def capture_call(module: nn.Module, args: tuple, kwargs: dict[str, Any],
+                 prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`_capture` for a part of a model (a decoder block) on one recorded call: each submodule's first input
+    and its output, by module name in the whole model (``prefix``: the part's own path, e.g. ``model.layers.3``)."""
+    ins: dict[str, Any] = {}
+    outs: dict[str, Any] = {}
+    handles = []
+    for rel, m in module.named_modules():
+        full = ".".join(p for p in (prefix, rel) if p)
+
+        def pre(mod: nn.Module, a: tuple, kw: dict, name: str = full) -> None:
+            x = a[0] if a else next(iter(kw.values()), None)
+            if isinstance(x, torch.Tensor):
+                ins[name] = x
+
+        def post(mod: nn.Module, a: tuple, out: Any, name: str = full) -> None:
+            if isinstance(out, torch.Tensor):
+                outs[name] = out
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return ins, outs
+
+
 def _probe(model: nn.Module) -> torch.Tensor:
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     return torch.arange(8, device=dev).reshape(1, 8) % 3 + 1
@@ -163,11 +192,14 @@ def _fold_error(model: nn.Module, folder: str) -> tuple[float, float]:
 
 
 def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, torch.Tensor],
-               packed: set[str]) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
+               packed: set[str], capture: Any = None,
+               config: Any = None) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
     """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'div_rows'``, ``'mul_cols'``)
-    and the AWQ layers left in float."""
+    and the AWQ layers left in float. ``capture``: who reads what (``(inputs, outputs)`` by module name, as
+    :func:`_capture` finds them with one forward of the whole model; a part of a model brings its own);
+    ``config``: the model's config (grouped-query heads), default ``model.config``."""
     try:
-        ins, outs = _capture(model)
+        ins, outs = (capture or _capture)(model)
     except Exception:  # noqa: BLE001 - a model the probe cannot run (e.g. needs decoder inputs): no folds
         return {}, sorted(awq)
     folds: dict[str, list[tuple[str, np.ndarray]]] = {}
@@ -210,7 +242,7 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
             else:
                 folds.setdefault(f"{r}.weight", []).append(("mul_cols", s))
     # 2. Linear -> Linear (the producer's output rows are the consumer's input columns)
-    config = getattr(model, "config", None)
+    config = config if config is not None else getattr(model, "config", None)
     for name, s in awq.items():
         if name in done:
             continue
@@ -311,15 +343,16 @@ def packed_layers(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dic
 
 
 def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format: str = "dense",
-                 fold: bool = True) -> TensorPlan:
-    """The checkpoint's tensors for ``model`` (the whole model, or a part of it such as one decoder block with
-    ``fold=False``) from its compressed ``state`` (original keys); see the module docstring. ``fold``: fold
-    AWQ's 1/s into the layers that produce an AWQ layer's input (needs one forward of the whole model)."""
+                 fold: bool = True, capture: Any = None, config: Any = None) -> TensorPlan:
+    """The checkpoint's tensors for ``model`` (the whole model, or a part of it such as one decoder block) from
+    its compressed ``state`` (original keys); see the module docstring. ``fold``: fold AWQ's 1/s into the layers
+    that produce an AWQ layer's input; who reads what comes from one forward of the whole model, or for a part
+    from ``capture(part) -> (inputs, outputs)`` by module name (``config``: the model's config)."""
     if sparse_format not in SPARSE_FORMATS:
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
     tied = _tied(model)
     pack, awq, dense_notes = packed_layers(model, state)
-    folds, unfolded = _awq_folds(model, awq, state, set(pack)) if awq and fold else ({}, list(awq))
+    folds, unfolded = _awq_folds(model, awq, state, set(pack), capture, config) if awq and fold else ({}, list(awq))
     for n in unfolded:
         pack.pop(n)
         dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "

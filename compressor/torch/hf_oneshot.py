@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -33,17 +34,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.compressed_tensors import write_safetensors
+from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
 from ..core.errors import ConfigError, ModelError
 from ..core.oneshot import forward_in_float64
 from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
 from ..core.recipe import load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
-from .hf_checkpoint import TensorPlan, plan_tensors, quantization_config, write_config
+from .hf_checkpoint import TensorPlan, capture_call, plan_tensors, quantization_config, write_config
 from .hf_stream import HfCheckpoint
 from .modules import is_wrapper
 from .sequential import TorchOneShotBackend
-from .sequential.blocks import _Input
+from .sequential.blocks import _hidden_of, _Input
 from .token_data import checkpoint_tokenizer, load_token_file
 
 __all__ = ["oneshot"]
@@ -90,8 +91,9 @@ class _Checkpoint(BlockIO):
     """Blocks of the skeleton read from the source checkpoint and written to the run folder."""
 
     def __init__(self, ckpt: HfCheckpoint, model: nn.Module, names: dict[str, str], prefix_of: dict[int, str],
-                 template: dict[str, torch.Tensor]) -> None:
+                 template: dict[str, torch.Tensor], lead: TorchOneShotBackend, probe_path: str) -> None:
         self.ckpt, self.model, self.names, self.prefix_of, self.template = ckpt, model, names, prefix_of, template
+        self.lead, self.probe_path = lead, probe_path
 
     def _fill(self, module: nn.Module, prefix: str, fresh: dict[str, torch.Tensor] | None) -> None:
         module.to_empty(device="cpu")
@@ -117,6 +119,14 @@ class _Checkpoint(BlockIO):
 
     def save_inputs(self, inputs: list[Any], path: str) -> None:
         _save([(c.args, c.kwargs, c.where, c.keep) for c in inputs], path)
+        if inputs and not os.path.exists(self.probe_path):
+            # one sequence of a block's inputs, kept for writing: who reads what in a block (AWQ's folds) and
+            # whether the folded weights compute what the compressed block does
+            c = inputs[0] if self.lead.batch_rows(inputs[0]) in (None, 1) else self.lead.take_rows(inputs[0], [0])
+            _save((c.args, c.kwargs, c.where, c.keep), self.probe_path)
+
+    def probe(self) -> _Input | None:
+        return _Input(*torch.load(self.probe_path, weights_only=False)) if os.path.exists(self.probe_path) else None
 
     def load_inputs(self, path: str) -> list[Any]:
         # the run's own file (written by save_inputs above into the run folder): the call arguments of a block
@@ -219,8 +229,8 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
         template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
         first.to("meta")
         prefix_of = {id(b): f"{list_name}.{i}." for i, b in enumerate(layers)}
-        io = _Checkpoint(ckpt, model, names, prefix_of, template)
         backends = [TorchOneShotBackend(c, None, float64) for c in compressors]
+        io = _Checkpoint(ckpt, model, names, prefix_of, template, backends[0], os.path.join(work, "state", "probe"))
         found = [b for _, b in backends[0].blocks()]
         if [id(b) for b in found] != [id(b) for b in layers]:
             raise ModelError(f"{what}: the compressors' blocks are not the model's decoder layers {list_name!r}")
@@ -288,14 +298,16 @@ def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], li
         else:
             plan.merge(part)
 
+    probe = io.probe()
     for i, block in enumerate(layers):
-        prefix = f"{list_name}.{i}."
+        prefix = f"{list_name}.{i}"
         block.to_empty(device="cpu")
         block.load_state_dict(torch.load(store.block_path(i), weights_only=True))
-        shard(i, plan_tensors(block, _state_of(block, prefix, names), sparse_format, fold=False))
+        shard(i, _block_plan(block, prefix, _state_of(block, prefix + ".", names), names, probe, model.config,
+                             sparse_format))
         block.to("meta")
     rest = {k: v for k, v in _state_of(model, "", names).items() if not k.startswith(f"{list_name}.")}
-    shard(len(layers), plan_tensors(_Rest(model, list_name), rest, sparse_format, fold=False))
+    shard(len(layers), plan_tensors(_Part(model, "", list_name), rest, sparse_format, fold=False))
     assert plan is not None
     with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
@@ -307,18 +319,75 @@ def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], li
     return plan
 
 
-class _Rest(nn.Module):
-    """The model without its decoder layers, for planning the last shard (no module of a block is visited)."""
+class _Part(nn.Module):
+    """A part of the model (one decoder block, or the model without its decoder layers ``skip``) under its names in
+    the whole model, for planning its shard: only ``named_modules`` / ``named_parameters`` are asked of it."""
 
-    def __init__(self, model: nn.Module, list_name: str) -> None:
+    def __init__(self, module: nn.Module, prefix: str, skip: str | None = None) -> None:
         super().__init__()
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_skip", list_name)
+        object.__setattr__(self, "_part", module)
+        object.__setattr__(self, "_prefix", prefix)
+        object.__setattr__(self, "_skip", skip)
+
+    def _keep(self, rel: str) -> bool:
+        return not self._skip or not (rel == self._skip or rel.startswith(self._skip + "."))
+
+    def _full(self, rel: str) -> str:
+        return ".".join(p for p in (self._prefix, rel) if p)
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        skip = self._skip + "."
-        return ((n, m) for n, m in self._model.named_modules() if n != self._skip and not n.startswith(skip))
+        return ((self._full(n), m) for n, m in self._part.named_modules() if self._keep(n))
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        skip = self._skip + "."
-        return ((n, p) for n, p in self._model.named_parameters(*args, **kwargs) if not n.startswith(skip))
+        return ((self._full(n), p) for n, p in self._part.named_parameters(*args, **kwargs) if self._keep(n))
+
+
+def _block_plan(block: nn.Module, prefix: str, state: dict[str, torch.Tensor], names: dict[str, str],
+                probe: _Input | None, config: Any, sparse_format: str) -> TensorPlan:
+    """One block's shard. With AWQ layers, their 1/s is folded into what produces their input (the block's norms,
+    v / up projections) as the in-memory export does, who reads what found on ``probe`` (one recorded block call);
+    then the folded weights must compute what the compressed block computes on it, else the block is written
+    without folds (its AWQ layers in float, said in the notes)."""
+    part = _Part(block, prefix)
+    awq = any(is_wrapper(m) and "awq_scales" in m._buffers for m in block.modules())
+    if not awq or probe is None:
+        return plan_tensors(part, state, sparse_format, fold=False)
+
+    def capture(_: Any) -> Any:
+        return capture_call(block, probe.args, probe.kwargs, prefix)
+    plan = plan_tensors(part, state, sparse_format, fold=True, capture=capture, config=config)
+    if plan.folded:
+        err, tol = _fold_error(block, prefix, plan, names, probe)
+        if err > tol:
+            plan = plan_tensors(part, state, sparse_format, fold=False)
+            plan.dense_notes.append(f"(the AWQ 1/s folds changed block {prefix}'s output by {err:.3g}, so none is "
+                                    f"used there)")
+    return plan
+
+
+def _fold_error(block: nn.Module, prefix: str, plan: TensorPlan, names: dict[str, str],
+                probe: _Input) -> tuple[float, float]:
+    """Max |difference| of ``block``'s output on ``probe`` with the float weights the planned shard decodes to
+    (folds applied) against the compressed block's, and the tolerance (float32 rounding of the folds); the block
+    is put back as it was."""
+    with tempfile.TemporaryDirectory() as d:
+        write_safetensors(os.path.join(d, "model.safetensors"), plan.tensors, {"format": "pt"}, bf16=plan.bf16)
+        with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({"quantization_config": quantization_config(plan)}, f)
+        decoded = load_compressed_tensors(d)
+    wrapped = {orig: full for full, orig in names.items() if full.startswith(prefix + ".")}
+    saved = {k: v.clone() for k, v in block.state_dict().items()}
+    ref = _hidden_of(block(*probe.args, **probe.kwargs)).float()
+    try:
+        for key, arr in decoded.items():
+            full = wrapped.get(key)
+            if full is not None:
+                rel = full[len(prefix) + 1:]
+                owner, _, local = rel.rpartition(".")
+                mod = block.get_submodule(owner) if owner else block
+                target = mod._parameters.get(local)
+                (target if target is not None else mod._buffers[local]).copy_(torch.from_numpy(np.asarray(arr)))
+        got = _hidden_of(block(*probe.args, **probe.kwargs)).float()
+    finally:
+        block.load_state_dict(saved)
+    return float((got - ref).abs().max()), 1e-4 * (1.0 + float(ref.abs().max()))

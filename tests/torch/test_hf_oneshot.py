@@ -21,6 +21,8 @@ from compressor.torch.hf_oneshot import oneshot  # noqa: E402
 
 GPTQ = [{"GptqQuantizer": [{"quant_bits": 4, "group_size": 32, "op_types": ["Linear"]},
                            {"op_names": ["lm_head"], "exclude": True}]}]
+AWQ = [{"AwqQuantizer": [{"quant_bits": 4, "group_size": 32, "op_types": ["Linear"]},
+                         {"op_names": ["lm_head"], "exclude": True}]}]
 SPARSEGPT = [{"SparseGPTPruner": [{"sparsity": 0.5, "op_types": ["Linear"]}, {"op_names": ["lm_head"], "exclude": True}]}]
 
 
@@ -52,11 +54,11 @@ def tensors_of(folder):
 
 
 def in_memory(src, stage, ids, batch_size, out, dtype=None):
-    from compressor.torch import GptqQuantizer, SparseGPTPruner
+    from compressor.torch import AwqQuantizer, GptqQuantizer, SparseGPTPruner
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
     (name, config), = stage[0].items()
-    cls = {"GptqQuantizer": GptqQuantizer, "SparseGPTPruner": SparseGPTPruner}[name]
+    cls = {"GptqQuantizer": GptqQuantizer, "SparseGPTPruner": SparseGPTPruner, "AwqQuantizer": AwqQuantizer}[name]
     comp = cls(model, config)
     comp.calibrate(list(ids.split(batch_size)), progress=False, forward_dtype="model")
     comp.export_model(str(out / "m.pt"), hf_path=str(out / "ref")) if name != "SparseGPTPruner" else \
@@ -64,7 +66,7 @@ def in_memory(src, stage, ids, batch_size, out, dtype=None):
     return model, out / "ref"
 
 
-@pytest.mark.parametrize("recipe", [GPTQ, SPARSEGPT], ids=["gptq", "sparsegpt"])
+@pytest.mark.parametrize("recipe", [GPTQ, SPARSEGPT, AWQ], ids=["gptq", "sparsegpt", "awq"])
 def test_streamed_checkpoint_equals_the_in_memory_one_and_loads_in_transformers(tmp_path, recipe):
     src = llama(tmp_path)
     path, ids = tokens(tmp_path)
