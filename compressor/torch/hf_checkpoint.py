@@ -111,30 +111,12 @@ def _weighted(module: nn.Module) -> bool:
 def _capture(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """One small forward: each module's first input and its output (the tensors themselves, so identity
     tells who reads what)."""
-    ins: dict[str, Any] = {}
-    outs: dict[str, Any] = {}
-    handles = []
-    for name, m in model.named_modules():
-        def pre(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            x = args[0] if args else next(iter(kwargs.values()), None)
-            if isinstance(x, torch.Tensor):
-                ins[name] = x
-
-        def post(mod: nn.Module, args: tuple, out: Any, name: str = name) -> None:
-            if isinstance(out, torch.Tensor):
-                outs[name] = out
-        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(m.register_forward_hook(post))
     training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            model(input_ids=_probe(model))
+        return capture_call(model, (), {"input_ids": _probe(model)})
     finally:
         model.train(training)
-        for h in handles:
-            h.remove()
-    return ins, outs
 
 
 def capture_call(module: nn.Module, args: tuple, kwargs: dict[str, Any],
