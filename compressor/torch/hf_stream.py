@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint read one submodule at a time, for compressing checkpoints larger than memory
-(issue 44): the model is built without weights, and a decoder block's weights are read from the safetensors
+(:mod:`compressor.torch.hf_oneshot`): the model is built without weights, and a decoder block's weights are read from the safetensors
 files (memory-mapped) when its turn comes and released after it.
 
 :class:`HfCheckpoint` checks the whole folder before any weight is read: ``config.json``, the single

@@ -320,7 +320,7 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     # folds more of a transformer's shape arithmetic, as on a quant_pre_process'ed model: with the shapes known it
     # also fuses each residual Add + LayerNormalization into SkipLayerNormalization, which onnxruntime 1.32's CPU
     # kernel runs slower (a tiny BERT, 1 thread: 1.28x at batch 1, 1.32x at batch 32), and the folding alone
-    # gained nothing measurable (issue 27, benchmarks/RESULTS.md)
+    # gained nothing measurable (benchmarks/RESULTS.md)
     for vi in list(model.graph.value_info):
         model.graph.value_info.remove(vi)
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
