@@ -174,3 +174,21 @@ def test_results_headings_are_not_a_lab_notebook(page):
         pytest.skip(f"{page} not in this checkout")
     bad = [f"{page}:{n}: {heading!r} is titled by {why}" for n, heading, why in notebook_headings(path.read_text())]
     assert not bad, ("results pages hold one current table per experiment; history is in git:\n" + "\n".join(bad))
+
+
+ISSUE_REF = re.compile(r"\b[Ii]ssue[ -]?#?\d+")
+
+
+def test_issue_references_are_found_in_sample_lines():
+    assert ISSUE_REF.search('"""Calibration data (issue 25)."""')
+    assert ISSUE_REF.search("measured on the issue-25 Llama")
+    assert not ISSUE_REF.search("an issue with the tokenizer; see benchmarks/RESULTS.md")
+
+
+def test_library_code_names_what_it_does_not_the_issue_it_came_from():
+    """Docstrings and comments in compressor/ say what a measurement was made on, not which tracker issue asked for
+    it (the history is in git)."""
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+           for p in sorted((ROOT / "compressor").rglob("*.py"))
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ISSUE_REF.search(line)]
+    assert not bad, "\n".join(bad)
