@@ -36,7 +36,7 @@ from torch import nn
 
 from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
 from ..core.errors import ConfigError, ModelError
-from ..core.oneshot import forward_in_float64
+from ..core.oneshot import forward_in_float64, release_freed_heap
 from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
 from ..core.recipe import load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
@@ -306,6 +306,7 @@ def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], li
         shard(i, _block_plan(block, prefix, _state_of(block, prefix + ".", names), names, probe, model.config,
                              sparse_format))
         block.to("meta")
+        release_freed_heap()  # the block's copies are gone: their pages back to the OS before the next block's
     rest = {k: v for k, v in _state_of(model, "", names).items() if not k.startswith(f"{list_name}.")}
     shard(len(layers), plan_tensors(_Part(model, "", list_name), rest, sparse_format, fold=False))
     assert plan is not None
