@@ -215,3 +215,66 @@ def test_a_two_stage_recipe_prunes_then_quantizes_each_block(tmp_path):
     assert cfg["format"] == "pack-quantized" and len(cfg["config_groups"]["group_0"]["targets"]) == 14
     with torch.no_grad():
         assert torch.isfinite(loaded(ids[:1]).logits).all()
+
+
+KILLER = r"""
+import os, signal, sys
+import compressor.core.oneshot.stream as stream
+import compressor.torch.hf_oneshot as h
+
+kill_at, count = int(sys.argv[1]), [0]
+
+def step():
+    count[0] += 1
+    if count[0] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def wrap(owner, name):
+    real = getattr(owner, name)
+    def patched(*a, **k):
+        step()
+        return real(*a, **k)
+    setattr(owner, name, patched)
+
+wrap(stream.RunStore, "mark_done")
+wrap(h, "_save")
+wrap(h, "write_safetensors")
+wrap(h.os, "replace")
+recipe = [{"GptqQuantizer": [{"quant_bits": 4, "group_size": 32, "op_types": ["Linear"]},
+                             {"op_names": ["lm_head"], "exclude": True}]}]
+h.oneshot(sys.argv[2], sys.argv[3], recipe, sys.argv[4], num_samples=8, seq_len=32, batch_size=4, progress=False)
+print("steps", count[0])
+"""
+
+
+def test_sigkill_before_any_file_operation_resumes_to_the_same_checkpoint(tmp_path):
+    """SIGKILL (no handler runs) just before each file operation of a run (state, block states, recorded inputs,
+    shards, renames): OUT_DIR is absent or complete, and the same call afterwards writes the same checkpoint."""
+    import subprocess
+    import sys
+
+    src = llama(tmp_path, layers=2)
+    path, _ = tokens(tmp_path)
+    (tmp_path / "killer.py").write_text(KILLER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in (os.getcwd(),)] + sys.path)}
+
+    def run(kill_at, out):
+        return subprocess.run([sys.executable, str(tmp_path / "killer.py"), str(kill_at), str(src), str(out), str(path)],
+                              capture_output=True, text=True, env=env, timeout=1800)
+    full = run(0, tmp_path / "ref")
+    assert full.returncode == 0, full.stderr[-2000:]
+    total = int(full.stdout.split()[-1])
+    assert total >= 10
+    want = tensors_of(tmp_path / "ref")
+    for k in range(1, total + 1):
+        out = tmp_path / f"out{k}"
+        killed = run(k, out)
+        assert killed.returncode == -9, (k, killed.stderr[-2000:])
+        assert not out.exists() or sorted(tensors_of(out)) == sorted(want)  # never a half-written OUT_DIR
+        if not out.exists():
+            oneshot(src, out, GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
+        got = tensors_of(out)
+        assert sorted(got) == sorted(want), k
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"kill {k}: {key}")
+        assert not (tmp_path / f"out{k}.partial").exists()
