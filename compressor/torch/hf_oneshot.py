@@ -205,6 +205,16 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     stages = load_recipe(recipe, "torch", what="--recipe")
     ckpt = HfCheckpoint(src)
     tokens = _tokens(data, src, num_samples, seq_len, getattr(ckpt.config, "vocab_size", None))
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{what}: the folder of OUT_DIR, {parent!r}, does not exist")
+    hidden = int(getattr(ckpt.config, "hidden_size", 0) or 0)
+    need = 2 * ckpt.nbytes + 2 * tokens.size * hidden * 4
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise ConfigError(f"{what}: {free / 2**30:.2f} GiB free beside OUT_DIR, the run needs about {need / 2**30:.2f} "
+                          f"GiB (the output and the run folder's block states, each at most the checkpoint's "
+                          f"{ckpt.nbytes / 2**30:.2f} GiB, and one block's recorded inputs)")
     float64 = forward_in_float64(forward_dtype, what, True)
     options = {"forward_dtype": forward_dtype, "sparse_format": sparse_format, "batch_size": batch_size}
     work = out + ".partial"

@@ -164,6 +164,15 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         oneshot(src, tmp_path / "o2", [{"GptqQuantizer": [{"quant_bits": 4, "op_types": ["Linear"]},
                                                            {"quant_bits": 4, "op_names": ["lm_head"]}]}],
                 str(path), num_samples=8, seq_len=32, progress=False)
+    real = hf_oneshot.shutil.disk_usage
+    hf_oneshot.shutil.disk_usage = lambda p: real(p)._replace(free=1000)
+    try:
+        with pytest.raises(ConfigError, match=r"0\.00 GiB free beside OUT_DIR, the run needs about"):
+            oneshot(src, tmp_path / "o3", GPTQ, str(path), num_samples=8, seq_len=32)
+    finally:
+        hf_oneshot.shutil.disk_usage = real
+    with pytest.raises(ConfigError, match="does not exist"):
+        oneshot(src, tmp_path / "no" / "o4", GPTQ, str(path), num_samples=8, seq_len=32)
     assert sorted(os.listdir(tmp_path)) == ["exists", "ids.npy", "src"]  # nothing made beside the refused outputs
 
 
