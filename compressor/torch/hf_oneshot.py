@@ -200,6 +200,7 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     if out == src or out.startswith(src + os.sep):
         raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
     if os.path.lexists(out):
+        _drop_finished_run(out + ".partial")
         raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
                           f"the end)")
     stages = load_recipe(recipe, "torch", what="--recipe")
@@ -259,6 +260,20 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     size_out = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": size_out, "rows": rows,
             "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0}
+
+
+def _drop_finished_run(work: str) -> None:
+    """A run killed between OUT_DIR's rename and the removal of its run folder left that folder behind, its work
+    done: remove it (only a folder whose state says every block is finished and that holds nothing else of ours)."""
+    state_path = os.path.join(work, "state", "state.json")
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and state.get("done") == state.get("blocks") and not os.path.exists(
+            os.path.join(work, "checkpoint")):
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _tied_source(model: nn.Module, name: str) -> str:
