@@ -6,8 +6,8 @@ A random-weight Llama checkpoint is written for each depth in ``--layers`` (Tiny
 heads, the same vocabulary), with random token ids as the calibration set. Each run happens in a FRESH process
 (one intra-op thread unless ``--threads``):
 
-* ``stream``: ``compressor.torch.hf_oneshot.oneshot(src, out, recipe, ids.npy)`` (GPTQ w4 g128, ``lm_head`` left
-  out), the process's peak RSS (``ru_maxrss`` of the child, from ``wait4``) and wall time;
+* ``stream``: ``compressor.torch.oneshot(src, out, recipe, ids.npy)`` (GPTQ w4 g128, ``lm_head`` left out), the
+  process's peak RSS (its own ``VmHWM``) and wall time;
 * ``in-memory`` (``--sides stream,memory``): ``from_pretrained`` + ``GptqQuantizer.calibrate`` +
   ``export_model(hf_path=...)`` on the same checkpoint and data.
 
@@ -77,20 +77,27 @@ def _worker(args: argparse.Namespace) -> None:
         q = GptqQuantizer(model, RECIPE[0]["GptqQuantizer"])
         q.calibrate(list(ids.split(8)), progress=False, forward_dtype="model")
         q.export_model(str(folder / "m.pt"), hf_path=str(folder / "out-memory"))
-    print(json.dumps({"seconds": time.perf_counter() - t0}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mib": _vm_hwm()}))
+
+
+def _vm_hwm() -> float:
+    """This process's peak RSS (VmHWM, MiB): counted from its own exec, unlike the rusage of a forked child, which
+    starts at the size of the parent that forked it (here: the parent that built the checkpoint)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _run(side: str, folder: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--samples", str(args.samples),
            "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
-        raise SystemExit(f"{side} run failed:\n{err[-3000:]}")
-    return {**json.loads(out.strip().splitlines()[-1]), "peak_mib": usage.ru_maxrss / 1024}
+        raise SystemExit(f"{side} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
