@@ -346,6 +346,10 @@ def _cmd_oneshot(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, forward_dtype=args.forward_dtype, sparse_format=args.sparse_format,
                       progress=True)
     rows = summary["rows"]
+    if rows:
+        from ..core.oneshot import OneShotReport
+
+        print(OneShotReport(rows))  # per layer: block, method, sparsity / bits, the method's error
     errors = [r["error"] for r in rows if isinstance(r.get("error"), float)]
     print(f"{args.src} -> {args.out}: {summary['blocks']} blocks, {len(rows)} layers compressed, "
           f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB, "

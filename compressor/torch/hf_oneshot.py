@@ -250,7 +250,7 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
         check_stages(stage_pairs, batches)  # before the run folder is made
         key = _fingerprint(stages, ckpt, tokens, options)
         store = RunStore(os.path.join(work, "state"), key, len(layers))
-        rows = run_streamed(stage_pairs, io, batches, store, progress)
+        rows = run_streamed(stage_pairs, io, batches, store, progress, samples=len(tokens))
         for c in compressors:
             c.calibrated = True
         plan = _write(ckpt, model, layers, list_name, names, store, io, os.path.join(work, "checkpoint"), src,

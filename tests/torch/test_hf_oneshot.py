@@ -188,7 +188,8 @@ def test_the_command_line_runs_the_same_compression(tmp_path, capsys):
             "--seq-len", "32", "--batch-size", "4"]
     assert main(["oneshot", *argv]) == 0
     out = capsys.readouterr()
-    assert "2 blocks, 14 layers compressed" in out.out and "block 2/2" in out.err
+    assert "2 blocks, 14 layers compressed" in out.out and "block 2/2 model.layers.1: 7 layer(s), 8 samples" in out.err
+    assert "model.layers.1.mlp.down_proj" in out.out and "error" in out.out.splitlines()[0]  # the per-layer table
     oneshot(src, tmp_path / "api", GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
     got, want = tensors_of(tmp_path / "out"), tensors_of(tmp_path / "api")
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)

@@ -140,12 +140,13 @@ def check_stages(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], batches
 
 
 def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: BlockIO, batches: Sequence[Any],
-                 store: RunStore, progress: Any = True) -> list[dict[str, Any]]:
+                 store: RunStore, progress: Any = True, samples: int | None = None) -> list[dict[str, Any]]:
     """Compress every block of the model with the recipe's ``stages`` in order, one block in memory at a time,
     resuming after ``store.done`` finished blocks. The stages' backends share one model (the first one finds the
     blocks and runs them); a selected layer outside every block is an error (a streamed run has no whole-model
     pass: exclude it, e.g. ``{op_names: [lm_head], exclude: true}``). Returns the report rows of the blocks
-    compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line."""
+    compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line;
+    ``samples``: the number of calibration sequences, shown in it."""
     check_stages(stages, batches)
     say = _say(progress)
     lead = stages[0][0]
@@ -193,7 +194,8 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
         done, total = i + 1, len(blocks)
         elapsed = time.perf_counter() - t_run
         eta = elapsed / (done - start) * (total - done)
-        say(f"block {done}/{total} {name}: {n_layers} layer(s), {time.perf_counter() - t0:.1f} s, elapsed "
+        shown = f", {samples} samples" if samples is not None else ""
+        say(f"block {done}/{total} {name}: {n_layers} layer(s){shown}, {time.perf_counter() - t0:.1f} s, elapsed "
             f"{elapsed:.0f} s, ETA {eta:.0f} s{_rss()}")
     return rows
 
