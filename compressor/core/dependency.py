@@ -21,7 +21,7 @@ are pruned first and stay pruned.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from .graph import (
 from .pruning import prune_count
 from .slimming import global_keep
 
-__all__ = ["substitute_heads", "DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep",
+__all__ = ["substitute_heads", "DependencyPlan", "plan_dependency", "follower_configs", "class_kept", "dependency_keep", "plan_keeps",
            "global_dependency_keep", "FOLLOWER_KINDS"]
 
 #: node kinds that carry a group's channels without producing them; wrapped automatically
@@ -227,3 +227,20 @@ def substitute_heads(selected: Sequence[tuple[Any, dict[str, Any]]],
         elif info.name not in values:
             out.append((info, cfg))
     return out
+
+
+def plan_keeps(ops: Any, plans: Sequence[tuple[Any, Sequence[str], Mapping[str, Any], float, Mapping[str, Any] | None]],
+               rank_globally: bool, monotone: bool) -> dict[str, Any]:
+    """The kept channels of every member of the planned groups, as both backends' dependency-aware pruners decide
+    them. ``plans``: one ``(group, member names, scores by member, sparsity, kept so far by member or None)`` per
+    group; ``rank_globally``: one ranking over all groups' channels (slimming), else one decision per group;
+    ``monotone``: channels pruned before stay pruned."""
+    if rank_globally:
+        return global_dependency_keep(ops, [p[0] for p in plans], {k: v for p in plans for k, v in p[2].items()},
+                                      max(p[3] for p in plans),
+                                      kept={k: v for p in plans for k, v in (p[4] or {}).items()} if monotone else None)
+    keeps: dict[str, Any] = {}
+    for group, members, scores, sparsity, kept in plans:
+        keeps.update(dependency_keep(ops, group, scores, sparsity, list(members), kept=kept))
+    return keeps
+

@@ -110,7 +110,7 @@ class DependencyAwareMixin:
         scored members (default: ``self.sparsity_for``), or one global ranking over all of them
         (``_rank_globally``). ``monotone``: channels the members have pruned already go first.
         Graph-safe: called eagerly or inside the traced step."""
-        from ...core.dependency import dependency_keep, global_dependency_keep
+        from ...core.dependency import plan_keeps
         from ...core.pruning import expand_filter_mask, filter_keep_from_mask
         from ..ops import ops
         from .masker import filter_result
@@ -120,22 +120,16 @@ class DependencyAwareMixin:
         if sparsity_of is None:
             sparsity_of = lambda i: self.sparsity_for(wrappers[i], i)  # noqa: E731
         name = {i: self._member(w.config, w.name) for i, w in enumerate(wrappers)}
-        plans = []
+        plans, member_ids = [], []
         for group in groups:
             members, scored = self._group_members(group)
             scores = {name[i]: self.masker.filter_importance(wrappers[i]) for i in scored}
             kept = {name[i]: filter_keep_from_mask(ops, wrappers[i].canonical_mask()) for i in members} if monotone else None
-            plans.append((group, members, scores, max(sparsity_of(i) for i in scored), kept))
-        if self._rank_globally:
-            keeps = global_dependency_keep(ops, groups, {k: v for p in plans for k, v in p[2].items()},
-                                           max(p[3] for p in plans),
-                                           kept={k: v for p in plans for k, v in p[4].items()} if monotone else None)
-        else:
-            keeps = {}
-            for group, members, scores, sparsity, kept in plans:
-                keeps.update(dependency_keep(ops, group, scores, sparsity, [name[i] for i in members], kept=kept))
+            plans.append((group, [name[i] for i in members], scores, max(sparsity_of(i) for i in scored), kept))
+            member_ids.append(members)
+        keeps = plan_keeps(ops, plans, self._rank_globally, monotone)
         out = {}
-        for _group, members, *_ in plans:
+        for members in member_ids:
             for i in members:
                 w = wrappers[i]
                 keep = keeps[name[i]]

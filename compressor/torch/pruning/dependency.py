@@ -136,7 +136,7 @@ class DependencyAwareMixin:
         decision per group over summed member scores at the largest ``sparsity_of(wrapper_idx)`` of its
         scored members (default: ``self.sparsity_for``), or one global ranking over all of them
         (``_rank_globally``). ``monotone``: channels the members have pruned already go first."""
-        from ...core.dependency import dependency_keep, global_dependency_keep
+        from ...core.dependency import plan_keeps
         from ...core.pruning import expand_filter_mask, filter_keep_from_mask
         from ..layout import canonical_shape, from_canonical, to_canonical
         from ..ops import ops
@@ -155,14 +155,7 @@ class DependencyAwareMixin:
                      for layer in members}
                     if monotone else None)
             plans.append((group, members, scores, max(sparsity_of(index[layer]) for layer in scored), kept))
-        if self._rank_globally:
-            keeps = global_dependency_keep(ops, groups, {k: v for p in plans for k, v in p[2].items()},
-                                           max(p[3] for p in plans),
-                                           kept={k: v for p in plans for k, v in p[4].items()} if monotone else None)
-        else:
-            keeps = {}
-            for group, members, scores, sparsity, kept in plans:
-                keeps.update(dependency_keep(ops, group, scores, sparsity, members, kept=kept))
+        keeps = plan_keeps(ops, plans, self._rank_globally, monotone)
         out: dict[int, dict[str, Any]] = {}
         for _group, members, *_ in plans:
             for layer in members:
