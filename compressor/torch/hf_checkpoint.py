@@ -457,6 +457,31 @@ def write_config(model: nn.Module, folder: str, qc: dict[str, Any]) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def _owned(name: str) -> bool:
+    """A file of an existing checkpoint folder that the export replaces: its config, and the weight files of any
+    checkpoint (safetensors / PyTorch shards and their indexes), which ``save_pretrained`` replaces too."""
+    if name in ("config.json", "generation_config.json"):
+        return True
+    stem = name.split(".", 1)[0]
+    return stem.startswith(("model", "pytorch_model")) and name.endswith((".safetensors", ".bin", ".index.json"))
+
+
+def _keep_foreign_files(path: str, tmp: str) -> None:
+    """Copy what an existing checkpoint folder ``path`` holds beside its weights (tokenizer files, README, training
+    arguments, sub-folders) into the new folder ``tmp`` before it replaces ``path``: an export into a checkpoint
+    folder keeps every file it does not write, as ``save_pretrained`` does."""
+    if not os.path.isdir(path):
+        return
+    for name in sorted(os.listdir(path)):
+        src, dst = os.path.join(path, name), os.path.join(tmp, name)
+        if _owned(name) or os.path.lexists(dst):
+            continue
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+
 def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
                             sparse_format: str = "dense") -> None:
     """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
@@ -489,6 +514,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
                 tensors, bf16, qc, dense_notes, _ = plan(False)
                 dense_notes.append(f"(the AWQ 1/s folds changed this model's logits by {err:.3g}, so none is used)")
                 write(tmp, tensors, bf16, qc)
+        _keep_foreign_files(path, tmp)
     if dense_notes:
         warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
                       UserWarning, stacklevel=4)

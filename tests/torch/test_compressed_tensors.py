@@ -253,11 +253,12 @@ def test_refusals_write_nothing(tmp_path):
     with pytest.raises(ConfigError, match="hf_sparse_format must be one of"):
         q.export_model(None, hf_path=str(tmp_path / "a"), hf_sparse_format="csr")
     assert sorted(os.listdir(tmp_path)) == ["file"]
-    # an existing checkpoint folder is replaced as a whole
+    # an existing checkpoint folder: the export's files are replaced, a file it does not write stays (issue 45)
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "stale.bin").write_text("x")
     q.export_model(None, hf_path=str(tmp_path / "ck"))
-    assert sorted(os.listdir(tmp_path / "ck")) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                   "stale.bin"]
 
 
 def test_refusals_models_without_codes_or_groups(tmp_path):
@@ -311,3 +312,28 @@ def test_other_bit_widths_reload(tmp_path, bits, group_size, scheme, fmt, strate
     if fmt == "pack-quantized":
         assert t[f"{name}.weight_packed"].shape == (64, 32 * bits // 32)
     assert (_logits(_reload(tmp_path / "ck")) - ref).abs().max().item() < TOL
+
+
+def test_export_into_a_checkpoint_folder_keeps_the_files_it_does_not_write(tmp_path):
+    """hf_path over an existing checkpoint folder: tokenizer files, README, training arguments and sub-folders stay
+    (as save_pretrained keeps them); the old weights, index and config are replaced."""
+    model = _build("llama")
+    q = RtnQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"]}])
+    q.calibrate()
+    out = tmp_path / "ck"
+    out.mkdir()
+    keep = {"tokenizer.json": '{"v": 1}', "README.md": "# my model", "training_args.bin": "args",
+            "runs/events.out": "log"}
+    for name, text in keep.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    for old in ("pytorch_model.bin", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                "config.json"):
+        (out / old).write_text("old")
+    q.export_model(None, hf_path=str(out))
+    for name, text in keep.items():
+        assert (out / name).read_text() == text, name
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                      "model.safetensors", "runs", "tokenizer.json",
+                                                      "training_args.bin"]
+    assert _qconfig(out)["format"] == "pack-quantized"
