@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
-from ..core.errors import ConfigError, ModelError
+from ..core.errors import ConfigError, ConfigWarning, ModelError
 from ..core.oneshot import forward_in_float64, release_freed_heap
 from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
 from ..core.recipe import load_recipe, recipe_hash
@@ -235,7 +236,18 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
         for rel, t in [*first.named_parameters(), *first.named_buffers()]:
             if prefix0 + rel in ckpt.tensors:
                 t.copy_(ckpt.read(prefix0 + rel))
-        compressors = [stage.cls(model, stage.config_list) for stage in stages]
+        compressors = []
+        for i, stage in enumerate(stages):
+            # a name that matches no layer is only a warning in memory; here it would cost a whole run to notice
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ConfigWarning)
+                compressors.append(stage.cls(model, stage.config_list))
+            for w in caught:
+                if issubclass(w.category, ConfigWarning) and "match no layer" in str(w.message):
+                    some = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3]
+                    raise ConfigError(f"--recipe: stage {i} ({stage.name}): {w.message}; the checkpoint's layers are "
+                                      f"named like {some}")
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         names = _original_names(model)
         template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
         first.to("meta")

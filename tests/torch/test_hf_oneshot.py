@@ -164,6 +164,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         oneshot(src, tmp_path / "o2", [{"GptqQuantizer": [{"quant_bits": 4, "op_types": ["Linear"]},
                                                            {"quant_bits": 4, "op_names": ["lm_head"]}]}],
                 str(path), num_samples=8, seq_len=32, progress=False)
+    with pytest.raises(ConfigError, match=r"stage 0 \(GptqQuantizer\): config_list\[1\]: op_names \['lm_haed'\] match no layer"):
+        oneshot(src, tmp_path / "o5", [{"GptqQuantizer": [{"quant_bits": 4, "op_types": ["Linear"]},
+                                                          {"op_names": ["lm_haed"], "exclude": True}]}],
+                str(path), num_samples=8, seq_len=32)
     real = hf_oneshot.shutil.disk_usage
     hf_oneshot.shutil.disk_usage = lambda p: real(p)._replace(free=1000)
     try:
