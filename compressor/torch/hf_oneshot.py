@@ -270,6 +270,9 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     os.replace(os.path.join(work, "checkpoint"), out)
     shutil.rmtree(work, ignore_errors=True)
     size_out = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    if plan.dense_notes:  # as the in-memory export says it: these layers are not smaller in the file
+        warnings.warn(f"compressor.torch.oneshot: written as float weights (not packed): {', '.join(plan.dense_notes)}",
+                      UserWarning, stacklevel=2)
     return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": size_out, "rows": rows,
             "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0}
 

@@ -296,3 +296,21 @@ def test_sigkill_before_any_file_operation_resumes_to_the_same_checkpoint(tmp_pa
             with pytest.raises(ConfigError, match="exists"):
                 oneshot(src, out, GPTQ, str(path), num_samples=8, seq_len=32, batch_size=4, progress=False)
         assert not (tmp_path / f"out{k}.partial").exists()
+
+
+def test_layers_the_checkpoint_cannot_pack_are_named_in_a_warning(tmp_path):
+    """GPT-2's Conv1D layers are quantized but written as float weights (compressed-tensors packs Linear only): the
+    call says so, as the in-memory export does, and the config claims no quantization."""
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(src)
+    path, _ = tokens(tmp_path)
+    recipe = [{"GptqQuantizer": [{"quant_bits": 4, "group_size": 32, "op_types": ["default"]},
+                                 {"op_names": ["lm_head"], "exclude": True}]}]
+    with pytest.warns(UserWarning, match=r"written as float weights \(not packed\): 'transformer.h.0.attn.c_attn' "
+                                         r"\(Conv1D: not a Linear"):
+        summary = oneshot(src, tmp_path / "out", recipe, str(path), num_samples=8, seq_len=32, batch_size=4,
+                          progress=False)
+    assert len(summary["dense_notes"]) == 8 and summary["bytes_out"] >= summary["bytes_in"]
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
