@@ -1,18 +1,37 @@
-"""Atomic artifact writes: a failed export leaves nothing behind and never touches an existing file.
+"""Atomic artifact writes: an export lands whole or not at all, also when the process is killed half way.
 
 Every exporter (state dicts, mask and calibration files, ONNX, ``.keras``, SavedModel directories,
-weights, TFLite) writes into a temporary path next to the target (same folder, so the final move is a
-rename on one file system) and moves it into place only when the whole export succeeded::
+weights, TFLite, checkpoint folders) writes into a temporary path next to the target (same folder, so the
+final move is a rename on one file system) and moves it into place only when the whole export succeeded::
 
     with atomic_paths(model_path, onnx_path) as (tmp_model, tmp_onnx):
         torch.save(state, tmp_model)
         export_onnx(model, tmp_onnx)      # raises: neither file appears, old ones stay as they were
 
-One block is one transaction: the targets are checked first (no two the same file, also through a
-symlink or a hard link: :class:`ConfigError`), then, once the body returned, every written temporary is
-checked against its target (a file cannot replace a directory nor a directory a file) before anything
-moves; the moves themselves keep a backup of every replaced target and put all of them back if one move
-fails. So on any failure every old file is byte-identical and no temporary is left.
+One block is one transaction, and so is a :func:`transaction` block around several (``export_model`` with
+``hf_path`` and ``model_path``: the checkpoint folder and the files land together). The targets are checked
+first (no two the same file, also through a symlink or a hard link, and none inside another:
+:class:`ConfigError`), then, once the body returned, every written temporary is checked against its target (a
+file cannot replace a directory nor a directory a file) before anything moves.
+
+**A journal makes the moves recoverable.** The transaction holds a lock file ``.txn-<token>.lock`` (an OS lock
+on it says the writing process is alive) and a journal ``.txn-<token>.json`` in the first target's folder, and a
+``.txn-<token>.ref`` naming them in every other folder it writes into; all its temporaries are named
+``.tmp-<token>-<name>``, the old versions it keeps while moving ``.old-<token>-<name>``. The journal says
+``writing`` (temporaries being written: no target touched), ``moving`` (the old target kept beside each new one)
+or ``committed`` (every new target in place). A replaced file stays in place until the new one is renamed over
+it (the old one hard-linked aside first, copied where the file system has no hard links); a replaced folder is
+swapped with the new one in one step where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), else renamed
+aside and the new one renamed in. A move that fails puts every old target back (Ctrl-C is held back until the
+moves or their undoing are complete: :mod:`compressor.core.interrupts`).
+
+If the process is killed, what it left is repaired by the next :func:`atomic_paths` into the same folder (any
+export there), by :func:`recover`, or by any compressor call that reads a checkpoint folder: a transaction
+whose lock no live process holds is rolled back (``writing`` / ``moving``: temporaries deleted, every old target
+put back, every new one removed) or finished (``committed``: the kept old versions deleted). So every target
+is, after any kill and the next call, the complete old or the complete new version, all targets of one
+transaction the same, and nothing of the transaction is left. (A kill, not a power failure: nothing is
+fsync'ed.)
 
 ``None`` targets pass through as ``None`` (optional artifacts). A target that is a symlink is written
 through (the link stays, the file it points to is replaced); an overwritten file keeps its permission
@@ -21,36 +40,62 @@ the whole would exceed 255 bytes, so it keeps the target's extension (Keras chec
 ``.weights.h5``) and any file name the file system accepts also works as a target. A failing write
 (full disk, read-only file system, permissions) surfaces as an :class:`OSError` naming the TARGET, also
 when the writer wrapped the system error in its own (torch's ``inline_container.cc`` RuntimeError).
-A target directory (SavedModel) that already exists is swapped: the old one is renamed aside, the new
-one renamed in, then the old one deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ctypes
+import errno
+import json
 import os
+import re
 import shutil
 import stat
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .errors import ConfigError
+from .interrupts import deferred_interrupts
 
-__all__ = ["atomic_path", "atomic_paths", "temp_path_for"]
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+try:
+    import msvcrt
+except ImportError:  # POSIX
+    msvcrt = None  # type: ignore[assignment]
+
+__all__ = ["atomic_path", "atomic_paths", "recover", "temp_path_for", "transaction"]
 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS, Windows)
 
+#: the kinds of names a transaction gives its files: ``.<kind>-<token>-<target name>``
+_KINDS = ("tmp", "old", "del", "cpy")
+_TXN_FILE = re.compile(r"\.txn-([0-9a-f]{8})\.(lock|json|ref)\Z")
 
-def temp_path_for(path: str | os.PathLike[str]) -> str:
-    """A fresh temporary path in ``path``'s folder whose name ends with (the end of) ``path``'s file name."""
-    path = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    prefix = f".tmp-{uuid.uuid4().hex[:8]}-"
+
+def _token() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _named(path: str | os.PathLike[str], kind: str, token: str) -> str:
+    """``path``'s sibling ``.<kind>-<token>-<name>``, the name cut at the front to fit NAME_MAX bytes."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    prefix = f".{kind}-{token}-"
     room = NAME_MAX - len(prefix)
     while len(os.fsencode(name)) > room:  # keep the end (the extension): cut characters at the front
         name = name[max(1, len(os.fsencode(name)) - room):]
     return os.path.join(folder, prefix + name)
+
+
+def temp_path_for(path: str | os.PathLike[str]) -> str:
+    """A fresh temporary path in ``path``'s folder whose name ends with (the end of) ``path``'s file name."""
+    return _named(path, "tmp", _token())
 
 
 def _resolve(path: str | os.PathLike[str]) -> str:
@@ -75,6 +120,12 @@ def _check_distinct(targets: list[str | None], names: Sequence[str] | None) -> N
             if same:
                 raise ConfigError(f"{label(i)} and {label(j)} are the same file {a!r}: one export would overwrite "
                                   f"the other; give each artifact its own path")
+
+
+def _inside(a: str, b: str) -> bool:
+    """``a`` is a path inside the folder ``b``."""
+    a, b = (os.path.normcase(os.path.realpath(p)) for p in (a, b))
+    return a.startswith(b.rstrip(os.sep) + os.sep)
 
 
 def _remove(path: str) -> None:
@@ -102,6 +153,15 @@ def _is_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
+def _ident(path: str) -> list[int] | None:
+    """What ``path`` is (device, inode), None when nothing is there: a file or folder keeps it when renamed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
 def _check_commit(tmp: str, target: str) -> None:
     """Refuse, before anything moves, a temporary that cannot take its target's place."""
     if not os.path.lexists(target):
@@ -112,47 +172,369 @@ def _check_commit(tmp: str, target: str) -> None:
         raise NotADirectoryError(20, "cannot write a directory there: it is an existing file", target)
 
 
-def _commit_all(pairs: list[tuple[str, str]]) -> None:
-    """Move every ``tmp`` onto its ``target``, all or none: each replaced target is kept as a backup until
-    all moved, and put back if any move fails."""
-    for tmp, target in pairs:
-        _check_commit(tmp, target)
-    done: list[tuple[str, str | None]] = []  # (target, backup of the old target or None)
-    backups: list[str] = []
+# ------------------------------------------------------------------------------------------- system help
+def _load_renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        for tmp, target in pairs:
-            backup = None
-            if os.path.lexists(target):
-                backup = temp_path_for(target)
-                if _is_dir(target):
-                    os.replace(target, backup)  # a directory cannot be swapped in one rename: move it aside
-                else:
-                    with contextlib.suppress(OSError):  # the permission bits of the replaced file
-                        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
-                    try:
-                        os.link(target, backup)  # the old file stays reachable; the target is never missing
-                    except OSError:
-                        shutil.copy2(target, backup)
-                backups.append(backup)
-            done.append((target, backup))
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # no glibc 2.28+ / musl 1.1.24+
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _load_renameat2()
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap what ``a`` and ``b`` name in one step (both exist); False where the system or the file system cannot
+    (then the caller renames in two steps)."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """Take the OS lock on the open file ``fd`` (released when the process ends, however it ends)."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            return True
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            return wait  # a file system without locks: the owner goes on, nobody else takes it over
+    if msvcrt is not None:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_LOCK if wait else msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    return wait
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _sweep(folder: str, token: str) -> None:
+    """Remove every file or folder of transaction ``token`` in ``folder`` (temporaries, kept old versions)."""
+    prefixes = tuple(f".{k}-{token}-" for k in _KINDS)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in sorted(names):
+        if name.startswith(prefixes):
+            _remove(os.path.join(folder, name))
+
+
+# ------------------------------------------------------------------------------------------- transactions
+class _Transaction:
+    """The targets of one export, its lock and journal (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+        self.lock_fd: int | None = None
+        self.primary: str | None = None
+        self.entries: list[dict[str, Any]] = []
+        self.folders: list[str] = []
+        self.created: list[str] = []
+        self.state = "writing"
+
+    # ---- names
+    def _path(self, suffix: str, folder: str | None = None) -> str:
+        return os.path.join(folder or self.primary or "", f".txn-{self.token}.{suffix}")
+
+    def holds_temp(self, path: str) -> bool:
+        """``path`` is a temporary of this transaction (or inside one): written directly, not journalled."""
+        if self.token is None:
+            return False
+        if any(path == e["tmp"] or _inside(path, e["tmp"]) for e in self.entries):
+            return True
+        folder, name = os.path.split(path)
+        return folder in self.folders and name.startswith(f".tmp-{self.token}-")
+
+    def temp_for(self, path: str) -> str:
+        return _named(path, "tmp", self.token or _token())
+
+    # ---- journal
+    def _write_journal(self, state: str) -> None:
+        data = {"version": 1, "state": state, "folders": self.folders, "created": self.created,
+                "entries": self.entries}
+        part = _named(os.path.join(self.primary, "journal"), "tmp", self.token)
+        with open(part, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(part, self._path("json"))
+
+    def _open_lock(self, folder: str, target: str) -> None:
+        while True:
+            token = _token()
+            path = os.path.join(folder, f".txn-{token}.lock")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            except OSError as e:  # the folder cannot be written: say so about the target, not our lock file
+                raise OSError(e.errno, e.strerror, target) from None
+            _lock(fd, wait=True)
+            if _same_file(fd, path):  # not removed by a recovery that took it for a dead one's meanwhile
+                self.token, self.lock_fd, self.primary = token, fd, folder
+                return
+            os.close(fd)
+
+    def add(self, targets: list[str], labels: list[str]) -> list[dict[str, Any]]:
+        """Journal ``targets`` (checked against the transaction's other targets) and name their temporaries."""
+        known = [(e["target"], e["label"]) for e in self.entries]
+        for i, t in enumerate(targets):
+            for other, other_label in known + list(zip(targets[:i], labels[:i])):
+                if os.path.normcase(os.path.realpath(t)) == os.path.normcase(os.path.realpath(other)):
+                    raise ConfigError(f"{other_label} and {labels[i]} are the same file {t!r}: one export would "
+                                      f"overwrite the other; give each artifact its own path")
+                for a, la, b, lb in ((t, labels[i], other, other_label), (other, other_label, t, labels[i])):
+                    if _inside(a, b):
+                        raise ConfigError(f"{la} {a!r} is inside {lb} {b!r}, which the same export replaces; write "
+                                          f"it elsewhere")
+        for t in targets:
+            _make_parents(os.path.dirname(t), self.created)
+        if self.token is None:
+            self._open_lock(os.path.dirname(targets[0]), targets[0])
+            self.folders.append(self.primary)
+        new = [{"target": t, "tmp": _named(t, "tmp", self.token), "label": lb} for t, lb in zip(targets, labels)]
+        self.entries.extend(new)
+        folders = [f for f in dict.fromkeys(os.path.dirname(t) for t in targets) if f not in self.folders]
+        self.folders.extend(folders)
+        self._write_journal("writing")
+        for folder in folders:  # where the journal is, for a recovery that starts in this folder
+            part = _named(os.path.join(folder, "ref"), "tmp", self.token)
+            with open(part, "w", encoding="utf-8") as f:
+                f.write(self._path("lock"))
+            os.replace(part, self._path("ref", folder))
+        return new
+
+    def drop(self, entries: list[dict[str, Any]]) -> None:
+        """Forget ``entries`` (their block failed inside a larger transaction) and delete what they wrote."""
+        for e in entries:
+            _remove(e["tmp"])
+        ids = {id(e) for e in entries}
+        self.entries = [e for e in self.entries if id(e) not in ids]
+
+    # ---- commit
+    def commit(self) -> None:
+        pairs = [e for e in self.entries if os.path.lexists(e["tmp"])]
+        for e in pairs:
+            _check_commit(e["tmp"], e["target"])
+        if not pairs:
+            self._finish(True)
+            return
+        with deferred_interrupts():  # Ctrl-C is raised once every target is new, or every one old again
+            for e in pairs:
+                e["new"], e["old"], e["old_dir"] = _ident(e["tmp"]), _ident(e["target"]), _is_dir(e["target"])
+            self.entries = pairs
+            self._write_journal("moving")
+            self.state = "moving"
+            try:
+                for e in pairs:
+                    self._move(e)
+                self._write_journal("committed")
+            except BaseException:
+                self._rollback()  # if this fails too, the journal stays for the next call to finish it
+                self._finish(False)
+                raise
+            self.state = "committed"
+            self._finish(True)
+
+    def _move(self, e: dict[str, Any]) -> None:
+        tmp, target = e["tmp"], e["target"]
+        if e["old"] is None:
             os.replace(tmp, target)
-    except BaseException:
-        for target, backup in reversed(done):
-            if backup is None:
-                if os.path.lexists(target):
-                    _remove(target)
-            elif _is_dir(backup):
-                if os.path.lexists(target):
-                    _remove(target)
-                os.replace(backup, target)
-            else:
-                os.replace(backup, target)
-        raise
+        elif not e["old_dir"]:
+            with contextlib.suppress(OSError):  # the permission bits of the replaced file
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+            backup = _named(target, "old", self.token)
+            try:
+                os.link(target, backup)  # the old file stays reachable; the target is never missing
+            except OSError:
+                part = _named(target, "cpy", self.token)
+                shutil.copy2(target, part)
+                os.replace(part, backup)  # a backup is whole or absent
+            os.replace(tmp, target)
+        elif not _exchange(tmp, target):  # the old folder now under the temporary's name
+            os.replace(target, _named(target, "old", self.token))
+            os.replace(tmp, target)
+
+    def _rollback(self) -> None:
+        """Put every old target back (idempotent: each step looks at what is where, by device and inode)."""
+        for e in reversed(self.entries):
+            if "new" in e:
+                _rollback_entry(e, self.token)
+
+    def _finish(self, committed: bool) -> None:
+        """Delete what the transaction kept and wrote beside its targets, then its journal and lock file."""
+        if self.token is not None:
+            for folder in self.folders:
+                _sweep(folder, self.token)
+        if not committed:
+            for folder in reversed(self.created):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only if empty
+        if self.token is not None:
+            for folder in self.folders[1:]:
+                _remove(self._path("ref", folder))
+            _remove(self._path("json"))
+            _remove(self._path("lock"))
+        self.state = "done"
+
+    def abort(self) -> None:
+        """The body (or a check before the moves) failed: delete the temporaries; targets were never touched. A
+        transaction that failed while moving and could not undo it keeps its journal for the next call."""
+        if self.state == "writing":
+            self._finish(False)
+
+    def close(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _rollback_entry(e: dict[str, Any], token: str) -> None:
+    target, new, old = e["target"], e["new"], e["old"]
+    cur = _ident(target)
+    trash = _named(target, "del", token)
+    if old is None:
+        if cur is not None and cur == new:  # ours: out of the way in one step, then deleted
+            _remove(trash)
+            os.replace(target, trash)
+        return
+    if cur == old:
+        return
+    backup = _named(target, "old", token)
+    src = next((p for p in (backup, e["tmp"]) if _ident(p) == old), None)
+    if src is None and not e["old_dir"] and os.path.lexists(backup):
+        src = backup  # a copied backup (no hard links here): complete, or it would not have this name
+    if src is None:
+        return
+    if not e["old_dir"]:
+        os.replace(src, target)
+        return
+    if cur is not None:
+        if _exchange(src, target):
+            return
+        _remove(trash)
+        os.replace(target, trash)
+    os.replace(src, target)
+
+
+_CURRENT: contextvars.ContextVar[_Transaction | None] = contextvars.ContextVar("compressor_transaction", default=None)
+
+
+@contextlib.contextmanager
+def transaction() -> Iterator[None]:
+    """Make every :func:`atomic_paths` block inside one transaction: their targets move into place together
+    when this block ends, or none does. Inside another transaction it joins that one."""
+    if _CURRENT.get() is not None:
+        yield
+        return
+    txn = _Transaction()
+    reset = _CURRENT.set(txn)
+    try:
+        try:
+            yield
+        except BaseException:
+            txn.abort()
+            raise
+        try:
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
     finally:
-        for b in backups:
-            _remove(b)
+        txn.close()
+        _CURRENT.reset(reset)
 
 
+# ------------------------------------------------------------------------------------------- recovery
+def recover(path: str | os.PathLike[str]) -> None:
+    """Repair what a killed export left at ``path`` (a target file or folder, or a folder targets are written
+    into): each transaction there whose process is gone is rolled back or, if it had committed, finished. Live
+    transactions (another process exporting now) are left alone."""
+    p = os.path.abspath(os.fspath(path))
+    _recover_folder(os.path.dirname(p))
+    if _is_dir(p):
+        _recover_folder(p)
+
+
+def _recover_folder(folder: str) -> None:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    found: dict[str, set[str]] = {}
+    for name in names:
+        m = _TXN_FILE.match(name)
+        if m:
+            found.setdefault(m.group(1), set()).add(m.group(2))
+    for token, kinds in sorted(found.items()):
+        if "lock" in kinds:
+            lock = os.path.join(folder, f".txn-{token}.lock")
+        elif "ref" in kinds:
+            try:
+                with open(os.path.join(folder, f".txn-{token}.ref"), encoding="utf-8") as f:
+                    lock = f.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if not _TXN_FILE.match(os.path.basename(lock)) or not os.path.isabs(lock):
+                continue
+        else:  # a journal without its lock file: not a state this module leaves
+            continue
+        _recover_transaction(token, lock, folder)
+
+
+def _recover_transaction(token: str, lock: str, here: str) -> None:
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:  # the transaction is over; its last steps left this folder's reference behind
+        with deferred_interrupts():
+            _sweep(here, token)
+            _remove(os.path.join(here, f".txn-{token}.ref"))
+        return
+    except OSError:
+        return
+    try:
+        if not _lock(fd, wait=False) or not _same_file(fd, lock):
+            return  # its process is alive, or another recovery has just finished it
+        txn = _Transaction()
+        txn.token, txn.primary = token, os.path.dirname(lock)
+        try:
+            with open(txn._path("json"), encoding="utf-8") as f:
+                journal = json.load(f)
+        except (OSError, ValueError):
+            journal = {}
+        txn.folders = [str(f) for f in journal.get("folders", [])] or [txn.primary]
+        txn.created = [str(f) for f in journal.get("created", [])]
+        txn.entries = [e for e in journal.get("entries", []) if isinstance(e, dict)]
+        state = journal.get("state", "writing")
+        with deferred_interrupts():
+            if state == "moving":
+                txn._rollback()
+            txn._finish(state == "committed")
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------- the blocks
 def _os_error(e: BaseException) -> OSError | None:
     """The system error ``e`` is or wraps (torch reports a failed write as a RuntimeError whose context is it)."""
     seen = set()
@@ -187,20 +569,40 @@ def _target_of_error(err: OSError, temps: list[str | None], targets: list[str | 
 @contextlib.contextmanager
 def atomic_paths(*paths: str | os.PathLike[str] | None, names: Sequence[str] | None = None) -> Iterator[list[Any]]:
     """Temporary paths for ``paths`` (``None`` stays ``None``); the ones the body wrote are moved onto their
-    targets, all or none, when the body returns, and all are deleted if it raises (targets untouched).
+    targets, all or none, when the body returns (or, inside :func:`transaction`, when that ends), and all are
+    deleted if it raises (targets untouched).
 
     ``names``: the arguments the paths came from (``'model_path'``, ...), for the error when two are the same
-    file. Missing parent folders are created (and removed again, if still empty, on failure).
+    file. Missing parent folders are created (and removed again, if still empty, on failure). What a killed
+    export left in a target's folder is repaired first (:func:`recover`).
     """
     targets = [None if p is None else _resolve(p) for p in paths]
     _check_distinct(targets, names)
-    created: list[str] = []
-    temps: list[str | None] = []
+    labels = [names[i] if names is not None and i < len(names) else f"path {i + 1}" for i in range(len(targets))]
+    txn = _CURRENT.get()
+    own = txn is None
+    if own:
+        txn = _Transaction()
+        reset = _CURRENT.set(txn)
+    temps: list[str | None] = [None] * len(targets)
+    nested: list[int] = []  # targets that are temporaries of the transaction: written through one of their own
+    added: list[dict[str, Any]] = []
     try:
-        for t in targets:
-            if t is not None:
-                _make_parents(os.path.dirname(t), created)
-        temps = [None if t is None else temp_path_for(t) for t in targets]
+        real = []
+        for i, t in enumerate(targets):
+            if t is None:
+                continue
+            if txn.holds_temp(t):
+                temps[i] = txn.temp_for(t)
+                nested.append(i)
+            else:
+                real.append(i)
+        if real:
+            for folder in dict.fromkeys(os.path.dirname(targets[i]) for i in real):
+                _recover_folder(folder)
+            added = txn.add([targets[i] for i in real], [labels[i] for i in real])
+            for i, e in zip(real, added):
+                temps[i] = e["tmp"]
         try:
             yield list(temps)
         except (OSError, RuntimeError) as e:
@@ -208,21 +610,26 @@ def atomic_paths(*paths: str | os.PathLike[str] | None, names: Sequence[str] | N
             if new is e:
                 raise
             raise new from e
-        _commit_all([(tmp, target) for tmp, target in zip(temps, targets)
-                     if tmp is not None and target is not None and os.path.lexists(tmp)])
+        for i in nested:
+            if os.path.lexists(temps[i]):
+                _check_commit(temps[i], targets[i])
+                if _is_dir(targets[i]):
+                    _remove(targets[i])
+                os.replace(temps[i], targets[i])
+        if own:
+            txn.commit()
     except BaseException:
-        _remove_all(temps)
-        for folder in reversed(created):
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only if empty
+        for i in nested:
+            _remove(temps[i])
+        if own:
+            txn.abort()
+        else:
+            txn.drop(added)
         raise
-    _remove_all(temps)
-
-
-def _remove_all(temps: list[str | None]) -> None:
-    for tmp in temps:
-        if tmp is not None:
-            _remove(tmp)
+    finally:
+        if own:
+            txn.close()
+            _CURRENT.reset(reset)
 
 
 def _renamed(e: BaseException, temps: list[str | None], targets: list[str | None]) -> BaseException:
