@@ -309,16 +309,20 @@ def nm_validate_config(config_list: list[dict[str, Any]], what: str, sparsity_ke
                                   f"['sparsity'] in every non-excluded entry")
 
 
-def nm_check_layer(layer: str, layer_type: str, canonical_shape: Sequence[int] | None, config: dict[str, Any],
-                   what: str) -> None:
+def nm_check_layer(layer: str, layer_type: str | Sequence[str], canonical_shape: Sequence[int] | None,
+                   config: dict[str, Any], what: str) -> None:
     """Refuse a layer that ``config['sparse_pattern']`` cannot apply to: not a Linear/Dense/Conv layer, or an
-    input dimension M does not divide (``canonical_shape`` None: not built yet, checked when masked)."""
+    input dimension M does not divide (``canonical_shape`` None: not built yet, checked when masked).
+    ``layer_type``: the layer's type name, or its type name followed by the framework classes it computes as
+    (:attr:`~compressor.core.matching.LayerInfo.bases`: a ``FalconLinear`` is a ``Linear``)."""
 
     pattern = config.get("sparse_pattern")
     if pattern is None:
         return
     n, m = parse_sparse_pattern(pattern)
-    if layer_type not in NM_LAYER_TYPES:
+    kinds = (layer_type,) if isinstance(layer_type, str) else tuple(layer_type)
+    layer_type = kinds[0]
+    if not any(k in NM_LAYER_TYPES for k in kinds):
         raise ConfigError(f"{what}: layer {layer!r} ({layer_type}) cannot take sparse_pattern {pattern!r}; N:M "
                           f"groups run along the input channels of {list(NM_LAYER_TYPES)}")
     if canonical_shape is None:

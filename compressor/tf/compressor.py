@@ -67,7 +67,7 @@ from . import hooks, layout
 from .distributed import strategy_of, strategy_scope_of
 from .hooks import check_optimizer
 
-__all__ = ["Compressor", "LayerWrapper", "iter_layers", "retrace_model", "strip_model", "wrappers_of"]
+__all__ = ["Compressor", "LayerWrapper", "iter_layers", "keras_base_type", "retrace_model", "strip_model", "wrappers_of"]
 
 _Trackable = tf.__internal__.tracking.AutoTrackable
 WRAPPER_PREFIX = "_compressor_"
@@ -93,6 +93,23 @@ def iter_layers(model: keras.layers.Layer) -> list[tuple[str, keras.layers.Layer
 
     visit(model, "")
     return out
+
+
+#: Keras layer classes whose subclasses are selected as them (their kernel layout does not depend on the class)
+_SUBCLASSED_BASES = frozenset({"Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D"})
+
+
+def keras_base_type(layer: keras.layers.Layer) -> tuple[str, ...]:
+    """``('Dense',)`` for a subclass of ``keras.layers.Dense`` defined outside Keras (likewise EinsumDense,
+    Conv1D/2D/3D): ``op_types`` (``'default'`` included) select it as that layer. Wrappers run the subclass's own
+    ``call`` with the compressed kernel in place of ``kernel``, so its computation is kept. ``()`` otherwise."""
+    cls = type(layer)
+    if cls.__module__.split(".")[0] == "keras":
+        return ()
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith("keras."):
+            return (base.__name__,) if base.__name__ in _SUBCLASSED_BASES else ()
+    return ()
 
 
 def wrappers_of(layer: keras.layers.Layer) -> list[LayerWrapper]:
@@ -339,8 +356,8 @@ class Compressor:
         self.optimizer = optimizer
         layers = iter_layers(model)
         by_name = {path: layer for path, layer in layers}
-        infos = [LayerInfo(path, type(layer).__name__, {"layer": layer, **layout.weight_facts(layer)})
-                 for path, layer in layers]
+        infos = [LayerInfo(path, type(layer).__name__, {"layer": layer, **layout.weight_facts(layer)},
+                           keras_base_type(layer)) for path, layer in layers]
         selected = match_layers(infos, self.config_list, self.default_types, what=type(self).__name__,
                                 skip_hint=self.default_skip_hint)
         selected = self._substitute_layers(selected, infos, by_name)

@@ -24,7 +24,7 @@ def check_nm_layer(layer_info: LayerInfo, layer: Any, config: dict[str, Any], wh
     """Refuse a layer a ``sparse_pattern`` cannot apply to (checked again when an unbuilt layer is masked)."""
     weight = layout.weight_of(layer)
     shape = None if weight is None else layout.canonical_shape(layer_info.type, weight.shape)
-    nm_check_layer(layer_info.name, layer_info.type, shape, config, what)
+    nm_check_layer(layer_info.name, (layer_info.type, *layer_info.bases), shape, config, what)
 
 
 class LevelPrunerMasker(WeightMasker):
@@ -33,8 +33,8 @@ class LevelPrunerMasker(WeightMasker):
 
     def calc_mask(self, sparsity: float, wrapper: Any, wrapper_idx: int | None = None) -> dict[str, Any]:
         if "sparse_pattern" in wrapper.config:  # a layer built after wrapping: its shape is known only now
-            nm_check_layer(wrapper.name, wrapper.type, wrapper.canonical_shape(), wrapper.config,
-                           type(self.pruner).__name__)
+            nm_check_layer(wrapper.name, (wrapper.type, *wrapper.layer_info.bases), wrapper.canonical_shape(),
+                           wrapper.config, type(self.pruner).__name__)
         mask = level_or_nm_mask(ops, wrapper.canonical_weight(), sparsity, wrapper.canonical_mask(), wrapper.config)
         return {"weight_mask": wrapper.from_canonical(mask)}
 

@@ -24,11 +24,11 @@ __all__ = ["LevelPruner", "LevelPrunerMasker", "check_nm_module"]
 
 def check_nm_module(layer_info: LayerInfo, module: nn.Module, config: dict[str, Any], what: str) -> None:
     """Refuse a layer a ``sparse_pattern`` cannot apply to (transposed convs: their axis 1 is the output)."""
-    layer_type = layer_info.type
+    kinds: tuple[str, ...] = (layer_info.type, *layer_info.bases)  # a subclass computing as Linear counts as one
     if isinstance(module, nn.modules.conv._ConvNd) and module.transposed:
-        layer_type = type(module).__name__
+        kinds = (type(module).__name__,)
     shape = canonical_shape(module, module.weight.shape) if hasattr(module, "weight") else None
-    nm_check_layer(layer_info.name, layer_type, shape, config, what)
+    nm_check_layer(layer_info.name, kinds, shape, config, what)
 
 
 class LevelPrunerMasker(WeightMasker):
