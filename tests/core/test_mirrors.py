@@ -98,6 +98,12 @@ ONE_SIDED: dict[str, str] = {
                                      "Keras QAT does not fold, Keras PTQ folds BN statically in "
                                      "tf/quantization/ptq.py",
     "tf/tflite.py": "TFLite conversion of recurrent Keras layers (torch exports ONNX)",
+    "tf/hub_oneshot.py": "the streaming one-shot command over a keras-hub preset (model.weights.h5 in, a preset of "
+                         "Keras's own quantized layers out); torch streams Hugging Face checkpoints, another format "
+                         "(torch/hf_oneshot.py)",
+    "tf/hub_stream.py": "a keras-hub preset read one layer at a time (a backbone built without weights, each "
+                        "block read from model.weights.h5 with Keras's own loader); torch reads safetensors "
+                        "checkpoints, another format (torch/hf_stream.py)",
     "torch/token_data.py": "calibration token ids from a Hugging Face checkpoint's tokenizer.json and from .pt "
                            "files (torch.load); core/token_data.py reads .npy and text, a keras-hub preset "
                            "brings its own tokenizer",
