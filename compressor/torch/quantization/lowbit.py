@@ -423,6 +423,19 @@ def _packable(name: str, wrapper: QuantizerModuleWrapper) -> tuple[str, Any]:
                 f"(supported: GptqQuantizer, RtnQuantizer, AwqQuantizer, PtqQuantizer / QAT_Quantizer weight-only)")
 
 
+def _group_width(name: str, wrapper: QuantizerModuleWrapper, n_in: int, groups: int) -> int | None:
+    """The group width of a one-shot wrapper's codes (None: per channel), from its quantization spec: the
+    last group is narrower when the group size does not divide ``n_in`` (groups of 48 over 160 columns: 48,
+    48, 48, 16), so it is not ``ceil(n_in / groups)``."""
+    spec = getattr(wrapper, "quant_spec", None)
+    g = spec.group_width(n_in) if spec is not None else wrapper.config.get("group_size")
+    g = n_in if g is None or g == -1 or g >= n_in else int(g)
+    if math.ceil(n_in / g) != groups:
+        raise ModelError(f"pack_weights: layer {name!r} has {groups} scale groups over {n_in} input columns, which "
+                         f"its group size {g} does not give (ceil({n_in} / {g}) = {math.ceil(n_in / g)})")
+    return None if groups == 1 else g
+
+
 def _qat_codes(wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     q = wrapper.quantizer
     layer = innermost_module(wrapper)
@@ -477,7 +490,7 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
             codes = oneshot_codes(w)
             n_in = codes.shape[1]
             groups = buf["weight_group_scale"].shape[1]
-            gs = math.ceil(n_in / groups) if groups > 1 else None
+            gs = _group_width(n, w, n_in, groups)
             awq = buf.get("awq_scales")
             m = PackedLinear.from_codes(codes.to(torch.int32), buf["weight_group_scale"], buf["weight_group_zero_point"],
                                         int(w.quant_bits["weight"]), gs, bias=bias, awq_scales=awq,
