@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.atomic import atomic_path
+from ..core.atomic import atomic_paths
 from ..core.compressed_tensors import (
     bitmask_entries,
     is_24_sparse,
@@ -505,7 +505,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
 
     # ---- write: a temporary folder next to the target, renamed into place
     tensors, bf16, qc, dense_notes, folded = plan(True)
-    with atomic_path(path) as tmp:
+    with atomic_paths(path, names=("hf_path",)) as (tmp,):
         write(tmp, tensors, bf16, qc)
         if folded:  # the AWQ folds assume how the model wires its layers: check them on the written weights
             err, tol = _fold_error(model, tmp)

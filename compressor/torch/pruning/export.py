@@ -117,7 +117,8 @@ def export_pruned_model(pruner: Any, model_path: str | os.PathLike, mask_path: s
             "model_path", "mask_path", "onnx_path", "compressed_path")) as (
             tmp_model, tmp_masks, tmp_onnx, tmp_packed):  # all or nothing (one transaction, core.atomic)
         state = unwrapped_state_dict(model)
-        save_file(state, tmp_model)
+        if tmp_model is not None:  # model_path=None: only the other artifacts (hf_path, compressed_path)
+            save_file(state, tmp_model)
         if tmp_packed is not None:
             from ..cmpk import save_compressed
 

@@ -146,16 +146,17 @@ class TorchPruner(Compressor):
         ``hf_sparse_format``: ``'dense'``, ``'bitmask'``, ``'2:4'`` or ``'auto'``; one-shot quantized layers
         of a quantizer composed on top packed; see :mod:`compressor.torch.hf_checkpoint`); ``model_path``
         may then be None."""
+        from ...core.atomic import transaction
         from .. import families
         from .export import export_pruned_model
 
-        if hf_path is not None:
-            families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
-            if model_path is None and mask_path is None and onnx_path is None and compressed_path is None:
-                return
-
-        export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device, dummy_input,
-                            compressed_path=compressed_path, **onnx_kwargs)
+        with transaction():  # every artifact, the hf_path folder included, lands or none does (core.atomic)
+            if hf_path is not None:
+                families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
+                if model_path is None and mask_path is None and onnx_path is None and compressed_path is None:
+                    return
+            export_pruned_model(self, model_path, mask_path, onnx_path, input_shape, device, dummy_input,
+                                compressed_path=compressed_path, **onnx_kwargs)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state_dict of the original model (or of the wrapped model) into the wrapped model."""

@@ -185,15 +185,16 @@ class TorchQuantizer(QuantizerBaseMixin, Compressor):
         :mod:`compressor.torch.hf_checkpoint`; ``hf_sparse_format`` for pruned float layers); with
         ``model_path=None`` only that folder is written (returns None). ``model_path=None`` with ``onnx_path`` /
         ``calibration_path`` writes only those; with no target at all it is a ``ConfigError``."""
+        from ...core.atomic import transaction
         from .. import families
         from .export import export_model
 
-        if hf_path is not None:
-            families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
-            if model_path is None and calibration_path is None and onnx_path is None:
-                return None
-
-        return export_model(self, model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
+        with transaction():  # every artifact, the hf_path folder included, lands or none does (core.atomic)
+            if hf_path is not None:
+                families.save_checkpoint(self.bound_model, hf_path, sparse_format=hf_sparse_format)
+                if model_path is None and calibration_path is None and onnx_path is None:
+                    return None
+            return export_model(self, model_path, calibration_path, onnx_path, input_shape, device, **onnx_kwargs)
 
     def load_calibration_config(self, calibration_config: dict[str, dict[str, Any]]) -> None:
         """Load ranges, scales and zero points saved by :meth:`export_model` into the wrappers (checked
