@@ -18,10 +18,14 @@ integer codes instead of a float weight:
   path, dequantize + matmul, with a warning naming the layer and why.
 
 ``activation='dynamic'`` (per-channel signed codes of up to 8 bits): int8 activations quantized on the fly
-(per tensor, 7-bit unsigned: ``reduce_range``, as the x86 kernel needs without VNNI) times int8 weights with
+per token (one scale per input row, as llmcompressor's W8A8 dynamic scheme) times int8 weights with
 ``torch.ops.quantized.linear_dynamic`` (fbgemm / x86 engine; ``torch._int_mm`` has no fast CPU kernel in torch
-2.13, it is slower than float32). Outputs are within about 2 % (of max|y|) of the weight-only result: the
-activations are rounded too. Its packed weight is a TorchScript object: ``torch.compile`` runs it in a graph
+2.13, it is slower than float32). That kernel takes one activation scale per call, so each row is divided by
+its own ``m = max|x_row|`` first and the output row multiplied by ``m`` (exact: the layer is linear in ``x``):
+row ``r`` is quantized with step ``m_r * s`` (``s`` the kernel's 7-bit unsigned step of the normalized rows,
+``reduce_range`` as the x86 kernel needs without VNNI, ``s <= 2 / 127``), so its error is at most ``m_r / 127``
+per element whatever the other rows hold (with one scale per tensor an outlier token set every token's).
+Outputs are within about 2 % (of max|y|) of the weight-only result: the activations are rounded too. Its packed weight is a TorchScript object: ``torch.compile`` runs it in a graph
 break (``fullgraph=True`` refuses it).
 
 Both weight-only kernels are fast only in 16-bit: with ``float32`` activations they run a scalar loop (about 20x slower
@@ -80,6 +84,8 @@ def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
     full = stored_codes_to_full(stored.detach().cpu().numpy(), bits, n_in)
     return torch.from_numpy(full.copy()).to(stored.device)
 
+#: the row scale of an all-zero input row under ``activation='dynamic'`` (any positive value: the row stays 0)
+_TINY = float(torch.finfo(torch.float32).tiny)
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts (torch 2.13)
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 _INT4_N_MULTIPLE = 16
@@ -366,8 +372,10 @@ class PackedLinear(nn.Module):
                 raise RuntimeError(f"PackedLinear {self.name!r}: its {self.kernel} kernel layout is for CPU, the "
                                    f"input is on {x2.device}; pack the model on the device it runs on")
             xin = x2.to(self.compute_dtype).contiguous()
-            if self.kernel == "int8-dynamic":
-                y = torch.ops.quantized.linear_dynamic(x2.to(torch.float32).contiguous(), self._packed, True)
+            if self.kernel == "int8-dynamic":  # per token: each row divided by its max |x|, multiplied back
+                xf = x2.to(torch.float32)
+                m = torch.clamp(xf.abs().amax(-1, keepdim=True), min=_TINY)
+                y = torch.ops.quantized.linear_dynamic((xf / m).contiguous(), self._packed, True) * m
             elif self.kernel == "int4":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self._wq, self._kg, self._sz)
                 if y.shape[1] != self.out_features:

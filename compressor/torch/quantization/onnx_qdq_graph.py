@@ -330,9 +330,12 @@ def _same_grid(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
 
 def _dynamic_matmul(graph: _Graph, name: str, node: Any, codes: np.ndarray, scale: np.ndarray, zp: np.ndarray,
                     axis: int | None, made: set[str]) -> None:
-    """Replace ``node`` (MatMul with the weight as ``[in, out]``, or Gemm) by the graph of onnxruntime's
-    ``quantize_dynamic``: ``DynamicQuantizeLinear(x) -> MatMulInteger(x_q, W_q, x_zp, W_zp) -> Cast(float) ->
-    Mul(x_scale * W_scale)`` (+ the Gemm's bias), which onnxruntime fuses into ``DynamicQuantizeMatMul``."""
+    """Replace ``node`` (MatMul with the weight as ``[in, out]``, or Gemm) by dynamic int8 per token (the
+    fake-quant model's :func:`~compressor.torch.quantization.ptq.dynamic_fake_quant`): each row of ``x`` divided
+    by its max |x| (``Abs -> ReduceMax -> Max(tiny) -> Div``), then the graph of onnxruntime's
+    ``quantize_dynamic``, ``DynamicQuantizeLinear(x') -> MatMulInteger(x_q, W_q, x_zp, W_zp) -> Cast(float) ->
+    Mul(x_scale * W_scale)``, which onnxruntime fuses into ``DynamicQuantizeMatMul``, then ``Mul(row max)`` (+ the
+    Gemm's bias). The row division makes the scale per token: an outlier token no longer sets every token's."""
     from onnx import TensorProto, helper
 
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -346,18 +349,30 @@ def _dynamic_matmul(graph: _Graph, name: str, node: Any, codes: np.ndarray, scal
         raise RuntimeError(f"int8 ONNX export (dynamic): layer {name!r}: per-channel weight scales along the input "
                            f"axis have no MatMulInteger form")
     x, out = node.input[0], node.output[0]
+    xa, xm, xmc, xn = (graph.unique(f"{name}.input_{k}") for k in ("abs", "row_max", "row_scale", "per_token"))
     xq, xs, xz = (graph.unique(f"{name}.input_{k}") for k in ("quantized", "scale", "zero_point"))
-    acc, accf, sc = (graph.unique(f"{name}.{k}") for k in ("acc", "acc_float", "out_scale"))
+    acc, accf, sc, yt = (graph.unique(f"{name}.{k}") for k in ("acc", "acc_float", "out_scale", "per_token_out"))
     w_q = graph.add_init(f"{name}.weight_quantized", np.ascontiguousarray(codes))
     w_z = graph.add_init(f"{name}.weight_zero_point", zp)
     w_s = graph.add_init(f"{name}.weight_scale", scale.astype(np.float32))
+    tiny = graph.add_init(f"{name}.row_scale_min", np.array(np.finfo(np.float32).tiny, dtype=np.float32))
+    opset = max((o.version for o in graph.model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset >= 18:  # ReduceMax takes its axes as an input from opset 18
+        reduce = helper.make_node("ReduceMax", [xa, graph.add_init(f"{name}.last_axis", np.array([-1], np.int64))],
+                                  [xm], keepdims=1)
+    else:
+        reduce = helper.make_node("ReduceMax", [xa], [xm], axes=[-1], keepdims=1)
     bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
     y = graph.unique(f"{name}.matmul") if bias else out
-    new = [helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz]),
+    new = [helper.make_node("Abs", [x], [xa]), reduce,
+           helper.make_node("Max", [xm, tiny], [xmc]),
+           helper.make_node("Div", [x, xmc], [xn]),
+           helper.make_node("DynamicQuantizeLinear", [xn], [xq, xs, xz]),
            helper.make_node("MatMulInteger", [xq, w_q, xz, w_z], [acc]),
            helper.make_node("Cast", [acc], [accf], to=TensorProto.FLOAT),
            helper.make_node("Mul", [xs, w_s], [sc]),
-           helper.make_node("Mul", [accf, sc], [y])]
+           helper.make_node("Mul", [accf, sc], [yt]),
+           helper.make_node("Mul", [yt, xmc], [y])]
     if bias:
         new.append(helper.make_node("Add", [y, bias], [out]))
     graph.g.node.remove(node)

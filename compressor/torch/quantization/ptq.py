@@ -44,12 +44,14 @@ quantization, BN folding, state_dict and export (integer QDQ ONNX included) are 
   forward on the first calibration batch). ``join_report`` lists every join seen and whether it is integer.
   The join ranges live on the quantizer (not in the model's ``state_dict``): re-run :meth:`calibrate` after
   loading one.
-* ``activation='dynamic'`` (default ``'static'``): onnxruntime's ``quantize_dynamic`` equivalent for Linear /
-  HF Conv1D layers: weights int8 per output channel (frozen at construction: no calibration needed), inputs
-  quantized per batch at run time as ``DynamicQuantizeLinear`` does (uint8, range of the batch including 0:
-  :func:`dynamic_fake_quant`), outputs and biases float. The int8 ONNX graph is ``DynamicQuantizeLinear ->
-  MatMulInteger -> Cast -> Mul`` per layer, which onnxruntime fuses into ``DynamicQuantizeMatMul``. A config
-  quantizing ``'output'`` or a Conv layer is refused (ConfigError).
+* ``activation='dynamic'`` (default ``'static'``): dynamic int8 for Linear / HF Conv1D layers: weights int8 per
+  output channel (frozen at construction: no calibration needed), inputs quantized at run time per token (one
+  scale per row of the last axis, as llmcompressor's W8A8 dynamic scheme: each row divided by its max |x|, then
+  ``DynamicQuantizeLinear``'s uint8 grid, then multiplied back: :func:`dynamic_fake_quant`), outputs and biases
+  float. The int8 ONNX graph is ``Abs -> ReduceMax -> Div -> DynamicQuantizeLinear -> MatMulInteger -> Cast ->
+  Mul -> Mul(row max)`` per layer; onnxruntime fuses the middle into ``DynamicQuantizeMatMul`` (its
+  ``quantize_dynamic`` is the same without the row division: one scale per tensor, which an outlier token makes
+  coarse for every other token). A config quantizing ``'output'`` or a Conv layer is refused (ConfigError).
 * int8 embedding tables (either mode): select ``nn.Embedding`` layers with ``quant_types: ['weight']`` (e.g.
   ``{'op_types': ['Embedding'], 'quant_types': ['weight'], 'quant_bits': 8}``; one scale per row by default,
   ``quant_scheme: 'per_tensor_symmetric'`` for one): the int8 ONNX graph stores the table as int8 codes and
@@ -136,17 +138,28 @@ def int32_bias_forward(wrapper: QuantizerModuleWrapper, inputs: tuple, kwargs: d
     return wrapper.forward_with_weight(qw, inputs, kwargs, bias=None if bias is None else int32_bias(wrapper, bias))
 
 
+#: the row scale of a row of zeros (any positive value: the row quantizes to zeros)
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
 def dynamic_fake_quant(x: torch.Tensor, qmin: int = 0, qmax: int = 255) -> torch.Tensor:
-    """``x`` on the grid onnxruntime's ``DynamicQuantizeLinear`` picks for it: ``scale = (max(x, 0) - min(x, 0))
-    / (qmax - qmin)``, ``zp = clip(round(qmin - min(x, 0) / scale))``, codes ``clip(round(x / scale) + zp)``
-    (round half to even). Graph ops only; straight-through gradient (the range covers ``x``)."""
+    """``x`` quantized per token (one scale per row of the last axis), as the int8 ONNX graph computes it: each
+    row is divided by its own ``m = max|x_row|``, the rows (now within [-1, 1]) go through onnxruntime's
+    ``DynamicQuantizeLinear`` grid (``scale = (max(x', 0) - min(x', 0)) / (qmax - qmin)``, ``zp =
+    clip(round(qmin - min(x', 0) / scale))``, codes ``clip(round(x' / scale) + zp)``, round half to even) and
+    are multiplied back by ``m``. Row ``r``'s step is ``m_r * scale <= 2 * m_r / (qmax - qmin)``: its error is at
+    most ``m_r / 255`` whatever the other rows hold (an outlier token does not coarsen the others, as a scale per
+    tensor would). Graph ops only; straight-through gradient (the range covers ``x``)."""
     with torch.no_grad():
-        lo = torch.clamp(x.detach().min(), max=0.0)
-        hi = torch.clamp(x.detach().max(), min=0.0)
+        xd = x.detach()
+        m = torch.clamp(xd.abs().amax(-1, keepdim=True), min=_TINY) if xd.dim() else torch.ones_like(xd)
+        xn = xd / m
+        lo = torch.clamp(xn.min(), max=0.0)
+        hi = torch.clamp(xn.max(), min=0.0)
         scale = (hi - lo) / float(qmax - qmin)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         zp = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax)
-        y = (torch.clamp(torch.round(x.detach() / scale) + zp, qmin, qmax) - zp) * scale
+        y = (torch.clamp(torch.round(xn / scale) + zp, qmin, qmax) - zp) * scale * m
     return x + (y - x).detach()
 
 
@@ -171,7 +184,7 @@ class PtqQuantizer(QAT_Quantizer):
             raise ConfigError(f"PtqQuantizer: activation must be 'static' (calibrated ranges) or 'dynamic' (ranges "
                               f"of each batch at run time), got {activation!r}")
         self.activation = activation
-        if activation == "dynamic":  # nothing to fold, fuse or share: inputs are quantized per batch
+        if activation == "dynamic":  # nothing to fold, fuse or share: inputs are quantized per token
             bn_fold, fuse_relu, share_ranges, quantize_joins = False, False, False, False
         for what, method in (("observer", observer), ("weight_observer", weight_observer)):
             if method not in cobs.OBSERVERS:
@@ -251,7 +264,7 @@ class PtqQuantizer(QAT_Quantizer):
             return  # an int8 table (weight only: nothing to quantize at run time)
         if sorted(types) != ["input", "weight"]:
             raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r}: quant_types {types!r}; "
-                              f"dynamic quantization takes ['input', 'weight'] (inputs are quantized per batch at run "
+                              f"dynamic quantization takes ['input', 'weight'] (inputs are quantized per token at run "
                               f"time, outputs stay float)")
         if not (isinstance(module, nn.Linear) or is_hf_conv1d(module)):
             raise ConfigError(f"PtqQuantizer(activation='dynamic'): layer {layer_info.name!r} is a "
@@ -259,7 +272,7 @@ class PtqQuantizer(QAT_Quantizer):
                               f"layers (onnxruntime's DynamicQuantizeMatMul); use activation='static' for others")
 
     def _freeze_dynamic(self) -> None:
-        """Weight scales from the weights (no data needed); activation scales are computed per batch."""
+        """Weight scales from the weights (no data needed); activation scales are computed per token at run time."""
         plan = []
         for w in self.modules_wrapper:
             for t, spec in w.qat_specs.items():
