@@ -74,11 +74,13 @@ class Step:
         self.lines: list[str] = []
         self.error: str | None = None
         self.device = "cpu" if dry() else os.environ.get("GPU_CHECK_DEVICE", "cuda")
+        self.path: Path | None = None  # where write() writes; default $OUT/<name>.json
 
     def check(self, name: str, ok: bool, detail: Any = "") -> bool:
         self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
         mark = "ok  " if ok else "FAIL"
         self.say(f"[{mark}] {name}" + (f": {detail}" if detail not in ("", None) else ""))
+        self.write()  # a step killed at its time limit still leaves what it had checked
         return bool(ok)
 
     def say(self, line: str) -> None:
@@ -95,9 +97,18 @@ class Step:
                 "lines": self.lines, "error": self.error}
 
     def write(self) -> Path:
-        path = out_dir() / f"{self.name}.json"
+        path = self.path or out_dir() / f"{self.name}.json"
         path.write_text(json.dumps(self.record(), indent=1, default=str) + "\n")
         return path
+
+    def merge(self, record: dict[str, Any], prefix: str = "") -> None:
+        """Take over the checks, results and lines of another step's record (a part run in a subprocess)."""
+        self.results.update(record.get("results", {}))
+        self.lines += [prefix + line for line in record.get("lines", [])]
+        self.checks += record.get("checks", [])
+        if record.get("error"):
+            self.checks.append({"name": f"{prefix}part finished", "ok": False, "detail": record["error"]})
+        self.write()
 
     def guard(self, what: str) -> _Guard:
         """``with step.guard('name'):`` a failure inside is a failed check named ``what`` and the step goes on."""
@@ -204,11 +215,12 @@ def write_stub(name: str, rc: int, limit: str, log: str) -> None:
             record = json.loads(path.read_text())
         except ValueError:
             record = {}
-    if record.get("ok") is False:
-        return  # the step wrote its own failing record: keep it
-    if record:
+    if record and rc == 1 and record.get("ok") is False:
+        return  # the step finished and wrote its own failing record: keep it
+    if record:  # a partial record (the step was killed) or one that says ok with a failing exit status
         record["ok"] = False
-        record["error"] = f"{why} after writing its record"
+        record["error"] = "; ".join(e for e in (record.get("error"), f"{why} (the record holds what it had done)")
+                                    if e)
     else:
         record = {"step": name, "title": name, "ok": False, "dry": dry(), "device": "?", "seconds": None,
                   "checks": [], "results": {}, "lines": [], "error": why}

@@ -50,7 +50,7 @@ def body(step: Step) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
         cmd, env = pytest_command(results)
-        limit = max(30.0, env_float("GPU_CHECK_LIMIT_S", 180.0) - 15.0)
+        limit = max(30.0, env_float("GPU_CHECK_LIMIT_S", 150.0) - 15.0)
         step.say(f"$ {' '.join(shlex.quote(c) for c in cmd)}  (limit {limit:.0f} s)")
         t0 = time.perf_counter()
         try:
