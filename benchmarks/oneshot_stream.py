@@ -11,12 +11,15 @@ heads, the same vocabulary), with random token ids as the calibration set. Each 
 * ``in-memory`` (``--sides stream,memory``): ``from_pretrained`` + ``GptqQuantizer.calibrate`` +
   ``export_model(hf_path=...)`` on the same checkpoint and data.
 
+* ``--parallel 1x1,1x2,2x1``: the stream run again as PROCESSES x THREADS (``workers=``, ``threads=``) for each
+  entry, wall time only (the goal: 2 x 1 at least 1.6x faster than 1 x 1, and not slower than 1 x 2).
+
 Printed: a markdown table (layers, checkpoint MiB, peak RSS MiB, peak / checkpoint bytes, seconds), and the ratio
 of the deepest stream run's peak to the shallowest's. Goal (issue 44): the peak at 22 layers within 10 % of the
 peak at 4 layers, and at most 0.5x the checkpoint's bytes at 22 layers.
 
     python benchmarks/oneshot_stream.py [--shape tiny|small] [--layers 4,22] [--samples 128] [--seq-len 512]
-        [--sides stream[,memory]] [--threads 1] [--workdir DIR]
+        [--sides stream[,memory]] [--threads 1] [--parallel 1x1,1x2,2x1] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -64,8 +67,12 @@ def _worker(args: argparse.Namespace) -> None:
     if args.worker == "stream":
         from compressor.torch.hf_oneshot import oneshot
 
-        oneshot(folder / "src", folder / "out-stream", RECIPE, str(folder / "ids.npy"), num_samples=args.samples,
-                seq_len=args.seq_len, batch_size=8, progress=False)
+        out = folder / f"out-stream-{args.workers}x{args.threads}"
+        oneshot(folder / "src", out, RECIPE, str(folder / "ids.npy"), num_samples=args.samples,
+                seq_len=args.seq_len, batch_size=8, progress=False, workers=args.workers, threads=args.threads)
+        import shutil
+
+        shutil.rmtree(out)
     else:
         import numpy as np
         import transformers
@@ -90,9 +97,9 @@ def _vm_hwm() -> float:
     raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
 
 
-def _run(side: str, folder: Path, args: argparse.Namespace) -> dict:
+def _run(side: str, folder: Path, args: argparse.Namespace, workers: int = 1, threads: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--samples", str(args.samples),
-           "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
+           "--seq-len", str(args.seq_len), "--threads", str(threads or args.threads), "--workers", str(workers)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--sides", default="stream")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--parallel", default="", help="PROCESSESxTHREADS entries, e.g. 1x1,1x2,2x1")
+    p.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="where the checkpoints are written (default: a temporary folder)")
     p.add_argument("--worker", choices=("stream", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    rows = []
+    rows, par = [], []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for n in [int(x) for x in args.layers.split(",")]:
             folder = Path(tmp) / f"l{n}"
@@ -126,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             for side in sides:
                 r = _run(side, folder, args)
                 rows.append((n, side, size, r["peak_mib"], r["seconds"]))
+            for entry in [e.strip() for e in args.parallel.split(",") if e.strip()]:
+                w, t = (int(x) for x in entry.split("x"))
+                r = _run("stream", folder, args, w, t)
+                par.append((n, w, t, r["seconds"]))
             for f in (folder / "src").glob("*.safetensors"):
                 f.unlink()
     print(f"shape {args.shape}, GPTQ w4 g128, {args.samples} x {args.seq_len} tokens, {args.threads} thread(s)\n")
@@ -133,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---|---:|---:|---:|---:|")
     for n, side, size, peak, sec in rows:
         print(f"| {n} | {side} | {size:.0f} | {peak:.0f} | {peak / size:.2f} | {sec:.0f} |")
+    if par:
+        print("\n| layers | processes x threads | seconds | speed-up vs 1 x 1 |")
+        print("|---:|---|---:|---:|")
+        base = {n: sec for n, w, t, sec in par if (w, t) == (1, 1)}
+        for n, w, t, sec in par:
+            up = f"{base[n] / sec:.2f}x" if n in base else "-"
+            print(f"| {n} | {w} x {t} | {sec:.0f} | {up} |")
     stream = [r for r in rows if r[1] == "stream"]
     if len(stream) > 1:
         print(f"\nstream peak, deepest / shallowest: {stream[-1][3] / stream[0][3]:.3f}")

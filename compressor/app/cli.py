@@ -331,8 +331,6 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
 def _cmd_oneshot(args: argparse.Namespace) -> int:
     import os
 
-    if args.workers != 1:
-        raise ConfigError("--workers: several processes are not supported yet; run with --workers 1")
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         raise ConfigError(f"SRC_DIR {args.src!r} has no config.json: give a Hugging Face checkpoint folder "
                           f"(config.json + safetensors); keras-hub presets are not streamed yet")
@@ -344,7 +342,7 @@ def _cmd_oneshot(args: argparse.Namespace) -> int:
         _no_file(args.recipe)
     summary = oneshot(args.src, args.out, args.recipe, args.data, num_samples=args.num_samples, seq_len=args.seq_len,
                       batch_size=args.batch_size, forward_dtype=args.forward_dtype, sparse_format=args.sparse_format,
-                      progress=True)
+                      workers=args.workers, threads=args.threads, progress=True)
     rows = summary["rows"]
     if rows:
         from ..core.oneshot import OneShotReport
@@ -469,7 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype of the block passes (default model: the checkpoint's)")
     os_.add_argument("--sparse-format", choices=("dense", "bitmask", "2:4", "auto"), default="dense",
                      help="how pruned layers are stored (default dense)")
-    os_.add_argument("--workers", type=int, default=1, help="processes (only 1 for now)")
+    os_.add_argument("--workers", type=int, default=1,
+                     help="processes to split the run over (default 1): each calibrates on its share of the "
+                          "sequences, the statistics are summed over all, a block's layers are solved in parallel. "
+                          "Under torchrun, each process runs the command and the launcher's processes are used")
+    os_.add_argument("--threads", type=int, default=None,
+                     help="torch threads per process (default: the CPUs divided by --workers)")
     os_.set_defaults(func=_cmd_oneshot)
 
     demo = sub.add_parser("demo", help="run the demo (arguments go to the demo)", add_help=False)

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from ..core.errors import ModelError
+from ..core.oneshot.collective import Collective
 
 __all__ = [
-    "all_reduce_max", "all_reduce_mean", "all_reduce_min", "all_reduce_sum", "broadcast", "compression_tensors",
+    "TorchCollective", "all_reduce_max", "all_reduce_mean", "all_reduce_min", "all_reduce_sum", "broadcast", "compression_tensors",
     "is_distributed", "rank", "refuse_wrapped_model", "sync_compressor", "unsynchronized", "world_size",
 ]
 
@@ -168,3 +169,41 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
+
+
+class TorchCollective(Collective):
+    """The processes of a one-shot run over ``torch.distributed`` (the default group, or ``group``): the statistics
+    are host numpy arrays, reduced in place through CPU tensors sharing their memory, so the group's backend must
+    handle CPU tensors (gloo; for NCCL give a gloo ``group`` made with ``torch.distributed.new_group(backend='gloo')``)."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not is_distributed():
+            raise ModelError("TorchCollective: torch.distributed is not initialised (init_process_group first)")
+        self.group = group
+        self.rank = rank(group)
+        self.world = world_size(group)
+
+    def sum_arrays(self, arrays: Any) -> None:
+        for a in arrays:
+            t = torch.from_numpy(a) if a.flags.c_contiguous and a.flags.writeable else torch.from_numpy(a.copy())
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self.group)
+            if t.data_ptr() != a.__array_interface__["data"][0]:
+                a[...] = t.numpy()
+
+    def sum_values(self, values: Any) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        return t.tolist()
+
+    def gather_values(self, value: int) -> list[int]:
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        torch.distributed.all_gather(out, torch.tensor([int(value)], dtype=torch.int64), group=self.group)
+        return [int(t.item()) for t in out]
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        torch.distributed.barrier(group=self.group)

@@ -21,6 +21,8 @@ statistics are summed in float64 (:class:`~compressor.core.oneshot.statistics.Gr
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -28,7 +30,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,9 +40,11 @@ from torch import nn
 from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
 from ..core.errors import ConfigError, ConfigWarning, ModelError
 from ..core.oneshot import forward_in_float64, release_freed_heap
+from ..core.oneshot.collective import split_evenly
 from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
 from ..core.recipe import load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
+from .distributed import TorchCollective
 from .hf_checkpoint import TensorPlan, capture_call, plan_tensors, quantization_config, write_config
 from .hf_stream import HfCheckpoint
 from .modules import is_wrapper
@@ -92,9 +96,9 @@ class _Checkpoint(BlockIO):
     """Blocks of the skeleton read from the source checkpoint and written to the run folder."""
 
     def __init__(self, ckpt: HfCheckpoint, model: nn.Module, names: dict[str, str], prefix_of: dict[int, str],
-                 template: dict[str, torch.Tensor], lead: TorchOneShotBackend, probe_path: str) -> None:
+                 template: dict[str, torch.Tensor], lead: TorchOneShotBackend, probe_path: str, rank: int = 0) -> None:
         self.ckpt, self.model, self.names, self.prefix_of, self.template = ckpt, model, names, prefix_of, template
-        self.lead, self.probe_path = lead, probe_path
+        self.lead, self.probe_path, self.rank = lead, probe_path, rank
 
     def _fill(self, module: nn.Module, prefix: str, fresh: dict[str, torch.Tensor] | None) -> None:
         module.to_empty(device="cpu")
@@ -120,7 +124,7 @@ class _Checkpoint(BlockIO):
 
     def save_inputs(self, inputs: list[Any], path: str) -> None:
         _save([(c.args, c.kwargs, c.where, c.keep) for c in inputs], path)
-        if inputs and not os.path.exists(self.probe_path):
+        if inputs and self.rank == 0 and not os.path.exists(self.probe_path):
             # one sequence of a block's inputs, kept for writing: who reads what in a block (AWQ's folds) and
             # whether the folded weights compute what the compressed block does
             c = inputs[0] if self.lead.batch_rows(inputs[0]) in (None, 1) else self.lead.take_rows(inputs[0], [0])
@@ -185,15 +189,50 @@ def _state_of(module: nn.Module, prefix: str, names: dict[str, str]) -> dict[str
 
 def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: Any, data: Any, *,
             num_samples: int = 128, seq_len: int = 512, batch_size: int = 8, forward_dtype: str = "model",
-            sparse_format: str = "dense", progress: Any = True) -> dict[str, Any]:
+            sparse_format: str = "dense", workers: int = 1, threads: int | None = None,
+            progress: Any = True) -> dict[str, Any]:
     """Compress the Hugging Face checkpoint ``src`` (config.json + safetensors), disk to disk with ``recipe`` (a YAML file, a
     YAML string or a list of ``{AlgorithmName: config_list}`` stages; the one-shot algorithms only) calibrated on
     ``data`` (a text file or folder, tokenized with the checkpoint's tokenizer.json; a ``.npy`` / ``.pt`` integer
     array ``[sequences, length]``; or such an array), ``num_samples`` sequences of ``seq_len`` tokens, and write a
     compressed-tensors checkpoint folder ``out`` that ``transformers`` loads. One decoder block is in memory at a
     time; a killed run continues where it stopped when called again. Returns a summary (sizes in and out, the
-    per-layer report rows, seconds)."""
+    per-layer report rows, seconds).
+
+    ``workers``: processes to split the run over (started here; gloo on this machine): each calibrates on its
+    share of the sequences, the statistics are summed over all, the layers of a block are solved by different
+    processes and shared (see :mod:`compressor.core.oneshot.collective`). Called in every process of an
+    initialised ``torch.distributed`` group (e.g. under ``torchrun``), the run is split over that group instead.
+    ``threads``: torch threads per process (default: the CPUs divided by the processes)."""
     t0 = time.perf_counter()
+    world = _torchrun_world()
+    if world > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return _in_group(src, out, recipe, data, num_samples=num_samples, seq_len=seq_len, batch_size=batch_size,
+                         forward_dtype=forward_dtype, sparse_format=sparse_format, threads=threads,
+                         progress=progress, t0=t0)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers: a positive number of processes, got {workers!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads: a positive number of threads per process, got {threads!r}")
+    prep = _prepare(src, out, recipe, data, num_samples, seq_len, batch_size, forward_dtype, workers)
+    if workers == 1:
+        with _threads(threads):
+            return _run(prep, recipe, batch_size, forward_dtype, sparse_format, progress, None, t0)
+    return _spawn(prep, recipe, workers, threads, batch_size, forward_dtype, sparse_format, progress, t0)
+
+
+class _Prepared:
+    """What a run reads before it starts, every check done: the folders, the recipe's stages, the checkpoint and
+    the calibration tokens."""
+
+    def __init__(self, src: str, out: str, stages: Any, ckpt: HfCheckpoint, tokens: np.ndarray) -> None:
+        self.src, self.out, self.stages, self.ckpt, self.tokens = src, out, stages, ckpt, tokens
+
+
+def _prepare(src: Any, out: Any, recipe: Any, data: Any, num_samples: int, seq_len: int, batch_size: int,
+             forward_dtype: str, workers: int, first: bool = True) -> _Prepared:
+    """Every refusal of a run, before anything is written (``first``: the process that may remove a finished run's
+    leftover folder)."""
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     what = "oneshot"
     if not os.path.isdir(src):
@@ -201,12 +240,18 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     if out == src or out.startswith(src + os.sep):
         raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
     if os.path.lexists(out):
-        _drop_finished_run(out + ".partial")
+        if first:
+            _drop_finished_run(out + ".partial")
         raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
                           f"the end)")
     stages = load_recipe(recipe, "torch", what="--recipe")
     ckpt = HfCheckpoint(src)
     tokens = _tokens(data, src, num_samples, seq_len, getattr(ckpt.config, "vocab_size", None))
+    batches = -(-len(tokens) // batch_size) if isinstance(batch_size, int) and batch_size > 0 else 0
+    if batches < workers:
+        raise ConfigError(f"{what}: {workers} processes need at least {workers} calibration batches, there are "
+                          f"{batches} ({len(tokens)} sequences, batch size {batch_size}): give more sequences, a "
+                          f"smaller --batch-size or fewer --workers")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise ConfigError(f"{what}: the folder of OUT_DIR, {parent!r}, does not exist")
@@ -217,8 +262,20 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
         raise ConfigError(f"{what}: {free / 2**30:.2f} GiB free beside OUT_DIR, the run needs about {need / 2**30:.2f} "
                           f"GiB (the output and the run folder's block states, each at most the checkpoint's "
                           f"{ckpt.nbytes / 2**30:.2f} GiB, and one block's recorded inputs)")
+    forward_in_float64(forward_dtype, what, True)
+    return _Prepared(src, out, stages, ckpt, tokens)
+
+
+def _run(prep: _Prepared, recipe: Any, batch_size: int, forward_dtype: str, sparse_format: str, progress: Any,
+         coll: Any, t0: float) -> dict[str, Any]:
+    """The run in this process: all of it, or (``coll``: a :class:`~compressor.torch.distributed.TorchCollective`)
+    this process's share, process 0 writing the run's state and the checkpoint."""
+    src, out, stages, ckpt, tokens = prep.src, prep.out, prep.stages, prep.ckpt, prep.tokens
+    what = "oneshot"
     float64 = forward_in_float64(forward_dtype, what, True)
-    options = {"forward_dtype": forward_dtype, "sparse_format": sparse_format, "batch_size": batch_size}
+    rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
+    options = {"forward_dtype": forward_dtype, "sparse_format": sparse_format, "batch_size": batch_size,
+               "workers": world}
     work = out + ".partial"
 
     with torch.no_grad():
@@ -247,22 +304,35 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
                     some = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3]
                     raise ConfigError(f"--recipe: stage {i} ({stage.name}): {w.message}; the checkpoint's layers are "
                                       f"named like {some}")
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                if rank == 0:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         names = _original_names(model)
         template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
         first.to("meta")
         prefix_of = {id(b): f"{list_name}.{i}." for i, b in enumerate(layers)}
         backends = [TorchOneShotBackend(c, None, float64) for c in compressors]
-        io = _Checkpoint(ckpt, model, names, prefix_of, template, backends[0], os.path.join(work, "state", "probe"))
+        if coll is not None:
+            for be in backends:
+                be.collective = coll
+        io = _Checkpoint(ckpt, model, names, prefix_of, template, backends[0], os.path.join(work, "state", "probe"),
+                         rank)
         found = [b for _, b in backends[0].blocks()]
         if [id(b) for b in found] != [id(b) for b in layers]:
             raise ModelError(f"{what}: the compressors' blocks are not the model's decoder layers {list_name!r}")
         stage_pairs = [(be, c.method_class()) for be, c in zip(backends, compressors)]
-        batches = [((), {"input_ids": t}) for t in torch.tensor(tokens).split(batch_size)]
+        batches = split_evenly([((), {"input_ids": t}) for t in torch.tensor(tokens).split(batch_size)], world, rank)
         check_stages(stage_pairs, batches)  # before the run folder is made
         key = _fingerprint(stages, ckpt, tokens, options)
-        store = RunStore(os.path.join(work, "state"), key, len(layers))
+        if rank == 0:
+            store = RunStore(os.path.join(work, "state"), key, len(layers))
+        if coll is not None:
+            coll.barrier()
+        if rank != 0:
+            store = RunStore(os.path.join(work, "state"), key, len(layers), writer=False)
         rows = run_streamed(stage_pairs, io, batches, store, progress, samples=len(tokens))
+        if rank != 0:
+            return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": None, "rows": rows,
+                    "dense_notes": [], "seconds": time.perf_counter() - t0, "rank": rank}
         for c in compressors:
             c.calibrated = True
         plan = _write(ckpt, model, layers, list_name, names, store, io, os.path.join(work, "checkpoint"), src,
@@ -272,9 +342,121 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     size_out = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     if plan.dense_notes:  # as the in-memory export says it: these layers are not smaller in the file
         warnings.warn(f"compressor.torch.oneshot: written as float weights (not packed): {', '.join(plan.dense_notes)}",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=3)
     return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": size_out, "rows": rows,
-            "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0}
+            "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0, "rank": 0}
+
+
+def _torchrun_world() -> int:
+    """The world size a launcher (``torchrun``) set in the environment, 1 when none did."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) if "MASTER_ADDR" in os.environ else 1
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the block (unchanged when None), put back after."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _in_group(src: Any, out: Any, recipe: Any, data: Any, *, num_samples: int, seq_len: int, batch_size: int,
+              forward_dtype: str, sparse_format: str, threads: int | None, progress: Any, t0: float) -> dict[str, Any]:
+    """The run split over the processes of ``torch.distributed``'s default group (initialised here, with gloo, from a
+    launcher's environment when it is not yet); every process returns process 0's summary."""
+    made = False
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
+        made = True
+    try:
+        coll = TorchCollective()
+        # every process checks the input; process 0 alone may remove a finished run's leftovers
+        prep = _prepare(src, out, recipe, data, num_samples, seq_len, batch_size, forward_dtype, coll.world,
+                        first=coll.rank == 0)
+        coll.barrier()
+        with _threads(threads):
+            summary = _run(prep, recipe, batch_size, forward_dtype, sparse_format, progress, coll, t0)
+        return coll.broadcast_object(summary if coll.rank == 0 else None, 0)
+    finally:
+        if made:
+            torch.distributed.destroy_process_group()
+
+
+#: how long a process waits in one collective for the others (a block's solve on a very large model on CPU can
+#: take long; a process that dies is noticed by whoever started them: :func:`_spawn`, torchrun)
+_GROUP_TIMEOUT = datetime.timedelta(hours=12)
+
+
+def _spawn(prep: _Prepared, recipe: Any, workers: int, threads: int | None, batch_size: int, forward_dtype: str,
+           sparse_format: str, progress: Any, t0: float) -> dict[str, Any]:
+    """Run the prepared job in ``workers`` new processes (gloo over a file rendezvous); process 0's summary, or the
+    first process's error, here."""
+    import torch.multiprocessing as mp
+
+    per = threads if threads is not None else max(1, (os.cpu_count() or 1) // workers)
+    with tempfile.TemporaryDirectory(prefix=".oneshot-", dir=os.path.dirname(prep.out)) as d:
+        args = (d, workers, per, prep.src, prep.out, recipe, prep.tokens, batch_size, forward_dtype, sparse_format,
+                progress is not False and progress is not None, t0)
+        failed: BaseException | None = None
+        try:
+            mp.start_processes(_worker, args=args, nprocs=workers, join=True, start_method="spawn")
+        except Exception as e:  # noqa: BLE001 - a process's own error, read from its file below, says more
+            failed = e
+        results = []
+        for r in range(workers):
+            path = os.path.join(d, f"rank{r}.pkl")
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    for res in results:
+        if res is not None and res[0] == "error":
+            raise res[1]
+    if failed is not None or results[0] is None:
+        raise ModelError(f"oneshot: a worker process stopped ({failed}); the same command continues the run where "
+                         f"it stopped")
+    return results[0][1]
+
+
+def _worker(rank: int, d: str, world: int, threads: int, src: str, out: str, recipe: Any, tokens: np.ndarray,
+            batch_size: int, forward_dtype: str, sparse_format: str, progress: bool, t0: float) -> None:
+    """One process of :func:`_spawn`: joins the group, runs its share, leaves its summary or its error in ``d``."""
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    result: tuple[str, Any]
+    try:
+        torch.distributed.init_process_group("gloo", init_method="file://" + os.path.join(d, "rendezvous"),
+                                             rank=rank, world_size=world, timeout=_GROUP_TIMEOUT)
+        try:
+            coll = TorchCollective()
+            prep = _prepare(src, out, recipe, tokens, len(tokens), tokens.shape[1], batch_size, forward_dtype, world,
+                            first=False)
+            result = ("ok", _run(prep, recipe, batch_size, forward_dtype, sparse_format, progress, coll, t0))
+        finally:
+            torch.distributed.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
+        result = ("error", e)
+    _save(result, os.path.join(d, f"rank{rank}.pkl"))
+    if result[0] == "error":
+        raise SystemExit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process is killed when the process that started it dies (a killed run leaves no worker behind
+    to write into the run folder while the next run starts)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _drop_finished_run(work: str) -> None:

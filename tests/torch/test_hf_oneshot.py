@@ -202,8 +202,11 @@ def test_the_command_line_runs_the_same_compression(tmp_path, capsys):
     assert main(["oneshot", str(src), str(tmp_path / "o3"), "--recipe", str(tmp_path / "nope.yaml"), "--data",
                  str(path)]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert main(["oneshot", *argv[:1], str(tmp_path / "o4"), *argv[2:], "--workers", "2"]) == 2
-    assert "several processes are not supported yet" in capsys.readouterr().err
+    assert main(["oneshot", *argv[:1], str(tmp_path / "o4"), *argv[2:], "--workers", "3"]) == 2
+    assert "3 processes need at least 3 calibration batches, there are 2" in capsys.readouterr().err
+    assert main(["oneshot", *argv[:1], str(tmp_path / "o5"), *argv[2:], "--workers", "2", "--threads", "1"]) == 0
+    got = tensors_of(tmp_path / "o5")
+    assert sorted(got) == sorted(want)
 
 
 def test_a_two_stage_recipe_prunes_then_quantizes_each_block(tmp_path):

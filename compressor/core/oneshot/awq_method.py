@@ -49,12 +49,17 @@ def search_inputs(backend: Any, inputs: list[Any], samples: int | None) -> list[
     if samples is None:
         return list(inputs)
     counts = [backend.batch_rows(i) for i in inputs]
+    coll = backend.collective
     if any(c is None for c in counts):
+        if coll.world > 1:
+            raise ModelError("AWQ over several processes needs a backend that can split a batch into sequences")
         return search_subset(inputs, samples)
-    total = sum(counts)
+    # over several processes: the sequences picked from ALL of them (the same as one process picks), each
+    # process scoring its own
+    first, total = coll.sequence_range(sum(counts))
     if samples >= total:
         return list(inputs)
-    picks = search_subset(list(range(total)), samples)
+    picks = [p - first for p in search_subset(list(range(total)), samples)]
     out, start = [], 0
     for inp, n in zip(inputs, counts):
         local = [p - start for p in picks if start <= p < start + n]
@@ -196,7 +201,7 @@ class _Lazy(Mapping):
         return len(self._makers)
 
 
-def _output_error(outs: Iterable[Any], ref: Sequence[np.ndarray]) -> float:
+def _output_error(outs: Iterable[Any], ref: Sequence[np.ndarray], coll: Any = None) -> float:
     """Mean squared difference of a block's (or module's) outputs from the reference ones, accumulated in float64
     over chunks of rows (no float64 copy of a whole output: the outputs may be float32). ``outs`` may be a
     generator (the backends' ``module_output`` / ``block_output`` are): one output alive at a time."""
@@ -214,6 +219,8 @@ def _output_error(outs: Iterable[Any], ref: Sequence[np.ndarray]) -> float:
             d = o2[i:i + step].astype(np.float64) - r2[i:i + step]
             total += float(np.einsum("ij,ij->", d, d))
         n += o.size
+    if coll is not None and coll.world > 1:  # every process's outputs: the error over all the sequences
+        total, n = coll.sum_values([total, n])
     return total / max(n, 1)
 
 
@@ -239,7 +246,7 @@ def _record_float(backend: OneShotBackend, block: Any, inputs: list[Any], module
         for t, _, w_done in done:
             backend.set_weight(t, spill.get(w_done))
     release_freed_heap()  # the recording run's (and a backend's merging of the calls) transient buffers
-    if not calls:
+    if not calls and inputs:
         raise ModelError(f"AWQ: module {getattr(module, 'name', type(module).__name__)!r}, which holds layers of "
                          f"block {block!r}, was not called when the block ran on the calibration inputs")
     return calls
@@ -322,7 +329,7 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
                            ref: Any = ref) -> float:
                 for t in group:
                     set_weight(t, cand[t.name])
-                err = _output_error(forward(), ref)
+                err = _output_error(forward(), ref, backend.collective)
                 release_freed_heap()
                 return err
 

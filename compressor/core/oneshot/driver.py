@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .collective import reduce_statistics
 from .memory import Undo, release_freed_heap
 from .method import OneShotMethod
 from .observe import observers
@@ -108,6 +109,7 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
                 accs, observe = observers(method, tasks, _shared_inputs(backend, block, inputs, tasks))
                 backend.run_block(block, inputs, observe)
                 observe = None  # its bound methods hold the accumulators: only ``accs`` may, from here on
+                reduce_statistics(backend.collective, accs)  # over several processes: all their sequences
                 release_freed_heap()
                 method.compress_block(backend, block, inputs, tasks, accs, rows, name, undo)
                 accs = None  # type: ignore[assignment]
@@ -122,6 +124,7 @@ def _run(backend: OneShotBackend, method: OneShotMethod, batches: Sequence[Any],
         if needs_data:
             accs, observe = observers(method, rest)
             backend.run_model(batches, observe)
+            reduce_statistics(backend.collective, accs)
         else:
             accs = {}
         compress_layers(backend, method, rest, accs, rows, "", undo)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .codes import QuantizedWeight, QuantSpec
+from .collective import LOCAL, Collective
 from .config import quant_spec_of
 
 
@@ -53,6 +54,9 @@ class OneShotBackend:
     blocks are opaque to the driver. A backend subclasses this; the first seven methods it must implement, the
     others have the defaults written here (a backend that leaves them gets a slower or plainer run, never a
     different result): the torch and Keras adapters implement them all."""
+
+    #: the processes this run is split over (:mod:`~compressor.core.oneshot.collective`); one by default
+    collective: Collective = LOCAL
 
     # ------------------------------------------------------------------ required
     def blocks(self) -> Sequence[tuple[str, Any]]:

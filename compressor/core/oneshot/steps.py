@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelError
+from .collective import owner_of
 from .memory import Undo, release_freed_heap
 from .protocol import LayerResult, LayerTask, OneShotBackend
 from .statistics import GramAccumulator
@@ -53,6 +54,11 @@ def commit_layer(backend: OneShotBackend, method: Any, task: LayerTask, result: 
 def compress_layers(backend: OneShotBackend, method: Any, tasks: list[LayerTask],
                      accs: dict[str, GramAccumulator], rows: list[dict[str, Any]], block: str,
                      undo: Undo | None = None) -> None:
+    """Compute and write each layer of ``tasks`` in turn; split over the processes of ``backend.collective`` when
+    there are several (:func:`_compress_layers_split`)."""
+    if backend.collective.world > 1:
+        _compress_layers_split(backend, method, tasks, accs, rows, block, undo)
+        return
     later = [id(accs[t.name]) if accs.get(t.name) is not None else None for t in tasks]
     for i, t in enumerate(tasks):
         stats = accs.get(t.name)
@@ -63,3 +69,32 @@ def compress_layers(backend: OneShotBackend, method: Any, tasks: list[LayerTask]
         del result
         release_freed_heap()  # the solver's matrices: the next layer's start on a trimmed heap
 
+
+
+def _compress_layers_split(backend: OneShotBackend, method: Any, tasks: list[LayerTask],
+                           accs: dict[str, GramAccumulator], rows: list[dict[str, Any]], block: str,
+                           undo: Undo | None) -> None:
+    """Weight parallel: layer ``i`` is solved by process ``i mod N`` (from the statistics summed over all of them),
+    then every result goes to every process, which writes it: all hold the same compressed block. A failure on the
+    process solving a layer is raised on every process, at that layer."""
+    coll = backend.collective
+    mine = [i for i in range(len(tasks)) if owner_of(i, coll.world) == coll.rank]
+    results: dict[int, Any] = {}
+    for k, i in enumerate(mine):
+        t = tasks[i]
+        stats = accs.get(t.name)
+        if stats is not None and all(accs.get(tasks[j].name) is not stats for j in mine[k + 1:]):
+            stats.consumable = True
+        try:
+            results[i] = compute_layer(backend, method, t, stats)
+        except Exception as e:  # noqa: BLE001 - raised on every process when layer i's turn comes
+            results[i] = e
+            break
+        release_freed_heap()
+    for i, t in enumerate(tasks):
+        result = coll.broadcast_object(results.pop(i, None), owner_of(i, coll.world))
+        if isinstance(result, BaseException):
+            raise result
+        commit_layer(backend, method, t, result, rows, block, undo)
+        del result
+        release_freed_heap()

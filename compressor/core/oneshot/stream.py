@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigError, ModelError
+from .collective import reduce_statistics
 from .memory import Undo, release_freed_heap
 from .method import OneShotMethod
 from .observe import observers
@@ -40,13 +41,18 @@ class RunStore:
     inputs of block ``i``). ``key`` identifies the run (the recipe's hash, the checkpoint's and the data's
     fingerprints): a folder holding another run's state is refused, not mixed in."""
 
-    def __init__(self, folder: str | os.PathLike[str], key: str, blocks: int) -> None:
+    def __init__(self, folder: str | os.PathLike[str], key: str, blocks: int, writer: bool = True) -> None:
         self.folder = os.fspath(folder)
         self.key = key
         self.blocks = int(blocks)
-        os.makedirs(self.folder, exist_ok=True)
+        #: only the writer (process 0 of a run over several) writes the state; the others read it
+        self.writer = writer
+        if writer:
+            os.makedirs(self.folder, exist_ok=True)
         self.done = 0
         path = self._state_path
+        if not writer and not os.path.exists(path):
+            raise ModelError(f"{path}: the run's state is missing (process 0 writes it first)")
         if os.path.exists(path):
             try:
                 with open(path, encoding="utf-8") as f:
@@ -72,11 +78,15 @@ class RunStore:
     def block_path(self, i: int) -> str:
         return os.path.join(self.folder, f"block-{i:05d}")
 
-    def inputs_path(self, i: int) -> str:
-        return os.path.join(self.folder, f"inputs-{i:05d}")
+    def inputs_path(self, i: int, rank: int = 0) -> str:
+        """Block ``i``'s recorded inputs (process ``rank``'s share of the sequences, in a run over several)."""
+        return os.path.join(self.folder, f"inputs-{i:05d}" + (f".rank{rank}" if rank else ""))
 
     def mark_done(self, done: int) -> None:
         """Record that blocks ``0 .. done - 1`` are finished (their files are written and synced before)."""
+        if not self.writer:
+            self.done = int(done)
+            return
         tmp = self._state_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"version": STATE_VERSION, "key": self.key, "blocks": self.blocks, "done": int(done)}, f)
@@ -148,14 +158,16 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
     compressed by this call. ``progress``: True (stderr), False / None, a file, or a function of one line;
     ``samples``: the number of calibration sequences, shown in it."""
     check_stages(stages, batches)
-    say = _say(progress)
     lead = stages[0][0]
+    coll = lead.collective
+    say = _say(progress if coll.rank == 0 else None)
     blocks = list(lead.blocks())
     if len(blocks) != store.blocks:
         raise ModelError(f"the model has {len(blocks)} blocks, the run's state counts {store.blocks}")
     rows: list[dict[str, Any]] = []
     start = store.done
-    inputs: list[Any] | None = io.load_inputs(store.inputs_path(start)) if 0 < start < len(blocks) else None
+    inputs: list[Any] | None = (io.load_inputs(store.inputs_path(start, coll.rank)) if 0 < start < len(blocks)
+                                else None)
     t_run = time.perf_counter()
     for i, (name, block) in enumerate(blocks):
         if i < start:
@@ -176,20 +188,24 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
                     accs, observe = observers(method, tasks, backend.shared_inputs(block, inputs, tasks))
                     backend.run_block(block, inputs, observe)
                     observe = None
+                    reduce_statistics(coll, accs)  # over several processes: every process's sequences
                 undo = Undo(_NoUndo())
                 method.compress_block(backend, block, inputs, tasks, accs, rows, name, undo)
                 accs = {}
                 release_freed_heap()
             if i + 1 < len(blocks):
                 inputs = lead.advance(block, inputs)
-            io.save_block(block, store.block_path(i))
+            if coll.rank == 0:  # every process holds the same compressed block
+                io.save_block(block, store.block_path(i))
             if i + 1 < len(blocks):
-                io.save_inputs(inputs, store.inputs_path(i + 1))
+                io.save_inputs(inputs, store.inputs_path(i + 1, coll.rank))
         finally:
             io.release_block(block)
+        coll.barrier()  # every process's files are written before the state names them
         store.mark_done(i + 1)
-        if os.path.exists(store.inputs_path(i)):  # the inputs of a finished block are not read again
-            os.remove(store.inputs_path(i))
+        coll.barrier()  # ... and the state is written before any process drops the inputs it replaces
+        if os.path.exists(store.inputs_path(i, coll.rank)):  # the inputs of a finished block are not read again
+            os.remove(store.inputs_path(i, coll.rank))
         release_freed_heap()
         done, total = i + 1, len(blocks)
         elapsed = time.perf_counter() - t_run
