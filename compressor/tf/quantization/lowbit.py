@@ -23,6 +23,16 @@ AWQ, 2..4 bit                          ``awq/4/<g>``  codes of ``W s`` (unsigned
                                                       scales, zero points, ``g_idx``
 =====================================  =============  ===============================================
 
+Keras views a kernel as 2-D by reshaping it, without a transpose (int4: ``[product of the contracted dims, the
+rest]``; GPTQ / AWQ: a 3-D kernel split where its largest axis is). For Dense and kernels whose contracted axes
+come first (``'abc,cde->abde'``) rows are input columns and columns output channels. keras-hub Gemma's query /
+key / value kernels are ``[heads, d, head_dim]`` (``'btd,ndh->btnh'``): the reshape mixes heads into the rows, so
+no per-column scale fits. Those layers go into Keras's grouped layouts with one Keras group per set of view rows
+that take the same (output channel, group) in every column, ``g_idx`` sending each row to its group (per
+channel: one group per head); the integers and scales are still ours exactly, and the layer's ``group_size`` is
+Keras's block size for that view (:func:`_plan_mixed`). Keras's int8 layer quantizes along the contracted axes
+wherever they are and needs nothing of this.
+
 Keras names the container, not the grid: 2- and 3-bit codes sit in ``int4`` layers (half a byte per weight;
 Keras's GPTQ layer would store them a byte each and runs slower), 5..7-bit ones in ``int8`` / ``gptq/8``
 layers. AWQ codes wider than 4 bits have no Keras layout (a ``ConfigError``).
@@ -49,6 +59,7 @@ quantizer object is done). Everything is checked and every array computed before
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,17 +94,40 @@ class KerasLowbitPlan:
 
 
 # ------------------------------------------------------------------------------------------- layouts
-def _flat_index(plan: KernelLayout, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Keras's 2-D view of the kernel: ``[rows, cols]`` = the kernel reshaped with its contracted (input) axes
-    first, as Keras's int4 / GPTQ / AWQ layers flatten it. Returns the canonical input index of every row and
-    the canonical output index of every column (ConfigError when the contracted axes do not lead)."""
+def _keras_view(plan: KernelLayout, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keras's 2-D ``[rows, cols]`` view of the kernel in ``mode``, as ``(in_of, out_of)``: the canonical input and
+    output index of every element. Keras reshapes the kernel (C order, no transpose): its int4 layer to
+    ``[product of the contracted dims, the rest]``, its GPTQ / AWQ layers a 3-D kernel by where its largest axis
+    is (``[d0, d1 * d2]`` when it is first, else ``[d0 * d1, d2]``). Kernels whose contracted axes come first
+    (Dense, ``'abc,cde->abde'``) give rows = inputs, cols = outputs; others (keras-hub Gemma's query / key / value
+    ``'btd,ndh->btnh'``, kernel ``[heads, d, head_dim]``) mix them: :func:`_grouped_view` then fits their scales."""
     n_out, n_in = plan.n_out, plan.n_in
-    in_of = plan.from_canonical(np.broadcast_to(np.arange(n_in), (n_out, n_in))).reshape(n_in, n_out)
-    out_of = plan.from_canonical(np.broadcast_to(np.arange(n_out)[:, None], (n_out, n_in))).reshape(n_in, n_out)
-    if not (np.all(in_of == in_of[:, :1]) and np.all(out_of == out_of[:1, :])):
-        raise ConfigError(f"layer {name!r} ({plan.layer_type}): its kernel {plan.kernel_shape} does not have the "
-                          f"contracted (input) axes first, so Keras's quantized layers cannot hold it")
-    return in_of[:, 0].astype(np.int64), out_of[0, :].astype(np.int64)
+    in_k = plan.from_canonical(np.broadcast_to(np.arange(n_in), (n_out, n_in)))
+    out_k = plan.from_canonical(np.broadcast_to(np.arange(n_out)[:, None], (n_out, n_in)))
+    shape = list(plan.kernel_shape)
+    if mode in ("gptq", "awq") and len(shape) == 3:
+        k_rows = shape[0] if shape.index(max(shape)) == 0 else shape[0] * shape[1]
+    elif mode in ("gptq", "awq") and len(shape) == 2:
+        k_rows = shape[0]
+    else:
+        k_rows = n_in
+    return in_k.reshape(k_rows, -1).astype(np.int64), out_k.reshape(k_rows, -1).astype(np.int64)
+
+
+def _natural(in_of: np.ndarray, out_of: np.ndarray) -> bool:
+    """Every row of the view is one input column and every column one output channel."""
+    return bool(np.all(in_of == in_of[:, :1]) and np.all(out_of == out_of[:1, :]))
+
+
+def _grouped_view(in_of: np.ndarray, out_of: np.ndarray, gs: int, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a view that mixes inputs and outputs: ``(keys, g_idx)`` with ``g_idx[r]`` the Keras group of view row
+    ``r`` and ``keys[g, c] = out * n_groups + our group`` the (output channel, our group) whose scale and zero point
+    element ``(r, c)`` of every row of group ``g`` takes. Rows that need the same parameters in every column share a
+    group, so Keras's ``(q - zero[g_idx[r], c]) * scale[g_idx[r], c]`` is our ``(q - zp[o, g]) * s[o, g]`` exactly
+    (Gemma's ``[heads, d, head_dim]`` query kernel, per channel: one group per head)."""
+    combined = out_of * n_groups + in_of // gs
+    keys, g_idx = np.unique(combined, axis=0, return_inverse=True)
+    return keys, np.asarray(g_idx).reshape(-1)
 
 
 def _flat(canonical: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -165,10 +199,15 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
         raise ConfigError(f"layer {name!r} ({type(layer).__name__}): {bits}-bit AWQ codes have no stock Keras "
                           f"layout (Keras's AWQ layer holds codes of at most 4 bits); use quant_bits <= 4 with "
                           f"AwqQuantizer, or GptqQuantizer / RtnQuantizer for wider codes")
-    rows, cols = _flat_index(plan, name)
-    group_of_row = rows // gs  # our groups follow the canonical input column
-    keras_gs = -1 if per_channel else gs
     values: dict[str, np.ndarray] = {}
+    if mode != "int8":  # Keras's int8 layer quantizes along the contracted axes wherever they are
+        in_of, out_of = _keras_view(plan, mode)
+        if not _natural(in_of, out_of):
+            return _plan_mixed(name, layer, plan, mode, bits, gs, symmetric, codes, scale, zp, awq_scales,
+                               in_of, out_of)
+        rows, cols = in_of[:, 0], out_of[0, :]
+        group_of_row = rows // gs  # our groups follow the canonical input column
+    keras_gs = -1 if per_channel else gs
     if mode == "int8":
         lo, hi = int(codes.min()), int(codes.max())
         if lo < -128 or hi > 127:
@@ -208,18 +247,59 @@ def keras_quantized_variables(name: str, layer: Any, codes: Any, scale: Any, zer
             config = AWQConfig(None, None, weight_bits=4, group_size=keras_gs)
         else:
             config = GPTQConfig(None, None, weight_bits=8, group_size=keras_gs, symmetric=symmetric)
-        if isinstance(layer, keras.layers.EinsumDense) and len(plan.kernel_shape) == 3:
-            shape = list(plan.kernel_shape)  # Keras splits a 3-D kernel by where its largest axis is
-            lead = shape.index(max(shape)) == 0
-            k_rows = shape[0] if lead else shape[0] * shape[1]
-            if k_rows != n_in:
-                raise ConfigError(f"layer {name!r} (EinsumDense, kernel {plan.kernel_shape}): Keras's {mode} layer "
-                                  f"would split it as [{k_rows}, ...], not as [in={n_in}, out={n_out}]; use 4-bit "
-                                  f"codes (Keras int4) for this layer")
-        elif isinstance(layer, keras.layers.EinsumDense) and len(plan.kernel_shape) != 2:
-            raise ConfigError(f"layer {name!r} (EinsumDense, kernel {plan.kernel_shape}): Keras's {mode} layer takes "
-                              f"2-D or 3-D kernels only")
     return KerasLowbitPlan(name, layer, mode, bits, keras_gs, symmetric, config, values)
+
+
+def _plan_mixed(name: str, layer: Any, plan: KernelLayout, mode: str, bits: int, gs: int, symmetric: bool,
+                codes: np.ndarray, scale: np.ndarray, zp: np.ndarray, awq_scales: Any, in_of: np.ndarray,
+                out_of: np.ndarray) -> KerasLowbitPlan:
+    """The variables of a layer whose kernel Keras views with inputs and outputs mixed (see :func:`_keras_view`):
+    the codes in Keras's view, and one Keras group per set of view rows that take the same (output channel, our
+    group) in every column (:func:`_grouped_view`), in Keras's grouped layouts (``int4/<block>`` with
+    ``g_idx``, or the GPTQ / AWQ layers). Keras's block size is chosen so that its layer has at least that many
+    groups; ``g_idx`` (saved with the layer) sends each row to its own."""
+    from keras.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig
+
+    if len(plan.kernel_shape) not in (2, 3) and mode != "int4":
+        raise ConfigError(f"layer {name!r} ({type(layer).__name__}, kernel {plan.kernel_shape}): Keras's {mode} "
+                          f"layer takes 2-D or 3-D kernels only; use 4-bit codes (Keras int4) for this layer")
+    n_groups = scale.shape[1]
+    keys, g_idx = _grouped_view(in_of, out_of, gs, n_groups)
+    k_rows = in_of.shape[0]
+    n_keras = len(keys)
+    block = max(1, k_rows // n_keras)  # Keras builds ceil(rows / block) >= n_keras groups
+    n_built = -(-k_rows // block)
+    sc = np.ones((n_built, keys.shape[1]), dtype=np.float64)
+    z = np.zeros((n_built, keys.shape[1]), dtype=np.int64)
+    sc[:n_keras] = scale[keys // n_groups, keys % n_groups]
+    z[:n_keras] = zp[keys // n_groups, keys % n_groups]
+    q = codes[out_of, in_of]  # the codes in Keras's [rows, cols] view
+    values: dict[str, np.ndarray] = {"g_idx": g_idx.astype(np.float32)}
+    if mode == "int4":
+        if not symmetric:  # unsigned [0, 15] -> Keras's signed nibbles [-8, 7]; q - zp unchanged
+            q, z = q - 8, z - 8
+        values["kernel"] = np.asarray(keras.quantizers.pack_int4(q.astype(np.int8), axis=-1)[0])
+        values["kernel_scale"] = sc.astype(np.float32)  # [groups, cols]
+        values["kernel_zero"] = z.astype(np.int8)
+        return KerasLowbitPlan(name, layer, mode, bits, block, symmetric,
+                               Int4QuantizationConfig(block_size=block), values)
+    if symmetric:
+        q, z = q + 2 ** (bits - 1), z + 2 ** (bits - 1)
+    kq = q.T.astype(np.uint8)  # [cols, rows]
+    if mode == "awq":
+        kq = np.asarray(keras.quantizers.pack_int4(kq, axis=0, dtype="uint8")[0])
+        s = np.asarray(awq_scales, dtype=np.float32)
+        if not np.all(s[in_of] == s[in_of[:, :1]]):
+            raise ConfigError(f"layer {name!r} ({type(layer).__name__}, kernel {plan.kernel_shape}): Keras's AWQ "
+                              f"layer divides each row of its [{k_rows}, {in_of.shape[1]}] view by one scale, and "
+                              f"this kernel's rows mix input columns with different AWQ scales")
+        values["awq_scales"] = s[in_of[:, 0]]
+    values["quantized_kernel"] = kq
+    values["kernel_scale"] = sc.T.astype(np.float32)  # [cols, groups]
+    values["kernel_zero"] = z.T.astype(np.uint8)
+    config = (AWQConfig(None, None, weight_bits=4, group_size=block) if mode == "awq"
+              else GPTQConfig(None, None, weight_bits=8, group_size=block, symmetric=symmetric))
+    return KerasLowbitPlan(name, layer, mode, bits, block, symmetric, config, values)
 
 
 def _is_oneshot_quantizer(obj: Any) -> bool:
@@ -300,6 +380,39 @@ def _complete_saver(layer: Any) -> Any:
     return save_own_variables
 
 
+def _config_serialized(model: Any) -> set[int]:
+    """ids of the layers a ``.keras`` file rebuilds from their own config (layers of stock Functional / Sequential
+    models, recursively); the others are rebuilt by their parent's code (keras-hub's blocks and attention layers)."""
+    from keras.src.models.functional import Functional
+
+    out: set[int] = set()
+
+    def walk(m: Any) -> None:
+        if type(m) is Functional or type(m) is keras.Sequential:
+            for child in m.layers:
+                out.add(id(child))
+                walk(child)
+
+    out.add(id(model))
+    walk(model)
+    return out
+
+
+def _warn_int8_rebuilt(model: Any, plans: list[KerasLowbitPlan]) -> None:
+    """Keras's int8 layer is weight-only here through its quantization config; a layer its parent rebuilds from
+    code when the ``.keras`` file loads gets Keras's default int8 config instead, which quantizes its inputs too:
+    said at conversion, not found at the user's load."""
+    serialized = _config_serialized(model)
+    rebuilt = [p.name for p in plans if p.mode == "int8" and id(p.layer) not in serialized]
+    if rebuilt:
+        warnings.warn(f"to_keras_quantized: {len(rebuilt)} layer(s) go into Keras's int8 layer weight-only "
+                      f"({', '.join(rebuilt[:4])}{' ...' if len(rebuilt) > 4 else ''}), but a .keras file rebuilds "
+                      f"them from their parent layer's code with Keras's default int8 config, which also quantizes "
+                      f"their inputs: the reloaded model's outputs differ from this one's (about 1e-3 relative). "
+                      f"Use fast=False (Keras's int4 layers, weight-only in the file too) to save and reload",
+                      UserWarning, stacklevel=3)
+
+
 def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[dict[str, Any]]:
     """Turn every calibrated one-shot-quantized layer into Keras 3's own quantized layer holding our codes (see
     the module docstring for the layouts); returns one row per layer (``layer``, ``type``, ``mode``, ``bits``,
@@ -316,6 +429,7 @@ def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[d
                               f"({w.layer.dtype_policy.name}); the conversion is done once")
     plans = [_plan_layer(name, w, bool(fast)) for name, w in targets]
     model = model_or_quantizer.bound_model if _is_oneshot_quantizer(model_or_quantizer) else model_or_quantizer
+    _warn_int8_rebuilt(model, plans)
     quantizers = {id(w.compressor): w.compressor for _, w in targets}
     strip_model(model)
     for q in quantizers.values():
