@@ -6,7 +6,7 @@ one of them must pass (a skip there is a failure: it did not run). Dry run: the 
 each of them must skip, with a reason naming CUDA; the list is what the GPU run will run.
 
 Settings: ``GPU_CHECK_TEST_TIMEOUT`` (seconds per test, default 120, when pytest-timeout is installed),
-``GPU_CHECK_PYTEST_ARGS`` (more pytest arguments, e.g. ``-n 4`` with pytest-xdist, or ``-x``).
+``GPU_CHECK_PYTEST_ARGS`` (more pytest arguments, e.g. ``-x``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def sizes() -> tuple[int, int, int, int, int]:
         hidden, ffn = (int(v) for v in raw.split(","))
     else:
         hidden, ffn = (64, 128) if dry() else (256, 512)
-    return (hidden, ffn, 2, 16, 2) if dry() else (hidden, ffn, 8, 64, 8)
+    return (hidden, ffn, 2, 16, 2) if dry() else (hidden, ffn, 4, 64, 8)
 
 
 def llama(hidden: int, ffn: int, seq: int) -> torch.nn.Module:

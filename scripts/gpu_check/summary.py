@@ -75,7 +75,7 @@ def main(work: Path) -> int:
                     f"{secs}) - {s.get('title') or ''}")
         if s.get("error"):
             text.append(f"   error: {s['error']}")
-        text += [f"   {line}" for line in s["lines"] if not line.startswith("== ")]
+        text += [f"   {line}" for line in s["lines"] if not line.startswith(("== ", "[FAIL] step error: "))]
         text.append("")
     (out / "summary.txt").write_text("\n".join(text) + "\n")
 
