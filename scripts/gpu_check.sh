@@ -64,7 +64,7 @@ make_venv() {  # a fresh venv from the registry; prints nothing on stdout
         v=$("$1"/bin/python -c "import torch; print(torch.__version__.split(\"+\")[0])")
         echo "torch==$v" >"$1"/constraints.txt
         "$1"/bin/python -m pip install --timeout 30 --retries 2 "${@:3}" -c "$1"/constraints.txt -e ".[test,hf,onnx]"
-    ' "$base" "$venv" "${GPU_CHECK_TORCH_VERSION:-2.13.0}" "${links[@]}" >>"$WORK/setup.log" 2>&1
+    ' "$base" "$venv" "${GPU_CHECK_TORCH_VERSION:-2.13.0}" ${links[@]+"${links[@]}"} >>"$WORK/setup.log" 2>&1
 }
 
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
