@@ -31,7 +31,7 @@ block-by-block (sequential) calibration cannot avoid. ``kept``: the RSS growth s
 (the compressed model's own state: masks, integer codes, scales).
 
     python benchmarks/oneshot_llm.py [--models trained[,large]] [--methods sparsegpt50,wanda50,...]
-        [--sides ours,llmc] [--repeat 1] [--batch 1] [--forward-dtype auto|float64|model] [--weights PATH]
+        [--sides ours,llmc] [--repeat 1] [--batch 1] [--forward-dtype model|float64|auto] [--weights PATH]
         [--llmc-python PATH]
 
 Prints a markdown table (``python -m benchmarks --only oneshot_llm`` runs the default: the trained model).
@@ -100,7 +100,7 @@ def _load(workdir: Path):
     return model.eval(), np.load(workdir / "calib.npy")
 
 
-def _ours(method: str, model, calib, batch: int, forward_dtype: str = "auto"):
+def _ours(method: str, model, calib, batch: int, forward_dtype: str = "model"):
     import torch
 
     import compressor.torch as ct
@@ -159,7 +159,7 @@ def _llmc(method: str, model, calib, batch: int):
     return run
 
 
-def worker(side: str, method: str, workdir: Path, batch: int, forward_dtype: str = "auto") -> None:
+def worker(side: str, method: str, workdir: Path, batch: int, forward_dtype: str = "model") -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -234,7 +234,7 @@ def _prepare(name: str, weights: str, root: Path) -> tuple[Path, dict]:
     return d, info
 
 
-def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: float, forward_dtype: str = "auto") -> dict:
+def _spawn(python: str, side: str, method: str, d: Path, batch: int, timeout: float, forward_dtype: str = "model") -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--method", method, "--dir", str(d),
            "--batch", str(batch), "--forward-dtype", forward_dtype]
     env = {**os.environ, **ENV}
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default="ours,llmc", help="ours, llmc or both (default)")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell (median time, max memory)")
     p.add_argument("--batch", type=int, default=1, help="calibration windows per batch on our side (default 1)")
-    p.add_argument("--forward-dtype", default="auto", choices=("auto", "float64", "model"),
-                   help="our calibrate(forward_dtype=...): 'auto' (default: float64 block passes on a CPU, the same result "
-                        "on torch and Keras), 'model' (the model's dtype, as llmcompressor)")
+    p.add_argument("--forward-dtype", default="model", choices=("auto", "float64", "model"),
+                   help="our calibrate(forward_dtype=...): 'model' (default, calibrate's: the model's dtype, as "
+                        "llmcompressor), 'float64' (the same result on torch and Keras), 'auto' (float64 on a CPU)")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS)
     p.add_argument("--llmc-python", default=DEFAULT_LLMC)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")

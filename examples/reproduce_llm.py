@@ -77,6 +77,10 @@ KERAS_ANCHOR = {"rtn_w4g128": "int4_g128", "gptq_w4g128": "gptq_w4g128", "gptq_w
                 "awq_w4g128": "awq_w4g128"}
 
 
+#: the dtype of the one-shot block passes (``--forward-dtype``; calibrate's default is 'model')
+FORWARD_DTYPE = {"value": "model"}
+
+
 def apply_method(backend: Any, model: Any, method: str, calib: Any) -> float:
     """Apply ``method``'s compressors (``backend`` = compressor.torch or compressor.tf) in order; seconds."""
     t0 = time.perf_counter()
@@ -87,7 +91,7 @@ def apply_method(backend: Any, model: Any, method: str, calib: Any) -> float:
         elif cls == "RtnQuantizer":
             c.calibrate()
         else:
-            c.calibrate(calib, progress=False)
+            c.calibrate(calib, progress=False, forward_dtype=FORWARD_DTYPE["value"])
     return time.perf_counter() - t0
 
 
@@ -170,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=DEFAULT_CACHE,
                    help="trained weights are cached here (default: $COMPRESSOR_LLM_CACHE, else out/llm in the repository)")
     p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--forward-dtype", choices=("model", "float64", "auto"), default="model",
+                   help="dtype of the one-shot block passes (default model, calibrate's default; float64: torch and "
+                        "Keras agree to ~1e-7)")
     p.add_argument("--anchor-python", help="a python with llmcompressor 0.14 (its own venv)")
     p.add_argument("--json", help="rows as JSON, rewritten after every row; rows already in it are skipped "
                                   "(resume an interrupted run)")
     p.add_argument("--summary-only", action="store_true", help="print the table of the rows in --json")
     a = p.parse_args(argv)
+    FORWARD_DTYPE["value"] = a.forward_dtype
     import torch
 
     torch.set_num_threads(1)

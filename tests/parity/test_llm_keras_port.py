@@ -113,9 +113,9 @@ def test_sparsegpt_on_the_port_chooses_torchs_masks():
     tm, km, _ = twins()
     cfg = [{"sparsity": 0.5, "op_types": ["default"]}]
     pt = cth.SparseGPTPruner(tm, cfg)
-    pt.calibrate([torch.from_numpy(CALIB[i:i + 8]) for i in range(0, len(CALIB), 8)], progress=False)
+    pt.calibrate([torch.from_numpy(CALIB[i:i + 8]) for i in range(0, len(CALIB), 8)], progress=False, forward_dtype="float64")
     pk = ctf.SparseGPTPruner(km, cfg)
-    pk.calibrate(CALIB, progress=False)
+    pk.calibrate(CALIB, progress=False, forward_dtype="float64")
     assert pk.blocks == ["layers_0", "layers_1"]
     assert pk.excluded == ["lm_head"]
     assert sorted(w.name for w in pk.get_modules_wrapper()) == sorted(

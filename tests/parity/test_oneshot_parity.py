@@ -111,8 +111,8 @@ def compare(tw, kw, exact_blocks=1, max_mismatch=0.005):
 def test_one_shot_pruners_agree(name, config):
     tm, km = twins()
     cfg = [{**config, "op_types": ["default"]}]
-    getattr(cth, name)(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
-    getattr(ctf, name)(km, cfg).calibrate(BATCHES, progress=False)
+    getattr(cth, name)(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False, forward_dtype="float64")
+    getattr(ctf, name)(km, cfg).calibrate(BATCHES, progress=False, forward_dtype="float64")
     tw, kw = torch_weights(tm), keras_weights(km)
     compare(tw, kw)
     for t1, t2 in tw:
@@ -127,8 +127,8 @@ def test_one_shot_quantizers_agree_code_for_code(name, extra):
     tq = getattr(cth, name)(tm, cfg)
     kq = getattr(ctf, name)(km, cfg)
     data_t = [torch.from_numpy(b) for b in BATCHES]
-    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate(data_t, progress=False))
-    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False))
+    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate(data_t, progress=False, forward_dtype="float64"))
+    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False, forward_dtype="float64"))
     tw, kw = torch_weights(tm), keras_weights(km)
     compare(tw, kw, exact_blocks=BLOCKS if name == "RtnQuantizer" else 1)
     # the integer codes the wrappers keep, block 0 exactly
@@ -158,8 +158,8 @@ def test_torch_codes_give_the_keras_quantized_layer_of_the_keras_export(name, ex
     cfg = [{**extra, "op_types": ["default"]}]
     tq = getattr(cth, name)(tm, cfg)
     kq = getattr(ctf, name)(km, cfg)
-    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate([torch.from_numpy(b) for b in BATCHES], progress=False))
-    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False))
+    (tq.calibrate() if name == "RtnQuantizer" else tq.calibrate([torch.from_numpy(b) for b in BATCHES], progress=False, forward_dtype="float64"))
+    (kq.calibrate() if name == "RtnQuantizer" else kq.calibrate(BATCHES, progress=False, forward_dtype="float64"))
     t_wrappers = {w.name: w for w in tq.get_modules_wrapper()}
     for kw in kq.get_modules_wrapper():
         if not kw.name.startswith("block_0/"):
@@ -226,8 +226,8 @@ def test_awq_block_search_agrees_alpha_for_alpha_and_code_for_code():
         b.up.kernel.assign(wu.T)
         b.down.kernel.assign(wd.T)
     cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"]}]
-    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
-    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False)
+    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False, forward_dtype="float64")
+    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False, forward_dtype="float64")
     t_rows = [(r["layer"], r["alpha"], r.get("group")) for r in tq.oneshot_rows]
     k_rows = [(r["layer"], r["alpha"], r.get("group")) for r in kq.report()]
     assert [r[2] for r in t_rows] == ["blocks.0.gate", "blocks.0.gate", None, "blocks.1.gate",
@@ -293,8 +293,8 @@ def test_awq_parent_module_search_agrees_alpha_for_alpha_and_code_for_code(sampl
         b.register_forward_hook(lambda *a: runs.__setitem__("block", runs["block"] + 1))
         b.mlp.register_forward_hook(lambda *a: runs.__setitem__("mlp", runs["mlp"] + 1))
     cfg = [{"quant_bits": 4, "group_size": 8, "op_types": ["default"], "search_samples": samples}]
-    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False)
-    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False)
+    tq = cth.AwqQuantizer(tm, cfg).calibrate([torch.from_numpy(b) for b in BATCHES], progress=False, forward_dtype="float64")
+    kq = ctf.AwqQuantizer(km, cfg).calibrate(BATCHES, progress=False, forward_dtype="float64")
     t_rows = [(r["layer"], r["alpha"], r.get("group")) for r in tq.oneshot_rows]
     k_rows = [(r["layer"], r["alpha"], r.get("group")) for r in kq.report()]
     assert [r[2] for r in t_rows] == ["blocks.0.mlp.gate", "blocks.0.mlp.gate", None, "blocks.1.mlp.gate",

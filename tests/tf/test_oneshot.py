@@ -176,13 +176,13 @@ def test_block_2_statistics_come_from_the_compressed_block_1():
 
 
 def test_forward_dtype_float64_statistics_are_those_of_a_float64_forward():
-    """'auto' on CPU = 'float64': block 1's statistics are those of a float64 model (built under a float64 dtype
+    """'float64' (and 'auto' on CPU): block 1's statistics are those of a float64 model (built under a float64 dtype
     policy, the compressed weights loaded) whose block 0 output is rounded to float32, as the engine keeps the
     activations in the model's dtype between blocks; the model's variables and policies stay float32."""
     m = lm()
     dense = m.get_weights()
     w_up = m.decoder[1].up.kernel.numpy()
-    SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False)
+    SparseGPTPruner(m, [{"sparsity": 0.5, **DEFAULT}]).calibrate(CALIB, progress=False, forward_dtype="float64")
     got = m.decoder[1].up.kernel.numpy()
     assert all(v.dtype == "float32" for v in m.weights)
     assert all(lay.dtype_policy.name == "float32" for lay in m._flatten_layers(include_self=True, recursive=True))

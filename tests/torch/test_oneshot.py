@@ -327,7 +327,7 @@ def test_block_two_is_calibrated_on_the_outputs_of_the_compressed_block_one():
 
 
 def test_forward_dtype_float64_records_float64_inputs_of_the_compressed_blocks_and_leaves_the_model_float32():
-    """'auto' on CPU = 'float64': block 1's layers see float64 inputs, equal to a float64 forward of the compressed
+    """'float64' (and 'auto' on CPU): block 1's layers see float64 inputs, equal to a float64 forward of the compressed
     model whose block 0 output is rounded to float32 (the activations are kept in the model's dtype between
     blocks); the model's own tensors stay float32, and the result differs from the float32 passes'."""
     calib = batches(3)
@@ -337,7 +337,7 @@ def test_forward_dtype_float64_records_float64_inputs_of_the_compressed_blocks_a
     params = {n: t for n, t in model.named_parameters()}
     seen = []
     h = model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-    p.calibrate(calib, progress=False)  # forward_dtype 'auto'
+    p.calibrate(calib, progress=False, forward_dtype="float64")
     h.remove()
     seen = [t for t in seen if t.dtype == torch.float64]
     assert len(seen) == len(calib)  # the observed pass ran in float64 (the sharing probe in float32)
@@ -379,7 +379,7 @@ def test_float64_pass_widens_one_wrapped_layer_at_a_time(cls, cfg):
                                         if innermost_module(w)._parameters["weight"].dtype == torch.float64)))
         return hook
     handles = [w.register_forward_hook(record(n)) for n, w in wrapped.items()]
-    p.calibrate(batches(2), progress=False)  # 'auto': float64 on CPU
+    p.calibrate(batches(2), progress=False, forward_dtype="auto")  # 'auto': float64 on CPU
     for h in handles:
         h.remove()
     assert seen == {n: {(), (n,)} for n in wrapped}
@@ -792,7 +792,7 @@ def test_a_float64_pass_puts_the_blocks_own_tensors_back_when_a_call_fails_midwa
             raise RuntimeError("MLP failed")
     handle = mlp.register_forward_pre_hook(boom)
     with pytest.raises(RuntimeError, match="MLP failed"):
-        p.calibrate(batches(), progress=False)
+        p.calibrate(batches(), progress=False, forward_dtype="float64")
     handle.remove()
     assert calls[-1] == torch.float64  # it failed inside a float64 call
     now = {(id(m), n): t for m in model.modules() for d in (m._parameters, m._buffers) for n, t in d.items()
@@ -816,7 +816,7 @@ def test_a_float64_pass_leaves_no_float64_tensor_for_the_garbage_collector():
     gc.disable()
     try:
         before = float64_tensors()  # held by other tests' objects, if any: alive, so their ids stay theirs
-        p.calibrate(batches(), progress=False)
+        p.calibrate(batches(), progress=False, forward_dtype="float64")
         left = [t for i, t in float64_tensors().items() if i not in before]
     finally:
         gc.enable()

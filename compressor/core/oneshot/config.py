@@ -59,16 +59,19 @@ FORWARD_DTYPES = ("auto", "float64", "model")
 def forward_in_float64(value: Any, what: str, on_cpu: bool) -> bool:
     """Whether ``calibrate(forward_dtype=value)`` runs those block passes in float64 (the weights and inputs
     widened exactly, the block's own casts kept: e.g. Hugging Face's RMSNorm and eager softmax still compute in
-    float32): ``'float64'`` always, ``'model'`` never (the model's own dtype, as llmcompressor), ``'auto'``
-    (default) on CPU only. Why: two frameworks' float32 forwards differ in the last bits (their GEMM, softmax
+    float32): ``'float64'`` always, ``'model'`` (the default) never (the model's own dtype, as llmcompressor:
+    half the memory of the widened passes, which a streamed run needs, and their cost), ``'auto'`` on CPU only.
+    Why: two frameworks' float32 forwards differ in the last bits (their GEMM, softmax
     and norm kernels sum in other orders); GPTQ's rounding and SparseGPT's N:M / threshold choices flip near
     ties, the error feedback carries each flip along its row, and the same weights and data gave perplexities
     up to 5.6e-3 apart on PyTorch and Keras (examples/RESULTS.md); in float64 they agree to 1e-8. On a CPU the
     cost is the float64 GEMMs of those passes (AWQ's search and the rest keep the model's dtype); on an
-    accelerator float64 is slow, hence the model's dtype there."""
+    accelerator float64 is slow. Hence the model's dtype by default, and ``'float64'`` where the two frameworks
+    must agree."""
     if not isinstance(value, str) or value not in FORWARD_DTYPES:
-        raise ConfigError(f"{what}: forward_dtype must be one of {list(FORWARD_DTYPES)} ('auto': float64 on CPU, "
-                          f"the model's dtype on an accelerator; 'float64'; 'model': the model's own dtype), "
+        raise ConfigError(f"{what}: forward_dtype must be one of {list(FORWARD_DTYPES)} ('model', the default: "
+                          f"the model's own dtype; 'float64'; 'auto': float64 on CPU, the model's dtype on an "
+                          f"accelerator), "
                           f"got {value!r}")
     return value == "float64" or (value == "auto" and on_cpu)
 

@@ -111,12 +111,13 @@ class OneShotMixin:
 
     # -- calibration
     def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True,
-                  forward_dtype: str = "auto") -> Any:
+                  forward_dtype: str = "model") -> Any:
         """Run the one-shot algorithm on ``data`` (see :mod:`compressor.tf.calibration_data` for the forms; at most
         ``num_samples`` sequences) block by block and leave the model compressed. ``progress``: a line per
         block on stderr (True), nothing (False) or a file. ``forward_dtype``: the dtype of the block passes that
-        record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the model's dtype on
-        an accelerator; 'float64'; 'model'; see :func:`compressor.core.oneshot.forward_in_float64`). Bad data
+        record the statistics and hand the compressed outputs on ('model', the default: the model's own dtype, as
+        llmcompressor; 'float64': the same result as PyTorch to ~1e-8; 'auto': float64 on CPU, the model's dtype
+        on an accelerator; see :func:`compressor.core.oneshot.forward_in_float64`). Bad data
         is an error before the model changes. Returns self."""
         what = f"{self._what}.calibrate"
         float64 = forward_in_float64(forward_dtype, what, not tf.config.list_logical_devices("GPU"))

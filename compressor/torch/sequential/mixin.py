@@ -124,13 +124,14 @@ class OneShotMixin:
         """Install the method's result in ``wrapper`` (the weight is written already)."""
 
     def calibrate(self, data: Any = None, num_samples: int | None = None, progress: Any = True,
-                  forward_dtype: str = "auto") -> Any:
+                  forward_dtype: str = "model") -> Any:
         """Run the one-shot method on the calibration ``data`` (a tensor of token ids, a tuple of positional
         inputs, a dict / ``BatchEncoding`` of keyword inputs, or a DataLoader / list / iterable of those;
         ``num_samples``: at most that many sequences), block by block, and leave the model compressed.
         ``progress``: one line per block on stderr (True), a file, or False. ``forward_dtype``: the dtype of the
-        block passes that record the statistics and hand the compressed outputs on ('auto': float64 on CPU, the
-        model's dtype on an accelerator; 'float64'; 'model'; see
+        block passes that record the statistics and hand the compressed outputs on ('model', the default: the
+        model's own dtype, as llmcompressor; 'float64': the same result as Keras to ~1e-8; 'auto': float64 on CPU,
+        the model's dtype on an accelerator; see
         :func:`compressor.core.oneshot.forward_in_float64`). Bad data raises before any weight
         changes. Returns self."""
         what = type(self).__name__
