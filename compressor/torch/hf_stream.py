@@ -102,7 +102,7 @@ class HfCheckpoint:
         """The safetensors files to read, and ``(index path, weight_map)`` when the checkpoint is sharded.
         ``model.safetensors`` wins over an index, as in ``from_pretrained``."""
         single = os.path.join(self.path, SINGLE_FILE)
-        if os.path.isfile(single):
+        if os.path.lexists(single):  # not a regular file (a FIFO, a device, a folder): refused as its header is read
             return [single], None
         index = os.path.join(self.path, INDEX_FILE)
         if not os.path.isfile(index):
@@ -118,7 +118,7 @@ class HfCheckpoint:
                                   f"checkpoint folder: {_few(bad)}")
         shards = sorted(set(weight_map.values()))
         for shard in shards:
-            if not os.path.isfile(os.path.join(self.path, shard)):
+            if not os.path.lexists(os.path.join(self.path, shard)):
                 first = next(k for k, v in weight_map.items() if v == shard)
                 raise CheckpointError(f"{index!r}: shard {shard!r} (holding {first!r} and more) is missing from "
                                       f"{self.path!r}")
