@@ -23,6 +23,7 @@ from torch import nn
 
 from ..core.errors import ConfigError, ModelError
 from ..core.graph import count_graph, speedup_plan
+from ..core.interrupts import deferred_interrupts
 from .families import after_speedup
 from .graph import build_graph
 from .graph_layers import _is_hf_conv1d, attention_spec
@@ -236,9 +237,10 @@ def _load_masks(masks: Any) -> dict[str, dict[str, torch.Tensor]]:
     return masks
 
 
-def _apply_masks(model: nn.Module, masks: dict[str, dict[str, torch.Tensor]]) -> dict[tuple[str, str], torch.Tensor]:
-    """Zero the masked weights in place; returns the original values (to restore on error). Every mask
-    is checked before any weight changes."""
+def _apply_masks(model: nn.Module, masks: dict[str, dict[str, torch.Tensor]],
+                 backup: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Zero the masked weights in place, each one's original values put in ``backup`` first (to restore on error
+    or interrupt). Every mask is checked before any weight changes."""
     todo = []
     for name, entry in masks.items():
         try:
@@ -251,12 +253,10 @@ def _apply_masks(model: nn.Module, masks: dict[str, dict[str, torch.Tensor]]) ->
             if not torch.is_tensor(param) or tuple(param.shape) != tuple(mask.shape):
                 raise ConfigError(f"mask {name}.{pname} of shape {tuple(mask.shape)} does not fit the model")
             todo.append((name, pname, param, mask))
-    backup = {}
     with torch.no_grad():
         for name, pname, param, mask in todo:
             backup[(name, pname)] = param.detach().clone()
             param.masked_fill_(~mask.to(param.device), 0)
-    return backup
 
 
 def _binary_mask(mask: Any, where: str) -> torch.Tensor:
@@ -282,6 +282,35 @@ def _restore(model: nn.Module, backup: dict[tuple[str, str], torch.Tensor]) -> N
             getattr(model.get_submodule(name), pname).copy_(value)
 
 
+class _ModuleRecord:
+    """What every module of a model holds (its attributes; the dicts, lists and sets among them -- parameters,
+    buffers, submodules, hooks, HF's ``pruned_heads`` -- copied one level deep), taken before the model is changed
+    in place and put back by :meth:`restore`: the slicers and the config update only assign (new parameters,
+    widths, a new config), so this undoes them whatever point they reached."""
+
+    _CONTAINERS = (dict, list, set)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = []
+        for m in model.modules():
+            attrs = dict(m.__dict__)
+            inner = {k: (v, v.copy()) for k, v in attrs.items() if isinstance(v, self._CONTAINERS)}
+            self.saved.append((m, attrs, inner))
+
+    def restore(self) -> None:
+        for m, attrs, inner in self.saved:
+            for obj, content in inner.values():
+                obj.clear()
+                if isinstance(obj, dict):
+                    obj.update(content)
+                elif isinstance(obj, list):
+                    obj.extend(content)
+                else:
+                    obj |= content
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+
+
 # ---------------------------------------------------------------------------------- speedup
 def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, strict: bool = True) -> nn.Module:
     """Remove the pruned channels for real; returns the smaller model (its outputs equal the masked
@@ -294,8 +323,9 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
     forward. ``strict``: raise :class:`ModelError` when pruned channels cannot be removed (they reach an
     op the speedup cannot cut); ``False`` keeps them and notes it in the report.
 
-    The model is traced and the plan validated before any layer changes: on an error the model is left
-    as it was. Unstructured zeros that are not whole channels stay in the weights (no masks remain: they
+    The model is traced and the plan validated before any layer changes; what every module holds is
+    recorded first, so on an error or a Ctrl-C at any point (a second one included) the model is left as it
+    was. Unstructured zeros that are not whole channels stay in the weights (no masks remain: they
     are plain zeros a further training would revive). See :func:`speedup_report` for what changed.
     """
     from .pruning.export import pruner_wrappers, unwrapped_model
@@ -313,42 +343,52 @@ def speedup_model(model_or_pruner: Any, dummy_input: Any, masks: Any = None, str
     else:
         raise ModelError(f"speedup_model needs a TorchPruner or an nn.Module, not {type(model_or_pruner).__name__}")
 
-    backup = _apply_masks(model, _load_masks(masks)) if masks is not None else {}
+    record = _ModuleRecord(model)  # taken before anything changes: an interrupt at any point below is undone
+    backup: dict[tuple[str, str], torch.Tensor] = {}
     try:
-        graph, leaves = build_graph(model, dummy_input)
-        macs0, _, _ = count_graph(graph)
-        params0 = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        plan = speedup_plan(graph, strict)
-        # per layer: one keep for every call of it, a slicer for its type, indices in range
-        work: dict[str, tuple[nn.Module, Any, Any, Callable]] = {}
-        for n in graph.nodes:
-            if n.layer is None or n.kind in ("input", "output"):
-                continue
-            out = plan.keep.get(n.name)
-            inp = plan.keep.get(n.inputs[0]) if n.inputs else None
-            if n.kind in ("norm",):
-                inp = None
-            if n.layer in work:
-                _, o2, i2, _ = work[n.layer]
-                if (o2, i2) != (out, inp):
-                    raise ModelError(f"speedup: layer {n.layer!r} is called more than once with different "
-                                     f"channels removed; it cannot be sliced")
-                continue
-            if out is None and inp is None:
-                work[n.layer] = (leaves[n.layer], None, None, None)  # type: ignore[assignment]
-                continue
-            module = leaves[n.layer]
-            fn = _slicer(module)
-            if fn is None:
-                raise ModelError(f"speedup: layer {n.layer!r} ({type(module).__name__}) would lose channels, "
-                                 f"but speedup cannot slice that layer type")
-            co, ci = _sizes(module)
-            if (out and max(out) >= co) or (inp and max(inp) >= ci):
-                raise ModelError(f"speedup: channel indices out of range for layer {n.layer!r}")
-            work[n.layer] = (module, out, inp, fn)
+        return _speedup(model, masks, dummy_input, strict, backup)
     except BaseException:
-        _restore(model, backup)
+        with deferred_interrupts():  # all of it back, even if Ctrl-C is pressed again meanwhile
+            record.restore()
+            _restore(model, backup)
         raise
+
+
+def _speedup(model: nn.Module, masks: Any, dummy_input: Any, strict: bool,
+             backup: dict[tuple[str, str], torch.Tensor]) -> nn.Module:
+    if masks is not None:
+        _apply_masks(model, _load_masks(masks), backup)
+    graph, leaves = build_graph(model, dummy_input)
+    macs0, _, _ = count_graph(graph)
+    params0 = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    plan = speedup_plan(graph, strict)
+    # per layer: one keep for every call of it, a slicer for its type, indices in range
+    work: dict[str, tuple[nn.Module, Any, Any, Callable]] = {}
+    for n in graph.nodes:
+        if n.layer is None or n.kind in ("input", "output"):
+            continue
+        out = plan.keep.get(n.name)
+        inp = plan.keep.get(n.inputs[0]) if n.inputs else None
+        if n.kind in ("norm",):
+            inp = None
+        if n.layer in work:
+            _, o2, i2, _ = work[n.layer]
+            if (o2, i2) != (out, inp):
+                raise ModelError(f"speedup: layer {n.layer!r} is called more than once with different "
+                                 f"channels removed; it cannot be sliced")
+            continue
+        if out is None and inp is None:
+            work[n.layer] = (leaves[n.layer], None, None, None)  # type: ignore[assignment]
+            continue
+        module = leaves[n.layer]
+        fn = _slicer(module)
+        if fn is None:
+            raise ModelError(f"speedup: layer {n.layer!r} ({type(module).__name__}) would lose channels, "
+                             f"but speedup cannot slice that layer type")
+        co, ci = _sizes(module)
+        if (out and max(out) >= co) or (inp and max(inp) >= ci):
+            raise ModelError(f"speedup: channel indices out of range for layer {n.layer!r}")
+        work[n.layer] = (module, out, inp, fn)
 
     report = SpeedupReport(params_before=params0, macs_before=macs0, removed_classes=plan.removed,
                            notes=list(plan.notes))

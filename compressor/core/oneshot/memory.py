@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..interrupts import deferred_interrupts
+
 #: arrays of at least this many bytes that live long and are freed as a whole (the Gram matrices, which the
 #: solvers then factor in place) get pages of their own (:func:`own_pages`)
 OWN_PAGES_BYTES = 1 << 20
@@ -133,6 +135,8 @@ class Undo:
         self.spill = _Spill()
 
     def before(self, task: Any) -> None:
+        """Copy what ``task``'s layer holds now; call it before the layer's first change (the record comes first,
+        so an interrupt at any point after it is undone by :meth:`rollback`)."""
         if task.name not in self.names:
             saved = self.backend.snapshot(task)
             if saved is not None:
@@ -140,9 +144,18 @@ class Undo:
             self.names.add(task.name)
 
     def rollback(self) -> None:
-        for task, saved in reversed(self.saved):
-            self.backend.restore(task, self.spill.get(saved))
-        self.close()
+        """Put every copied layer back, newest first, after the backend's optional ``drop_transients()`` (what a
+        pass had in place when it was interrupted: hooks, swapped tensors). Ctrl-C meanwhile is raised once all
+        are back; a layer whose restore raised stays listed, so calling again finishes the rest."""
+        with deferred_interrupts():
+            drop = getattr(self.backend, "drop_transients", None)
+            if drop is not None:
+                drop()
+            while self.saved:
+                task, saved = self.saved[-1]
+                self.backend.restore(task, self.spill.get(saved))
+                self.saved.pop()
+            self.close()
 
     def close(self) -> None:
         self.saved, self.names = [], set()

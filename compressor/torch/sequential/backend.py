@@ -8,6 +8,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ModelError
+from ...core.interrupts import deferred_interrupts
 from ...core.oneshot import (
     LayerResult,
     LayerTask,
@@ -62,6 +64,10 @@ class TorchOneShotBackend(OneShotBackend):
             params = {}
         self._no_cache = "use_cache" in params
         self._shared: dict[str, str] = {}
+        #: how to undo what a pass has in place now (hooks, float64 tensors swapped in), registered before the
+        #: change is made: the rollback of an interrupted run calls :meth:`drop_transients`, in case the pass's own
+        #: clean-up was cut short by the Ctrl-C
+        self._pending: list[Callable[[], None]] = []
 
     def _called(self, wrapper: nn.Module) -> nn.Module:
         """The module the model calls for ``wrapper``'s layer: the wrapper itself, or the outer wrapper of a
@@ -81,6 +87,25 @@ class TorchOneShotBackend(OneShotBackend):
             return [self._tasks[id(w)] for w in self.wrappers if id(w) not in inside]
         ids = {id(m) for m in block.modules()}
         return [self._tasks[id(w)] for w in self.wrappers if id(w) in ids]
+
+    def _undo_later(self, undo: Callable[[], None]) -> Callable[[], None]:
+        self._pending.append(undo)
+        return undo
+
+    def _settle(self, undo: Callable[[], None]) -> None:
+        """Run a pending ``undo`` now (all of it, even if Ctrl-C is pressed meanwhile: raised after)."""
+        with deferred_interrupts():
+            undo()
+            if undo in self._pending:
+                self._pending.remove(undo)
+
+    def drop_transients(self) -> None:
+        """Undo whatever a pass still has in place (its hooks, the float64 copies swapped into layers): called
+        by the rollback of a failed or interrupted run (core ``Undo``) before the layers' weights are put back."""
+        with deferred_interrupts():
+            while self._pending:
+                self._pending[-1]()
+                self._pending.pop()
 
     # ---- running
     def _call_model(self, i: int, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -128,8 +153,10 @@ class TorchOneShotBackend(OneShotBackend):
             store.append(_Input(tuple(args), kwargs, where, current.get("keep")))
             raise _Stop
 
-        handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
+        handles: list[Any] = []
+        undo = self._undo_later(partial(_remove_hooks, handles))
         try:
+            handles.append(block0.register_forward_pre_hook(hook, with_kwargs=True))
             for i, (args, kwargs) in enumerate(batches):
                 current["keep"] = _keep_mask(kwargs)
                 current["given"] = {_storage(t) for _, t in _tensors(args, kwargs)}
@@ -140,17 +167,18 @@ class TorchOneShotBackend(OneShotBackend):
                 raise ModelError(f"{self.what}.calibrate: the model's forward never reached block "
                                  f"{self._blocks[0][0]!r} on calibration batch {i}")
         finally:
-            handle.remove()
+            self._settle(undo)
         return store
 
-    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any], stop: bool = False
-                   ) -> tuple[list[Any], Callable[[], None]]:
+    def _observing(self, observe: dict[str, Callable[[Any], None]] | None, keep: Callable[[], Any], stop: bool = False,
+                   handles: list[Any] | None = None) -> tuple[list[Any], Callable[[], None]]:
         """Pre-hooks that hand each observed layer's input rows to ``observe[name]``, and a ``reset()`` to call after
         each call of the block: it drops the references to that call's tensors (each call then starts on the same
         heap: kept into the next call, they made the allocator place that call's buffers elsewhere). ``stop``: a
         hook raises :class:`~compressor.core.oneshot.ObservedAll` once the call has nothing left to observe
-        (core :class:`~compressor.core.oneshot.ObserveCalls`); the caller catches it."""
-        handles: list[Any] = []
+        (core :class:`~compressor.core.oneshot.ObserveCalls`); the caller catches it. ``handles``: the caller's
+        list the hooks go to as they are registered (removed by the caller, also after an interrupt part way)."""
+        handles = [] if handles is None else handles
         if not observe:
             return handles, lambda: None
         last: list[Any] = [None, -1, None]  # (tensor, version, its rows): q / k / v read one hidden state
@@ -212,19 +240,19 @@ class TorchOneShotBackend(OneShotBackend):
         calls: dict[str, list[tuple[int, int]]] = {}
         first: dict[str, int] = {}
         alive: list[Any] = []  # keeps the inputs alive, so ids stay unique during the probe
-        handles = []
-        for w in self.wrappers:
-            if w.name in names:
-                def pre(module: nn.Module, args: tuple, name: str = w.name) -> None:
-                    alive.append(args[0])
-                    first.setdefault(name, len(alive))
-                    calls.setdefault(name, []).append((id(args[0]), _version(args[0])))
-                handles.append(self._called(w).register_forward_pre_hook(pre))
+        handles: list[Any] = []
+        undo = self._undo_later(partial(_remove_hooks, handles))
         try:
+            for w in self.wrappers:
+                if w.name in names:
+                    def pre(module: nn.Module, args: tuple, name: str = w.name) -> None:
+                        alive.append(args[0])
+                        first.setdefault(name, len(alive))
+                        calls.setdefault(name, []).append((id(args[0]), _version(args[0])))
+                    handles.append(self._called(w).register_forward_pre_hook(pre))
             block(*inputs[0].args, **inputs[0].kwargs)
         finally:
-            for h in handles:
-                h.remove()
+            self._settle(undo)
         out: dict[str, str] = {}
         order = sorted(calls, key=lambda n: first[n])  # the leader is the layer called first (OPT: q before k)
         for i, n in enumerate(order):
@@ -289,18 +317,19 @@ class TorchOneShotBackend(OneShotBackend):
             # a pruner wrapper whose layer is masked gets float64 copies of masked tensors: it is marked masked on
             # them (else it would mask the copies again on every call) and gets its own mark back after
             marks = [(m, mark) for m in pruners[id(module)] if (mark := m.masked_mark()) is not None]
+            swapped.append((own, marks))  # recorded before the first tensor is swapped: an interrupt is undone
             for d, n, t in own:
                 d[n] = t.to(torch.float64)
             for m, _ in marks:
                 m.set_mark()
-            swapped.append((own, marks))
 
         def narrow(module: nn.Module, args: Any, out: Any) -> None:
-            own, marks = swapped.pop()
+            own, marks = swapped[-1]
             for d, n, t in own:
                 d[n] = t
             for m, mark in marks:
                 m.set_mark(mark)
+            swapped.pop()  # forgotten only once all is back: an interrupt part way is finished by the next narrow
 
         shared: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -309,12 +338,24 @@ class TorchOneShotBackend(OneShotBackend):
             try:
                 out = _hidden_of(block(*_widened(inp.args, h, shared), **_widened(inp.kwargs, h, shared)))
             finally:
-                while swapped:  # a layer that raised: its own tensors back
-                    narrow(block, None, None)
+                if swapped:  # a layer that raised: its own tensors back (a second Ctrl-C waits for it)
+                    with deferred_interrupts():
+                        while swapped:
+                            narrow(block, None, None)
             return out.to(h.dtype) if torch.is_tensor(h) else out
 
         outside: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         handles: list[Any] = []
+
+        def put_back() -> None:
+            _remove_hooks(handles)
+            while swapped:
+                narrow(block, None, None)
+            while outside:
+                d, n, t = outside.pop()
+                d[n] = t
+
+        undo = self._undo_later(put_back)  # registered before the first swap
         try:
             copies: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
             for m in block.modules():
@@ -325,23 +366,22 @@ class TorchOneShotBackend(OneShotBackend):
                         if t is not None and t.is_floating_point() and t.dtype != torch.float64:
                             outside.append((d, n, t))
                             d[n] = copies.setdefault(id(t), t.to(torch.float64))
-            handles = [h for u in units for h in (u.register_forward_pre_hook(widen), u.register_forward_hook(narrow))]
+            for u in units:
+                handles.append(u.register_forward_pre_hook(widen))
+                handles.append(u.register_forward_hook(narrow))
             yield call
         finally:
-            for hd in handles:
-                hd.remove()
-            while swapped:
-                narrow(block, None, None)
-            for d, n, t in reversed(outside):
-                d[n] = t
+            self._settle(undo)  # everything back, even if Ctrl-C is pressed again meanwhile
             shared.clear()  # the pass's float64 arguments go now, not when the closures are collected
 
     def run_block(self, block: nn.Module, inputs: list[_Input], observe: dict[str, Callable[[Any], None]] | None
                   ) -> list[_Input]:
         state: dict[str, Any] = {}
-        handles, reset = self._observing(observe, lambda: state.get("keep"), stop=True)
+        handles: list[Any] = []
+        undo = self._undo_later(partial(_remove_hooks, handles))
         outs: list[_Input] = []
         try:
+            _, reset = self._observing(observe, lambda: state.get("keep"), stop=True, handles=handles)
             with self._calling(block) as call:
                 for inp in inputs:
                     state["keep"] = inp.keep
@@ -354,8 +394,7 @@ class TorchOneShotBackend(OneShotBackend):
                         outs.append(inp.with_hidden(out))
                     del out
         finally:
-            for h in handles:
-                h.remove()
+            self._settle(undo)
             if observe is not None:
                 self._shared = {}
         return outs
@@ -386,15 +425,16 @@ class TorchOneShotBackend(OneShotBackend):
 
     def run_model(self, batches: Sequence[tuple[tuple, dict[str, Any]]], observe: dict[str, Callable[[Any], None]]) -> None:
         state: dict[str, Any] = {}
-        handles, reset = self._observing(observe, lambda: state.get("keep"))
+        handles: list[Any] = []
+        undo = self._undo_later(partial(_remove_hooks, handles))
         try:
+            _, reset = self._observing(observe, lambda: state.get("keep"), handles=handles)
             for i, (args, kwargs) in enumerate(batches):
                 state["keep"] = _keep_mask(kwargs)
                 self._call_model(i, args, kwargs)
                 reset()
         finally:
-            for h in handles:
-                h.remove()
+            self._settle(undo)
 
     def block_output(self, block: nn.Module, inputs: list[_Input]) -> Iterator[np.ndarray]:
         """The block's hidden-state output on each cached input (float64 rows of the real, not padded, tokens)."""
@@ -453,24 +493,25 @@ class TorchOneShotBackend(OneShotBackend):
         rotary tables kept once)."""
         got: list[list[_Input]] = [[] for _ in modules]
         state: dict[str, Any] = {}
-        handles = []
-        for store, module in zip(got, modules):
-            def pre(mod: nn.Module, args: tuple, kwargs: dict[str, Any], store: list[_Input] = store) -> None:
-                kwargs = dict(kwargs)
-                if store:
-                    prev = store[-1]
-                    args = tuple(_dedupe(a, prev.args[j]) if 0 < j < len(prev.args) else a for j, a in enumerate(args))
-                    kwargs = {k: _dedupe(v, prev.kwargs[k]) if k in prev.kwargs and k != "hidden_states" else v
-                              for k, v in kwargs.items()}
-                store.append(_Input(args, kwargs, ("arg", 0), state.get("keep")))
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles: list[Any] = []
+        undo = self._undo_later(partial(_remove_hooks, handles))
         try:
+            for store, module in zip(got, modules):
+                def pre(mod: nn.Module, args: tuple, kwargs: dict[str, Any], store: list[_Input] = store) -> None:
+                    kwargs = dict(kwargs)
+                    if store:
+                        prev = store[-1]
+                        args = tuple(_dedupe(a, prev.args[j]) if 0 < j < len(prev.args) else a
+                                     for j, a in enumerate(args))
+                        kwargs = {k: _dedupe(v, prev.kwargs[k]) if k in prev.kwargs and k != "hidden_states" else v
+                                  for k, v in kwargs.items()}
+                    store.append(_Input(args, kwargs, ("arg", 0), state.get("keep")))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             for inp in inputs:
                 state["keep"] = inp.keep
                 block(*inp.args, **inp.kwargs)
         finally:
-            for h in handles:
-                h.remove()
+            self._settle(undo)
         return [_merged_calls(module, calls) for module, calls in zip(modules, got)]
 
     def module_output(self, module: nn.Module, calls: list[_Input]) -> Iterator[np.ndarray]:
@@ -525,3 +566,10 @@ class TorchOneShotBackend(OneShotBackend):
         self.set_weight(task, result.weight)
         self.compressor._oneshot_write(task.handle, result)
 
+
+def _remove_hooks(handles: list[Any]) -> None:
+    """Remove the hooks of ``handles`` (registered as each was appended), all of them even if Ctrl-C is pressed
+    meanwhile (it is raised after)."""
+    with deferred_interrupts():
+        while handles:
+            handles.pop().remove()

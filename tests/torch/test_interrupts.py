@@ -1,0 +1,204 @@
+"""Ctrl-C at every step of an in-place change leaves the model as it was (every parameter and buffer bit-identical,
+dtypes included, the same Parameter objects, no hook left) or finished: one-shot ``calibrate`` (its float64 pass
+swaps each layer's tensors for float64 copies and back), ``speedup_model`` and a second Ctrl-C while the change
+is being undone. The interrupt is a real SIGINT sent after the n-th traced line (tests/_sigint.py), for every n."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import compressor
+from compressor.torch import GptqQuantizer, SparseGPTPruner
+from compressor.torch.sequential import TorchOneShotBackend
+from compressor.torch.speedup import speedup_model
+from tests._sigint import count_lines, run_interrupted
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+ROOT = os.path.dirname(compressor.__file__)
+DATA = [torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))]
+#: where calibrate changes the model, or records / undoes a change: every line of these functions
+CHANGES = {"widen", "narrow", "call", "_calling", "_remove_hooks", "before", "rollback", "commit_layer", "write",
+           "set_weight", "restore", "snapshot", "_oneshot_write", "first_inputs", "shared_inputs", "run_block",
+           "advance", "run_model", "set_mark", "set_masks", "apply_masks", "run_sequential", "calibrate"}
+CALIBRATE = {os.path.join(ROOT, p): CHANGES for p in (
+    "torch/sequential/backend.py", "torch/sequential/mixin.py", "core/oneshot/memory.py", "core/oneshot/steps.py",
+    "core/oneshot/driver.py", "torch/quantization/oneshot.py", "torch/pruning/oneshot.py", "torch/pruning/wrapper.py")}
+
+
+def _llama():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32)).eval()
+
+
+LAYERS = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Hundreds of tiny runs: one intra-op thread (several spin-waiting on a busy machine made each 100x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _snapshot(model):
+    """Everything an interrupted change could leave behind: each tensor's bytes and dtype, which object holds
+    it, the hooks and training flags of every module."""
+    tensors = {k: (v.dtype, v.detach().clone(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
+    modules = {n: (type(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    return tensors, modules
+
+
+def _same(a, b):
+    (ta, ma), (tb, mb) = a, b
+    return (ma == mb and ta.keys() == tb.keys()
+            and all(x[0] == y[0] and x[2] == y[2] and torch.equal(x[1], y[1]) for x, y in zip(ta.values(), tb.values())))
+
+
+def _structure(snapshot):
+    return {n: (t, pre, post) for n, (t, _, pre, post) in snapshot[1].items()}
+
+
+def _quantizer(model, pruned=False):
+    if pruned:
+        SparseGPTPruner(model, [{"sparsity": 0.5, "op_names": LAYERS}]).calibrate(DATA, progress=False)
+    return GptqQuantizer(model, [{"quant_bits": 4, "group_size": 8, "op_names": LAYERS}])
+
+
+def _calibrate(q):
+    q.calibrate(DATA, progress=False, forward_dtype="float64")
+
+
+def _every_interrupt(pruned, stride=1):
+    model = _llama()
+    q = _quantizer(model, pruned)
+    before = _snapshot(model)
+    fresh = _llama()
+    _calibrate(_quantizer(fresh, pruned))
+    finished = _snapshot(fresh)
+    n = count_lines(lambda: _calibrate(_quantizer(_llama(), pruned)), CALIBRATE)
+    outcomes = {"as before": 0, "finished": 0}
+    for k in range(1, n + 1, stride):
+        state = run_interrupted(lambda q=q: _calibrate(q), k, CALIBRATE)
+        if not state["sent"]:  # a try: line last: nothing ran after it
+            continue
+        assert state["raised"], f"Ctrl-C after line {k} of {n} was not raised"
+        now = _snapshot(model)
+        if _same(now, before):
+            outcomes["as before"] += 1
+            continue
+        # finished: compressed as an uninterrupted run (tensors compared by value; the objects are the model's own;
+        # the training flags may not all be back: calibrate's last loop puts them back one by one)
+        assert _structure(now) == _structure(finished) and all(torch.equal(x[1], y[1]) and x[0] == y[0]
+                                                               for x, y in zip(now[0].values(), finished[0].values())), \
+            f"Ctrl-C after line {k} of {n} left the model neither as before nor compressed"
+        outcomes["finished"] += 1
+        model = _llama()  # start again from an uncompressed model
+        q = _quantizer(model, pruned)
+        before = _snapshot(model)
+    assert outcomes["as before"] > 0
+    return outcomes
+
+
+def test_ctrl_c_at_every_step_of_a_float64_calibration():
+    out = _every_interrupt(pruned=False)
+    assert out["as before"] > 100, out
+
+
+def test_ctrl_c_at_steps_of_a_quantizer_calibrating_a_pruned_model():
+    """The quantizer's layers hold the pruner's wrappers: the float64 pass gives their masked marks back too."""
+    out = _every_interrupt(pruned=True, stride=7)
+    assert out["as before"] > 20, out
+
+
+def test_a_second_ctrl_c_during_the_rollback_waits_for_it(monkeypatch):
+    """Ctrl-C in block 2, and again while block 1's layers are being put back: the model is as before, and the
+    second KeyboardInterrupt is raised once they are."""
+    model = _llama()
+    q = _quantizer(model)
+    before = _snapshot(model)
+    restore = TorchOneShotBackend.restore
+    restored = []
+
+    def restore_with_ctrl_c(self, task, saved):
+        if not restored:
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, in the middle of the rollback
+        restore(self, task, saved)
+        restored.append(task.name)
+
+    monkeypatch.setattr(TorchOneShotBackend, "restore", restore_with_ctrl_c)
+    write = TorchOneShotBackend.write
+
+    def write_then_ctrl_c(self, task, result):
+        write(self, task, result)
+        if task.name == LAYERS[1]:
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C, after the last layer was written
+
+    monkeypatch.setattr(TorchOneShotBackend, "write", write_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt) as info:
+        _calibrate(q)
+    assert restored == LAYERS[::-1]  # both layers put back, newest first, despite the Ctrl-C after the first
+    assert isinstance(info.value.__context__, KeyboardInterrupt)  # raised while the first was being handled
+    assert _same(_snapshot(model), before)
+    monkeypatch.undo()
+    _calibrate(q)  # and the quantizer still works: the same result as on a fresh model
+    fresh = _llama()
+    _calibrate(_quantizer(fresh))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+# ------------------------------------------------------------------------------------------------ speedup_model
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+SPEEDUP = {os.path.join(ROOT, "torch/speedup.py"): None}
+
+
+def test_ctrl_c_at_every_step_of_speedup_model():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    masks = {"fc1": {"weight": torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool)[:, None].expand(8, 6).clone(),
+                     "bias": torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool)}}
+
+    def fresh():
+        torch.manual_seed(0)
+        return Net().eval()
+
+    done = speedup_model(fresh(), x, masks=masks)
+    assert done.fc1.out_features == 5 and done.fc2.in_features == 5
+    n = count_lines(lambda: speedup_model(fresh(), x, masks=masks), SPEEDUP)
+    model = fresh()
+    before = _snapshot(model)
+    finished = 0
+    for k in range(1, n + 1, 3):
+        state = run_interrupted(lambda m=model: speedup_model(m, x, masks=masks), k, SPEEDUP)
+        if not state["sent"]:
+            continue
+        if not state["raised"]:  # the Ctrl-C came after the function returned: finished
+            assert model.fc1.out_features == 5
+            finished += 1
+            model = fresh()
+            before = _snapshot(model)
+            continue
+        assert _same(_snapshot(model), before), f"Ctrl-C after line {k} of {n} of speedup_model changed the model"
+        assert model.fc1.out_features == 8 and model.fc1.in_features == 6
+    assert n > 200 and finished <= 2
