@@ -331,9 +331,49 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
 def _cmd_oneshot(args: argparse.Namespace) -> int:
     import os
 
+    def report(summary: dict[str, Any]) -> int:
+        rows = summary["rows"]
+        if rows:
+            from ..core.oneshot import OneShotReport
+
+            print(OneShotReport(rows))  # per layer: block, method, sparsity / bits, the method's error
+        errors = [r["error"] for r in rows if isinstance(r.get("error"), float)]
+        print(f"{args.src} -> {args.out}: {summary['blocks']} blocks, {len(rows)} layers compressed, "
+              f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB, "
+              + (f"mean layer error {sum(errors) / len(errors):.4g}, " if errors else "")
+              + f"{summary['seconds']:.1f} s")
+        if summary["dense_notes"]:
+            print(f"written as float weights: {', '.join(summary['dense_notes'])}")
+        return 0
+
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         raise ConfigError(f"SRC_DIR {args.src!r} has no config.json: give a Hugging Face checkpoint folder "
-                          f"(config.json + safetensors); keras-hub presets are not streamed yet")
+                          f"(config.json + safetensors) or a keras-hub preset folder (config.json + "
+                          f"model.weights.h5, as save_to_preset writes it)")
+    keras_preset = False  # keras-hub's own test: a config.json naming a registered Keras object
+    for name, key in (("config.json", "registered_name"), ("metadata.json", "keras_version")):
+        try:
+            with open(os.path.join(args.src, name), encoding="utf-8") as f:
+                keras_preset = keras_preset or key in json.load(f)
+        except (OSError, ValueError, TypeError):
+            pass
+    if keras_preset:
+        if args.workers != 1:
+            raise ConfigError(f"--workers {args.workers}: a keras-hub preset is compressed by one process; run with "
+                              f"--workers 1")
+        if args.sparse_format != "dense":
+            raise ConfigError(f"--sparse-format {args.sparse_format}: a keras-hub preset holds pruned layers as float "
+                              f"weights with their zeros (what Keras runs); the option is for Hugging Face checkpoints")
+        try:
+            from ..tf.hub_oneshot import oneshot as keras_oneshot
+        except ModuleNotFoundError as e:
+            raise BackendNotAvailable(f"compressor oneshot on a keras-hub preset needs {e.name!r} (pip install "
+                                      f"'compressor[tf]' keras-hub h5py)") from None
+        if not os.path.isfile(args.recipe):
+            _no_file(args.recipe)
+        return report(keras_oneshot(args.src, args.out, args.recipe, args.data, num_samples=args.num_samples,
+                                    seq_len=args.seq_len, batch_size=args.batch_size,
+                                    forward_dtype=args.forward_dtype, progress=True))
     try:
         from ..torch.hf_oneshot import oneshot
     except ModuleNotFoundError as e:
@@ -343,19 +383,7 @@ def _cmd_oneshot(args: argparse.Namespace) -> int:
     summary = oneshot(args.src, args.out, args.recipe, args.data, num_samples=args.num_samples, seq_len=args.seq_len,
                       batch_size=args.batch_size, forward_dtype=args.forward_dtype, sparse_format=args.sparse_format,
                       workers=args.workers, threads=args.threads, progress=True)
-    rows = summary["rows"]
-    if rows:
-        from ..core.oneshot import OneShotReport
-
-        print(OneShotReport(rows))  # per layer: block, method, sparsity / bits, the method's error
-    errors = [r["error"] for r in rows if isinstance(r.get("error"), float)]
-    print(f"{args.src} -> {args.out}: {summary['blocks']} blocks, {len(rows)} layers compressed, "
-          f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB, "
-          + (f"mean layer error {sum(errors) / len(errors):.4g}, " if errors else "")
-          + f"{summary['seconds']:.1f} s")
-    if summary["dense_notes"]:
-        print(f"written as float weights: {', '.join(summary['dense_notes'])}")
-    return 0
+    return report(summary)
 
 
 def _no_file(path: str) -> NoReturn:
