@@ -33,6 +33,7 @@ from .blocks import (
     _same,
     _shared_with,
     _Stop,
+    drop_pending,
 )
 
 #: tokens per float64 block call (:meth:`KerasOneShotBackend._call`): the batch is sliced by sequences to stay under it
@@ -101,10 +102,22 @@ class KerasOneShotBackend(OneShotBackend):
                 stack.enter_context(_intercepted(layer, make))
             yield
 
+    def drop_transients(self) -> None:
+        """Undo whatever a pass still has in place (intercepted calls, float64 dtype policies): called by the
+        rollback of a failed or interrupted run (core ``Undo``) before the layers' weights are put back."""
+        drop_pending()
+
     def check(self, batch: Any) -> str | None:
         """Run the model once on ``batch`` with every block and selected layer watched (nothing changes).
         Returns None when the blocks form a chain, else why not; a selected layer that is never called is a
         ModelError."""
+        try:
+            return self._check(batch)
+        except BaseException:  # a Ctrl-C that cut the watching's clean-up short: finish it
+            drop_pending()
+            raise
+
+    def _check(self, batch: Any) -> str | None:
         calls: list[tuple[int, BlockInput, Any]] = []
         seen: set[str] = set()
         with ExitStack() as stack:

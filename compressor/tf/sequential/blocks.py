@@ -14,15 +14,47 @@ import numpy as np
 import tensorflow as tf
 
 from ...core.errors import ModelError
+from ...core.interrupts import deferred_interrupts
 from ..compressor import iter_layers
 
 _MISSING = object()
+
+#: how to undo what a pass has in place now (intercepted calls, float64 dtype policies), registered before the
+#: change is made: if Ctrl-C cuts a pass's own clean-up short, the run's rollback (core ``Undo``, through
+#: ``KerasOneShotBackend.drop_transients``) or the caller (:func:`drop_pending`) finishes it
+_PENDING: list[Callable[[], None]] = []
+
+
+def _settle(undo: Callable[[], None]) -> None:
+    """Run a pending ``undo`` now (all of it, even if Ctrl-C is pressed meanwhile: raised after)."""
+    with deferred_interrupts():
+        undo()
+        if undo in _PENDING:
+            _PENDING.remove(undo)
+
+
+def drop_pending() -> None:
+    """Undo every change a pass still has in place, newest first."""
+    with deferred_interrupts():
+        while _PENDING:
+            _PENDING[-1]()
+            _PENDING.pop()
 
 
 @contextmanager
 def _intercepted(layer: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
     """Replace ``layer.call`` (and ``layer.quantized_call``) on the instance by ``make(original)``; restore on exit."""
-    saved = []
+    saved: list[tuple[str, Any]] = []
+
+    def put_back() -> None:
+        while saved:
+            attr, old = saved.pop()
+            if old is _MISSING:
+                vars(layer).pop(attr, None)  # absent if the interrupt came before it was set
+            else:
+                object.__setattr__(layer, attr, old)
+
+    _PENDING.append(put_back)  # before the first change
     try:
         for attr in ("call", "quantized_call"):
             if not hasattr(layer, attr):
@@ -31,11 +63,7 @@ def _intercepted(layer: Any, make: Callable[[Callable[..., Any]], Callable[..., 
             object.__setattr__(layer, attr, make(getattr(layer, attr)))
         yield
     finally:
-        for attr, old in reversed(saved):
-            if old is _MISSING:
-                object.__delattr__(layer, attr)
-            else:
-                object.__setattr__(layer, attr, old)
+        _settle(put_back)  # every call back, even if Ctrl-C is pressed again meanwhile
 
 
 def _first_arg(layer: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -201,11 +229,16 @@ def _float64_policies(block: Any, on: bool) -> Iterator[bool]:
         yield False
         return
     old = [lay.dtype_policy for lay in layers]
+
+    def put_back() -> None:
+        for lay, policy in zip(layers, old):
+            lay.dtype_policy = policy
+
+    _PENDING.append(put_back)  # before the first change
     try:
         for lay in layers:
             lay.dtype_policy = "float64"
         yield True
     finally:
-        for lay, policy in zip(layers, old):
-            lay.dtype_policy = policy
+        _settle(put_back)  # every policy back, even if Ctrl-C is pressed again meanwhile
 
