@@ -84,8 +84,9 @@ def calibration_batches(data: Any, what: str, *, num_samples: int | None = None,
     tuple, or a DataLoader / list / any iterable of those (see :func:`forward_inputs` for ``positional``).
 
     ``num_batches`` stops after that many batches; ``num_samples`` after that many sequences (the leading
-    axis of the batch's tensors; the last batch is cut). A floating tensor with NaN / inf is a
-    :class:`ConfigError` naming the batch; no data at all is a ConfigError once the data is exhausted.
+    axis of the batch's tensors; the last batch is cut). A floating tensor with NaN / inf, or an empty one (0
+    sequences or 0 tokens), is a :class:`ConfigError` naming the batch; no data at all is a ConfigError once the
+    data is exhausted.
     ``hint``: what the no-data errors tell the user to do; ``tuple_is_batch``: ``data`` given as a tuple is one
     batch of positional inputs (False: an iterable of batches)."""
     hint = hint or f"give a few hundred sequences as {_FORMS}"
@@ -104,6 +105,8 @@ def calibration_batches(data: Any, what: str, *, num_samples: int | None = None,
             break
         args, kwargs = forward_inputs(batch, i, what, positional, expected)
         for name, t in _tensors(args, kwargs):
+            if t.dim() >= 1 and 0 in t.shape:  # no sequence (or no token): the model would fail inside
+                raise ConfigError(f"{what}: calibration batch {i} ({name}) is empty (shape {tuple(t.shape)}); {hint}")
             if t.is_floating_point() or t.is_complex():
                 if not bool(torch.isfinite(t).all()):
                     raise ConfigError(f"{what}: calibration batch {i} ({name}) contains NaN or inf")
