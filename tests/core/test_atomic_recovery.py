@@ -190,3 +190,24 @@ def test_ctrl_c_while_the_targets_move_is_raised_once_they_all_moved(tmp_path):
         atomic.os.replace = real
     assert sent and a.read_bytes() == b"new a" and b.read_bytes() == b"new b"
     assert listing(tmp_path) == ["a.pt", "b.pt"]
+
+
+def test_folders_an_export_created_go_again_when_it_is_rolled_back(tmp_path):
+    import shutil
+
+    target = tmp_path / "new" / "sub" / "model.pt"
+
+    def reset():
+        shutil.rmtree(tmp_path / "new", ignore_errors=True)
+
+    def run():
+        with atomic_path(target) as t:
+            _write(t, b"model")
+
+    out = check_every_kill(run, [str(target)], [str(tmp_path / "new" / "sub")], reset)
+    assert out["old"] > 0 and out["new"] > 0
+    reset()
+    with counted(1, True), pytest.raises(Killed):  # killed creating the first folder
+        run()
+    recover(target)
+    assert listing(tmp_path) == []
