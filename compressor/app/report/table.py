@@ -84,8 +84,15 @@ def layer_stats(weights: list[tuple[str, np.ndarray]], masks: dict[str, np.ndarr
     return rows
 
 
+def _shown(name: str) -> str:
+    """A layer name as any terminal can print it: lone surrogates (a name that is not valid Unicode, possible in a
+    pickled or JSON file) and other characters UTF-8 cannot encode are written as ``\\udXXX`` escapes."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def format_table(rows: list[LayerStats]) -> str:
-    """A plain-text table with a total row; ``~`` marks bit widths estimated from distinct values."""
+    """A plain-text table with a total row; ``~`` marks bit widths estimated from distinct values. Layer names
+    are escaped where they are not valid Unicode (:func:`_shown`)."""
     head = ["layer", "shape", "params", "zeros", "sparsity", "masked", "bits"]
     sized = any(r.bytes is not None for r in rows)
     if sized:
@@ -95,7 +102,7 @@ def format_table(rows: list[LayerStats]) -> str:
         stored = r.dtype or "float"
         bits = {"calibration": f"{r.bits}", "distinct values": f"~{r.bits}",
                 "dtype": f"{r.bits} ({stored})"}.get(r.bits_source, f"{r.bits} ({r.bits_source})")
-        body.append([r.layer, "x".join(map(str, r.shape)) or "scalar", str(r.params), str(r.zeros),
+        body.append([_shown(r.layer), "x".join(map(str, r.shape)) or "scalar", str(r.params), str(r.zeros),
                      f"{r.sparsity:.2%}", "-" if r.masked is None else f"{r.masked:.2%}", bits])
         if sized:
             body[-1] += ["-" if r.group_size is None else ("channel" if r.group_size == -1 else str(r.group_size)),
@@ -144,16 +151,16 @@ def file_sizes(paths: list[str | os.PathLike]) -> list[dict[str, Any]]:
 
 
 def format_sizes(sizes: list[dict[str, Any]]) -> str:
-    """``file  bytes  x of the first`` lines of :func:`file_sizes`."""
+    """``file  bytes  x of the first`` lines of :func:`file_sizes` (paths escaped as :func:`_shown` does)."""
     if not sizes:
         return ""
-    wp = max(len(r["path"]) for r in sizes)
+    wp = max(len(_shown(r["path"])) for r in sizes)
     wb = max(len(f"{r['bytes']:,}") for r in sizes)
     head = sizes[0]["path"]
     lines = []
     for r in sizes:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}x {os.path.basename(head)}"
-        lines.append(f"file  {r['path']:<{wp}}  {r['bytes']:>{wb},} bytes  {ratio}".rstrip())
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}x {_shown(os.path.basename(head))}"
+        lines.append(f"file  {_shown(r['path']):<{wp}}  {r['bytes']:>{wb},} bytes  {ratio}".rstrip())
     return "\n".join(lines)
 
 
@@ -185,7 +192,7 @@ def plot(rows: list[LayerStats], path: str | os.PathLike) -> None:
     ax.bar(x - (width / 2 if has_mask else 0), [r.sparsity for r in rows], width, label="zero weights")
     if has_mask:
         ax.bar(x + width / 2, [r.masked or 0.0 for r in rows], width, label="masked")
-    ax.set_xticks(x, [r.layer for r in rows], rotation=45, ha="right")
+    ax.set_xticks(x, [_shown(r.layer) for r in rows], rotation=45, ha="right")
     ax.set_ylim(0, 1)
     ax.set_ylabel("sparsity")
     ax.legend()

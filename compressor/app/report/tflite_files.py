@@ -6,6 +6,7 @@ fully-connected / batch-matmul op.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from typing import Any
 
@@ -29,7 +30,7 @@ class _Flatbuffer:
     is checked to lie inside the file before it is read, so a truncated or mutated file raises ModelError
     instead of crashing (tf.lite.Interpreter segfaults on many such files)."""
 
-    def __init__(self, data: bytes, where: str) -> None:
+    def __init__(self, data: bytes | mmap.mmap, where: str) -> None:
         self.data, self.size, self.where = data, len(data), where
 
     def bad(self, why: str) -> ModelError:
@@ -95,13 +96,17 @@ class _Flatbuffer:
 def _read_tflite(path: str) -> list[tuple[str, np.ndarray]]:
     """Weights of a TFLite flatbuffer: the filter operand of every conv / fully-connected / batch-matmul op
     of the main subgraph (raw stored values: int8 codes in an integer model; zero codes are the zero
-    weights, weights being symmetric). Read with bounds-checked flatbuffer reads (no TensorFlow needed):
+    weights, weights being symmetric). The file is memory-mapped, never read whole into memory. Read with
+    bounds-checked flatbuffer reads (no TensorFlow needed):
     a truncated or mutated file is a ModelError, names that are not UTF-8 are shown with U+FFFD."""
     size = os.path.getsize(path)
     if size > TFLITE_MAX_BYTES:
         raise ModelError(f"{path!r} has {size:,} bytes, more than the {TFLITE_MAX_BYTES:,} a .tflite file may have")
     with open(path, "rb") as f:
-        data = f.read()
+        # memory-mapped, not read: only the tables walked and the weights reported are paged in (the arrays
+        # returned are views of the mapping, which stays open while they are referenced)
+        data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    size = len(data)
     fb = _Flatbuffer(data, repr(path))
     if size < 8 or data[4:8] != b"TFL3":
         raise fb.bad("no 'TFL3' file identifier at byte 4" if size >= 8 else f"{size} bytes")
