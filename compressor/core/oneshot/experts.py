@@ -1,0 +1,138 @@
+"""Mixture-of-experts layers in a one-shot run.
+
+A routed expert's layers are observed like any other layer: the backend's hooks see the tokens the router sent to
+the expert and nothing else, so each expert gets its own GPTQ / SparseGPT Hessian and its own Wanda / AWQ channel
+statistics. What is special is an expert that the calibration set hardly reaches: a backend marks the layers of
+routed experts (:func:`mark_routed`, from its block finder), and a marked layer whose statistics hold fewer than
+:data:`MIN_EXPERT_TOKENS` tokens is compressed without them (:func:`expert_fallback`):
+
+* quantizers (GPTQ, AWQ): round to nearest on the layer's grid (AWQ with the identity scales, its own candidate
+  ``alpha = 0`` without duo scaling), a pruner's zeros kept;
+* pruners (Wanda, SparseGPT): magnitude pruning on the layer's pattern (Wanda's ranking with equal channel
+  norms: the same per-row counts and N:M groups).
+
+The layer's report row says so (``fallback``: 'rtn' / 'magnitude', ``tokens``: what it saw, ``expert``), and once
+the run's last block is written, ONE warning lists the experts that fell back with their token counts
+(:func:`warn_fallbacks`). An unmarked layer that saw nothing is still an error (it is probably not used by the
+model's forward on this data)."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .protocol import LayerResult, LayerTask
+from .quantize import rtn_quantize
+from .sparse import wanda_mask
+
+__all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "expert_fallback", "warn_fallbacks"]
+
+#: a routed expert's layer that saw fewer calibration tokens than this is compressed without statistics
+#: (:func:`expert_fallback`). 1: only an expert the calibration set never reached; raise it (module attribute) to
+#: treat experts with a handful of tokens the same way (their Hessian has that rank)
+MIN_EXPERT_TOKENS = 1
+
+_ROUTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def mark_routed(handle: Any, expert: str | None) -> None:
+    """Mark the layer whose task handle is ``handle`` as a layer of the routed expert ``expert`` (its path, e.g.
+    ``model.layers.3.mlp.experts.5``); ``None`` removes the mark. Called by a backend's block finder."""
+    if expert is None:
+        _ROUTED.pop(handle, None)
+    else:
+        _ROUTED[handle] = expert
+
+
+def routed_expert(task: LayerTask) -> str | None:
+    """The routed expert ``task``'s layer belongs to (:func:`mark_routed`), or None."""
+    try:
+        return _ROUTED.get(task.handle)
+    except TypeError:  # a handle that cannot be weakly referenced is never marked
+        return None
+
+
+def expert_fallback(method: Any, task: LayerTask, weight: np.ndarray, mask: np.ndarray | None,
+                    stats: Any) -> LayerResult | None:
+    """The result for a routed expert's layer that saw fewer than :data:`MIN_EXPERT_TOKENS` tokens (see the module
+    docstring), or None: the layer is not a routed expert's, has enough tokens, or the method reads no statistics."""
+    if stats is None or stats.count >= MIN_EXPERT_TOKENS or routed_expert(task) is None:
+        return None
+    info = {"tokens": int(stats.count), "expert": routed_expert(task)}
+    if getattr(method, "kind", "pruner") == "quantizer":
+        w = np.asarray(weight, np.float64) if mask is None else np.where(mask, weight, 0.0)
+        q = rtn_quantize(w, task.quant_spec(type(method).__name__))
+        scales = np.ones(weight.shape[1]) if getattr(method, "name", "") == "awq" else None
+        return LayerResult(weight=q.dequantized, mask=mask, quantized=q, scales=scales,
+                           info={"fallback": "rtn", **info})
+    pattern = task.config.get("sparse_pattern")
+    sparsity = None if pattern is not None else float(task.config["sparsity"])
+    keep = wanda_mask(weight, np.ones(weight.shape[1]), sparsity, pattern)
+    if mask is not None:
+        keep &= mask
+    return LayerResult(weight=np.where(keep, weight, 0.0), mask=keep, info={"fallback": "magnitude", **info})
+
+
+def _last_block(backend: Any) -> str | None:
+    try:
+        blocks = list(backend.blocks())
+    except Exception:  # noqa: BLE001 - a backend that cannot say
+        return None
+    return blocks[-1][0] if blocks else ""
+
+
+def _block_size(backend: Any, block: str) -> int | None:
+    """How many layers block ``block`` (a path; '' = outside every block) has in ``backend``, or None if unknown."""
+    try:
+        if block == "":
+            return len(backend.block_layers(None))
+        found = next((b for name, b in backend.blocks() if name == block), None)
+        return None if found is None else len(backend.block_layers(found))
+    except Exception:  # noqa: BLE001 - a backend that cannot say
+        return None
+
+
+def warn_fallbacks(backend: Any, method: Any, rows: list[dict[str, Any]], block: str) -> None:
+    """Called after each row is committed (``rows``: the run's rows so far, this one last). Once the last layer of
+    the run's last block is written, ONE warning names the routed experts of the whole run that fell back
+    (:func:`expert_fallback`, rows with ``fallback``) with their token counts; the layers outside the blocks
+    (``block`` '', compressed after them) get their own. Where the backend cannot say which block is last or how
+    many layers it has, each fallback row is warned about as it comes."""
+    if not rows or rows[-1].get("block") != block:
+        return
+    name = getattr(method, "name", None)
+    last = _last_block(backend)
+    size = _block_size(backend, block) if last is not None else None
+    if last is None or size is None:  # warned row by row
+        if "fallback" in rows[-1]:
+            _warn(name, "", rows[-1:])
+        return
+    if block not in ("", last):
+        return
+    tail = 0
+    for r in reversed(rows):
+        if r.get("block") != block or r.get("method") != name:
+            break
+        tail += 1
+    if tail != size:
+        return
+    mine = rows[len(rows) - tail:] if block == "" else [r for r in rows if r.get("method") == name and r.get("block")]
+    fell = [r for r in mine if "fallback" in r]
+    if fell:
+        _warn(name, " outside the blocks" if block == "" and last else "", fell)
+
+
+def _warn(name: Any, where: str, fell: list[dict[str, Any]]) -> None:
+    experts: dict[str, int] = {}
+    for r in fell:
+        label = r.get("expert") or r["layer"]
+        experts[label] = max(experts.get(label, 0), int(r["tokens"]))
+    how = "round to nearest" if fell[0]["fallback"] == "rtn" else "magnitude pruning"
+    listed = ", ".join(f"{e} ({n} token{'s' if n != 1 else ''})" for e, n in experts.items())
+    few = "no calibration token" if MIN_EXPERT_TOKENS == 1 else f"fewer than {MIN_EXPERT_TOKENS} calibration tokens"
+    warnings.warn(f"{name}: {len(experts)} routed expert(s){where} saw {few} and were compressed without statistics "
+                  f"({how}, {len(fell)} layer(s)): {listed}; more (or more varied) calibration data reaches them",
+                  stacklevel=4)
