@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .collective import owner_of
+from .experts import expert_fallback, warn_fallbacks
 from .memory import Undo, release_freed_heap
 from .protocol import LayerResult, LayerTask, OneShotBackend
 from .statistics import GramAccumulator
@@ -37,6 +38,9 @@ def compute_layer(backend: OneShotBackend, method: Any, task: LayerTask,
                    stats: GramAccumulator | None) -> LayerResult:
     """``method``'s result for ``task`` from its current weight and ``stats`` (the model is not changed)."""
     weight, mask = backend.read_weight(task)
+    fallback = expert_fallback(method, task, weight, mask, stats)  # a routed expert the data hardly reached
+    if fallback is not None:
+        return fallback
     _check_seen(method, task, stats)
     return method.compress(task, np.asarray(weight, np.float64), mask, stats)
 
@@ -49,6 +53,7 @@ def commit_layer(backend: OneShotBackend, method: Any, task: LayerTask, result: 
         undo.before(task)
     backend.write(task, result)
     rows.append(row)
+    warn_fallbacks(backend, method, rows, block)
 
 
 def compress_layers(backend: OneShotBackend, method: Any, tasks: list[LayerTask],
