@@ -1,41 +1,185 @@
 """A model's decoder blocks and the calls they receive: finding the blocks without naming a model family
-(:func:`find_blocks`), one recorded block call (:class:`_Input`: its arguments, the hidden state swapped in), what
+(:func:`find_blocks`), the experts and routers of its mixture-of-experts modules (:func:`find_experts`,
+:func:`find_routers`), one recorded block call (:class:`_Input`: its arguments, the hidden state swapped in), what
 an observing hook hands to core (host rows), and merging a block's calls into fewer, larger ones."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...core.errors import ModelError
+from ...core.oneshot.experts import mark_routed
+from ..layout import in_out_features
+from ..modules import is_wrapper
 
 
 def _contains(module: nn.Module, ids: set[int]) -> bool:
     return any(id(m) in ids for m in module.modules())
 
 
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+@dataclass
+class ExpertSet:
+    """The routed experts of one mixture-of-experts module ``parent``: ``path`` is an ``nn.ModuleList`` of ``count``
+    expert modules (``fused`` False) or one module holding each expert's weights as slice ``[e]`` of its 3-D
+    parameters (``fused`` True: ``params``, e.g. transformers 5's ``gate_up_proj`` / ``down_proj``); ``routers``: the
+    modules beside it that score the experts (output width ``count``); ``gates``: the Linear layers beside it
+    with ONE output (a scalar gate per token, e.g. on a shared expert)."""
+
+    parent: str
+    path: str
+    count: int
+    fused: bool
+    routers: list[str] = field(default_factory=list)
+    gates: list[str] = field(default_factory=list)
+    params: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+
+def _router_width(module: nn.Module) -> int | None:
+    """The output width of a module that could score experts: a Linear-like layer's ``out_features`` (wrapped or
+    not), or the first axis of the 2-D ``weight`` of a leaf module that is not an embedding (a router holding its
+    ``[num_experts, hidden]`` matrix as a parameter)."""
+    io = in_out_features(module)
+    if io is not None:
+        return int(io[1])
+    if isinstance(module, nn.Embedding) or is_wrapper(module) or next(module.children(), None) is not None:
+        return None
+    w = module._parameters.get("weight")
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _fused_count(module: nn.Module) -> int | None:
+    """The number of experts of a module holding them as 3-D parameters ``[experts, ...]`` of its own (every such
+    parameter with the same first axis, at least 2), else None."""
+    shapes = [tuple(p.shape) for p in module._parameters.values() if isinstance(p, torch.Tensor) and p.dim() == 3]
+    if not shapes or len({s[0] for s in shapes}) != 1 or shapes[0][0] < 2:
+        return None
+    return int(shapes[0][0])
+
+
+def find_experts(model: nn.Module) -> list[ExpertSet]:
+    """The routed experts of ``model``'s mixture-of-experts modules, without naming a model family: a module's
+    child that is an ``nn.ModuleList`` of ``E >= 2`` modules of one class (or a module holding 3-D parameters
+    ``[E, ...]``), next to a child that scores ``E`` experts (a Linear layer with ``E`` outputs, or a router module
+    whose 2-D ``weight`` has ``E`` rows) is the expert set; that scorer is its router. The router must be a direct
+    child of the module holding the experts (as in Mixtral, Qwen-MoE, DeepSeek and hand-written MoE layers)."""
+    out: list[ExpertSet] = []
+    for path, m in model.named_modules():
+        if is_wrapper(m):
+            continue
+        children = list(m.named_children())
+        for name, c in children:
+            if isinstance(c, nn.ModuleList):
+                count = len(c) if len(c) >= 2 and len({type(x) for x in c}) == 1 else None
+                fused = False
+            else:
+                count, fused = _fused_count(c), True
+            if count is None:
+                continue
+            routers = [_join(path, n) for n, r in children if r is not c and _router_width(r) == count]
+            if not routers:
+                continue
+            gates = [_join(path, n) for n, g in children
+                     if g is not c and in_out_features(g) is not None and in_out_features(g)[1] == 1]
+            params = ([(n, tuple(p.shape)) for n, p in c._parameters.items()
+                       if isinstance(p, torch.Tensor) and p.dim() == 3] if fused else [])
+            out.append(ExpertSet(path, _join(path, name), count, fused, routers, gates, params))
+    return out
+
+
+def find_routers(model: nn.Module) -> list[str]:
+    """The paths of the routers and scalar gates of ``model``'s mixture-of-experts modules (:func:`find_experts`):
+    the layers a one-shot run leaves float unless they are named (as llmcompressor and vLLM expect)."""
+    return [p for e in find_experts(model) for p in e.routers + e.gates]
+
+
+def _mark_routed_layers(experts: list[ExpertSet], model: nn.Module, selected: list[nn.Module]) -> None:
+    """Mark each selected layer inside a routed expert of a module list with that expert's path (core's
+    :func:`~compressor.core.oneshot.experts.mark_routed`: its fallback when the expert sees too few tokens);
+    every other selected layer unmarked."""
+    label: dict[int, str] = {}
+    for e in experts:
+        if e.fused:
+            continue
+        for k, member in enumerate(model.get_submodule(e.path)):
+            for m in member.modules():
+                label[id(m)] = f"{e.path}.{k}"
+    for w in selected:
+        mark_routed(w, label.get(id(w)))
+
+
+def _warn_fused(experts: list[ExpertSet], model: nn.Module, blocks: list[tuple[str, nn.Module]],
+                selected: list[nn.Module]) -> None:
+    """One warning naming the fused expert parameters (3-D, one slice per expert) of the mixture-of-experts
+    modules in the blocks that hold selected layers: the one-shot methods compress 2-D Linear weights, so these
+    stay as they are."""
+    ids = {id(m) for m in selected}
+    scopes = [(n, b) for n, b in blocks if _contains(b, ids)] or ([("", model)] if ids else [])
+    fused = [e for e in experts if e.fused and any(not n or e.path.startswith(n + ".") for n, _ in scopes)]
+    if not fused:
+        return
+    total = sum(p.numel() for _, b in scopes for p in b.parameters() if p.dim() >= 2)
+    held = sum(p.numel() for e in fused for p in model.get_submodule(e.path)._parameters.values()
+               if isinstance(p, torch.Tensor) and p.dim() == 3)
+    share = f"; {100.0 * held / total:.0f} % of the weights of the blocks" if total else ""
+    shapes = ", ".join(f"{n} {list(s)}" for n, s in fused[0].params)
+    more = f" and {len(fused) - 1} more like it" if len(fused) > 1 else ""
+    warnings.warn(f"one-shot calibration: the routed experts of {len(fused)} mixture-of-experts module(s) are fused "
+                  f"3-D parameters ({fused[0].path}: {shapes}{more}{share}) and are NOT compressed: the one-shot methods "
+                  f"compress Linear layers (one 2-D weight each); only the model's Linear layers are", stacklevel=3)
+
+
 def find_blocks(model: nn.Module, targets: Sequence[str] | None, selected: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
     """The model's blocks in execution (definition) order: modules whose class name is in ``targets``
-    (outermost ones), or, without targets, the children of the longest ``nn.ModuleList`` whose children all
-    have one class and which holds a module of ``selected`` (ties: the first one)."""
+    (outermost ones), or, without targets, the children of an ``nn.ModuleList`` whose children all have one class
+    and which holds a module of ``selected``: the longest such list (ties: the first one) that is neither
+
+    * the routed experts of a mixture-of-experts module (:func:`find_experts`: they are called on the tokens the
+      router picks, not one after the other on the previous one's output), nor
+    * inside a member of another such list of two or more members (the outermost repeated list is the decoder:
+      ``model.layers``, not a list nested in its layers).
+
+    Also marks the selected layers of routed experts for core (:func:`_mark_routed_layers`) and warns once about
+    fused expert parameters that stay uncompressed (:func:`_warn_fused`)."""
+    selected = list(selected)
     ids = {id(m) for m in selected}
+    experts = find_experts(model)
+    _mark_routed_layers(experts, model, selected)
     if targets:
         names = set(targets)
         found: list[tuple[str, nn.Module]] = []
         for name, m in model.named_modules():
             if type(m).__name__ in names and not any(name.startswith(f + ".") for f, _ in found):
                 found.append((name, m))
+        _warn_fused(experts, model, found, selected)
         return found
-    best: list[tuple[str, nn.Module]] = []
+    expert_lists = {e.path for e in experts if not e.fused}
+    lists: list[tuple[str, nn.Module]] = []  # lists of one class holding a selected layer (expert lists included)
     for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or len(m) <= len(best):
+        if not isinstance(m, nn.ModuleList) or not len(m):
             continue
-        children = list(m.named_children())
-        if len({type(c) for _, c in children}) == 1 and any(_contains(c, ids) for _, c in children):
-            best = [(f"{name}.{n}" if name else n, c) for n, c in children]
+        children = list(m.children())
+        if len({type(c) for c in children}) == 1 and any(_contains(c, ids) for c in children):
+            lists.append((name, m))
+
+    def nested(name: str) -> bool:  # inside a member of another list of 2+ members
+        return any(len(o) >= 2 and o_name != name and (not o_name or name.startswith(o_name + "."))
+                   for o_name, o in lists)
+
+    best: list[tuple[str, nn.Module]] = []
+    for name, m in lists:
+        if len(m) > len(best) and name not in expert_lists and not nested(name):
+            best = [(_join(name, n), c) for n, c in m.named_children()]
+    _warn_fused(experts, model, best, selected)
     return best
 
 
