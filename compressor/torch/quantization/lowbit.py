@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ModelError
+from ...core.interrupts import deferred_interrupts
 from ...core.oneshot import stored_codes_to_full
 from ..layout import canonical_shape, in_out_features, to_canonical
 from ..modules import innermost_module, named_wrappers
@@ -488,6 +489,24 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
         (problems.append(problem) if problem else plan.append((n, w, kind)))
     if problems:
         raise ModelError("pack_weights: cannot pack " + "; ".join(problems) + ". Nothing was changed.")
+    # reading QAT's codes refreshes its scale buffers: their values are kept first, to put back on an interrupt
+    kept = [(b, b.detach().clone()) for _, w, kind in plan if kind != "oneshot" for b in w.buffers()]
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, module before), recorded before each swap
+    try:
+        _pack(model, plan, compute_dtype, activation, swapped)
+    except BaseException:  # a Ctrl-C too: the model as it was (a second Ctrl-C is raised once it is)
+        with deferred_interrupts():
+            for parent, attr, old in reversed(swapped):
+                setattr(parent, attr, old)
+            with torch.no_grad():
+                for b, value in kept:
+                    b.copy_(value)
+        raise
+    return model
+
+
+def _pack(model: nn.Module, plan: list[tuple[str, nn.Module, str]], compute_dtype: torch.dtype,
+          activation: str | None, swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
     new: list[tuple[str, nn.Module]] = []
     for n, w, kind in plan:
         layer = innermost_module(w)
@@ -512,5 +531,5 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
     for n, m in new:
         parent_name, _, attr = n.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        swapped.append((parent, attr, getattr(parent, attr)))
         setattr(parent, attr, m)
-    return model
