@@ -5,6 +5,7 @@ is being undone. The interrupt is a real SIGINT sent after the n-th traced line 
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import warnings
@@ -202,3 +203,37 @@ def test_ctrl_c_at_every_step_of_speedup_model():
         assert _same(_snapshot(model), before), f"Ctrl-C after line {k} of {n} of speedup_model changed the model"
         assert model.fc1.out_features == 8 and model.fc1.in_features == 6
     assert n > 200 and finished <= 2
+
+
+# ------------------------------------------------------------------------------------------------ pack_weights
+PACK = {os.path.join(ROOT, "torch/quantization/lowbit.py"): {"pack_weights", "_pack"}}
+
+
+def test_ctrl_c_at_every_step_of_pack_weights():
+    """Every layer replaced, or none: the wrappers back in their places, QAT's scale buffers as they were."""
+    from compressor.torch import QAT_Quantizer, RtnQuantizer
+    from compressor.torch.quantization.lowbit import pack_weights
+
+    def models():
+        m = _llama()
+        RtnQuantizer(m, [{"quant_bits": 4, "group_size": 8, "op_names": LAYERS}]).calibrate(progress=False)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        QAT_Quantizer(net, [{"quant_types": ["weight"], "quant_bits": 8, "op_types": ["Linear"]}]).compress()
+        net(torch.randn(4, 6))
+        return [m, net]
+
+    for model in models():
+        n = count_lines(lambda m=model: pack_weights(copy.deepcopy(m)), PACK)
+        before = _snapshot(model)
+        for k in range(1, n + 1):
+            state = run_interrupted(lambda m=model: pack_weights(m), k, PACK)
+            assert state["sent"] and state["raised"]
+            packed = [type(mod).__name__ == "PackedLinear" for mod in model.modules()]
+            if any(packed):  # finished: only a Ctrl-C on the last line ('return model') comes after the swaps
+                assert k == n and sum(packed) == 2, f"Ctrl-C after line {k} of {n} of pack_weights: half packed"
+                break
+            assert _same(_snapshot(model), before), f"Ctrl-C after line {k} of {n} of pack_weights changed the model"
+        else:
+            pack_weights(model)  # and it still packs
+        assert n > 20
