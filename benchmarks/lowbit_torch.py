@@ -14,8 +14,13 @@
    quantizers leave them) and packed. Resident weight bytes (parameters, buffers and the packed kernel
    tensors), next-token latency at batch 1 with the KV cache (after a 32-token prompt) and
    a 512-token prefill (batch 1), each vs float32 in the same rounds.
+3. Every M (``sweep_table``): the 2048 x 2048 Linear at M = 1 .. 512 rows, packed int4 / int8 computing in bf16
+   against a bf16 ``nn.Linear`` and int4 computing in float32 against float32, as PackedLinear picks its path
+   (``auto``: the kernel below ``DEQUANT_ROWS``, the dequantized weight and the float matmul above), and with each
+   path forced, as ratios to the float layer in the same interleaved rounds; ``int8-dyn`` (int8 activations per
+   token x int8 weights, float32 in and out) against the bf16 layer too.
 
-    python benchmarks/lowbit_torch.py [--rounds 5] [--skip-models] [--trained PATH]
+    python benchmarks/lowbit_torch.py [--rounds 5] [--skip-models] [--sweep-only] [--trained PATH]
 """
 
 from __future__ import annotations
@@ -79,6 +84,51 @@ def layer_table(rounds: int) -> list[str]:
             rows.append(f"| {k} | {kernel} | {med[(k, 1)] * 1e3:.3f} | {med[(k, 1)] / med[('fp32', 1)]:.2f}x | "
                         + (f"{m64 * 1e3:.2f} | {m64 / med[('fp32', 64)]:.2f}x" if m64 else "not run | -")
                         + f" | {err} |")
+    return rows
+
+
+def sweep_table(rounds: int, sizes: tuple[int, ...] = (1, 4, 16, 32, 64, 128, 256, 512)) -> list[str]:
+    """Packed layers against the float layer in the same dtype at every number of input rows M (tokens): one
+    2048 x 2048 Linear, RTN codes. ``auto``: PackedLinear as it runs (the kernel below ``DEQUANT_ROWS``, else the
+    dequantized weight and the float matmul); ``kernel``: the kernel at every M (``dequant_rows=None``);
+    ``dequant``: the float path at every M (``dequant_rows=1``). bf16 against a bf16 ``nn.Linear``; float32
+    against float32 (``compute_dtype=torch.float32``)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(2048, 2048, bias=False)
+    w = lin.weight.detach()
+    lin16 = copy.deepcopy(lin).to(torch.bfloat16)
+    mods = {}
+    for name, bits, group, dt in (("int4-g128", 4, 128, torch.bfloat16), ("int8-wo", 8, None, torch.bfloat16),
+                                  ("int4-g128-f32", 4, 128, torch.float32), ("int8-wo-f32", 8, None, torch.float32)):
+        for mode, rows in (("auto", "default"), ("kernel", None), ("dequant", 1)):
+            m = packed_from(w, bits, group, compute_dtype=dt)
+            if rows != "default":
+                m.dequant_rows = rows
+            mods[(name, mode)] = m
+    dyn = packed_from(w, 8, None, activation="dynamic")  # int8 x int8 (fbgemm), activations per token
+    med: dict = {}
+    for m_rows in sizes:
+        x32 = torch.randn(m_rows, 2048)
+        x16 = x32.to(torch.bfloat16)
+        fns = {("bf16", m_rows): (lambda x=x16: lin16(x)), ("fp32", m_rows): (lambda x=x32: lin(x)),
+               ("int8-dyn", "auto", m_rows): (lambda x=x32: dyn(x))}
+        for (name, mode), mod in mods.items():
+            if name.endswith("f32") and mode == "kernel" and m_rows > 4:
+                continue  # the float32 kernel is a scalar loop: seconds at these sizes
+            x = x32 if name.endswith("f32") else x16
+            fns[(name, mode, m_rows)] = (lambda mod=mod, x=x: mod(x))
+        calls = 20 if m_rows <= 4 else (5 if m_rows <= 64 else 2)
+        with torch.no_grad():
+            med.update(interleaved_medians(fns, rounds=rounds, calls=calls))
+    head = "| variant | path | " + " | ".join(f"M={m}" for m in sizes) + " |"
+    rows = [head, "|---|---|" + "---|" * len(sizes)]
+    rows.append("| bf16 nn.Linear | mkldnn | " + " | ".join(f"{med[('bf16', m)] * 1e3:.2f} ms" for m in sizes) + " |")
+    rows.append("| fp32 nn.Linear | mkl | " + " | ".join(f"{med[('fp32', m)] * 1e3:.2f} ms" for m in sizes) + " |")
+    for name, mode in [*mods, ("int8-dyn", "auto")]:
+        base = "fp32" if name.endswith("f32") else "bf16"
+        cells = [f"{med[(name, mode, m)] / med[(base, m)]:.2f}x" if (name, mode, m) in med else "not run"
+                 for m in sizes]
+        rows.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -175,6 +225,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip-models", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="only the every-M table (implies --skip-models)")
     ap.add_argument("--trained", default=os.environ.get("COMPRESSOR_TRAINED_LM", TRAINED))
     ap.add_argument("--prefill", type=int, default=512)
     args = ap.parse_args()
@@ -182,9 +233,12 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers: past_key_values renamed
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, 1 thread, "
           f"quantized engine {torch.backends.quantized.engine}, {args.rounds} interleaved rounds\n")
-    print("### One 2048 x 2048 Linear\n")
-    print("\n".join(layer_table(args.rounds)))
-    if args.skip_models:
+    if not args.sweep_only:
+        print("### One 2048 x 2048 Linear\n")
+        print("\n".join(layer_table(args.rounds)))
+    print("\n### Every M: packed vs the float layer in the same dtype (ratios; float rows in ms)\n")
+    print("\n".join(sweep_table(args.rounds)))
+    if args.skip_models or args.sweep_only:
         return
     print("\n### Whole models (RTN codes of every Linear in the blocks; embedding and head float32)\n")
     if Path(args.trained).is_file():

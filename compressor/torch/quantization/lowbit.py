@@ -28,10 +28,18 @@ per element whatever the other rows hold (with one scale per tensor an outlier t
 Outputs are within about 2 % (of max|y|) of the weight-only result: the activations are rounded too. Its packed weight is a TorchScript object: ``torch.compile`` runs it in a graph
 break (``fullgraph=True`` refuses it).
 
-Both weight-only kernels are fast only in 16-bit: with ``float32`` activations they run a scalar loop (about 20x slower
-than the float ``Linear`` here). ``compute_dtype`` is therefore ``torch.bfloat16`` by default (torchao's
-choice; outputs within bf16 rounding of the fake-quant model); ``torch.float32`` gives outputs equal to the
-fake-quant model's to float32 rounding.
+The path follows the number of input rows M (tokens): the weight-only kernels up to :data:`DEQUANT_ROWS`
+(decode), then the weight dequantized from the kernel's own resident form, in ``compute_dtype``, and the float
+matmul (prefill), one layer's weight at a time (``dequant_rows`` per module; None: the kernel always). Measured
+against a bf16 ``nn.Linear`` (2048 x 2048, one thread, ``benchmarks/lowbit_torch.py``): int4 g128 0.4-0.5x at M =
+1, 0.7x at M = 4, 1.5-2.4x from 16 to 128 rows (both paths: the kernel is compute-bound, the dequantization costs
+one bf16 matmul of ~128 rows), 1.4-1.6x at 256-512; int8 0.6x at M = 1, 1.1-1.8x above. So packed int4 saves
+memory and decode time, not prefill time, on PyTorch's CPU kernels. The int4 unpacking knows the kernel's
+64-row block layout (checked once per width; other layouts keep the kernel). Both kernels are fast only in 16
+bits: with ``float32`` activations they run a scalar loop (5-11x the float32 ``Linear`` at one row, ~100x at 128
+rows), so float32 dequantizes from 4 rows on (1.3-1.6x sgemm at 128-512 rows, 3-4x at 16-32).
+``compute_dtype`` is ``torch.bfloat16`` by default (torchao's choice; outputs within bf16 rounding of the
+fake-quant model); ``torch.float32`` gives outputs equal to the fake-quant model's to float32 rounding.
 
 AWQ: the codes quantize ``W * s`` (``s`` per input column), so the layer computes ``(x / s) @ Q(W s)^T``,
 an elementwise divide of the input (``awq_scales`` kept per layer; folding ``1/s`` into the previous
@@ -64,7 +72,7 @@ from ..modules import innermost_module, named_wrappers
 from .grad import QuantType
 from .wrapper import QuantizerModuleWrapper
 
-__all__ = ["PackedLinear", "pack_weights", "oneshot_codes", "INT4_KERNEL_GROUPS"]
+__all__ = ["PackedLinear", "pack_weights", "oneshot_codes", "INT4_KERNEL_GROUPS", "DEQUANT_ROWS"]
 
 
 def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
@@ -94,6 +102,44 @@ _INT4_N_MULTIPLE = 16
 #: in_features that is not a multiple of 16 it crashes (segfault) on AVX-512 CPUs in bf16 (torch 2.13, found in
 #: CI); the kernel's weight gets zero columns up to a multiple of 16 and the input is padded with zeros
 _INT8_K_MULTIPLE = 16
+
+
+#: rows of input (tokens) from which a weight-only layer dequantizes its weight and runs the float matmul instead
+#: of its packed kernel, per (kernel, compute dtype). The kernels dequantize per tile and are compute-bound: in
+#: 16 bits 1.5-2.9x slower than a bf16 matmul from 16 rows on; a full dequantization in PyTorch ops (unpack,
+#: cast, scale, transpose) costs about one bf16 matmul of 128-256 rows for int4 and of ~32 rows for int8 (no
+#: unpacking). In float32 the kernels run a scalar loop (5-11x sgemm at one row, ~100x at 128), so from 4 rows on
+#: the dequantized weight and sgemm win. Crossovers measured by benchmarks/lowbit_torch.py (``sweep_table``).
+DEQUANT_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("int4", torch.bfloat16): 128, ("int4", torch.float16): 128, ("int4", torch.float32): 4,
+    ("int8", torch.bfloat16): 32, ("int8", torch.float16): 32, ("int8", torch.float32): 4}
+#: kernel row blocks whose layout :func:`_int4_block_layout` recognises (rows of the weight per block)
+_INT4_BLOCK_N = 64
+#: ``n -> bool``: whether ``_convert_weight_to_int4pack_for_cpu`` lays out an ``[n, k]`` weight in row blocks of 64
+_BLOCK_LAYOUT: dict[int, bool] = {}
+
+
+def _int4_block_layout(n: int) -> bool:
+    """Whether this torch build packs an ``[n, k]`` int4 weight as ``[n / 64, k, 32]`` bytes, the low nibble of
+    byte ``(b, j, i)`` holding row ``64 b + i`` and the high nibble row ``64 b + 32 + i`` of column ``j`` (the
+    AVX-512 layout for n a multiple of 64). Checked once per ``n`` on an ``[n, 64]`` probe (the layout does not
+    depend on k), so a build that packs otherwise runs the kernel at every size."""
+    known = _BLOCK_LAYOUT.get(n)
+    if known is not None:
+        return known
+    ok = False
+    if n % _INT4_BLOCK_N == 0:
+        k = 64
+        src = _int4_kernel_source(n, k)
+        idx = torch.arange(n * k // 2)
+        half = _INT4_BLOCK_N // 2
+        b, rem = idx // (k * half), idx % (k * half)
+        col, i = rem // half, rem % half
+        lo, hi = src[0::2], src[1::2]
+        ok = bool(torch.equal(lo, (b * _INT4_BLOCK_N + i) * k + col)
+                  and torch.equal(hi, (b * _INT4_BLOCK_N + half + i) * k + col))
+    _BLOCK_LAYOUT[n] = ok
+    return ok
 
 
 def _int4_kernel_group(group_width: int, n_in: int) -> int | None:
@@ -170,7 +216,11 @@ class PackedLinear(nn.Module):
             self.register_buffer("awq_scales", torch.ones(self.in_features, device=dev))
         else:
             self.awq_scales = None
+        #: input rows (tokens) from which the weight-only kernels' weight is dequantized for a float matmul (see
+        #: :data:`DEQUANT_ROWS`); None: always the kernel. Settable per module.
+        self._deq_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kernel, self.kernel_note, self._kg = self._plan(dev)
+        self.dequant_rows: int | None = DEQUANT_ROWS.get((self.kernel, compute_dtype))
         if self.kernel == "reference":
             warnings.warn(f"PackedLinear {name!r} ({source}, {self.in_features} -> {self.out_features}, {bits}-bit, "
                           f"group {gw}): {self.kernel_note}; it runs the reference path (dequantize + matmul, "
@@ -254,6 +304,7 @@ class PackedLinear(nn.Module):
                              f"{'signed' if self.signed else 'unsigned'} range [{qmin}, {qmax}]")
         n, k = self.out_features, self.in_features
         self._packed = None
+        self._deq_scales = None
         if self.kernel == "int8-dynamic":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # quantized tensor creation is deprecated; its kernel is not replaced
@@ -276,6 +327,9 @@ class PackedLinear(nn.Module):
             self._wq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 1)
             self._sz = torch.stack([sc.t(), zero.t()], -1).to(self.compute_dtype).contiguous()
             self._corr = None
+            if _int4_block_layout(n_pad):  # the kernel's [groups, n, (scale, zero)] as [blocks, groups, 1, 64]
+                sz = self._sz.reshape(k // kg, n_pad // _INT4_BLOCK_N, _INT4_BLOCK_N, 2).permute(1, 0, 2, 3)
+                self._deq_scales = (sz[..., 0].unsqueeze(2).contiguous(), sz[..., 1].unsqueeze(2).contiguous())
         elif self.kernel == "int8":
             off = 0 if self.signed else 128
             wq = (c - off).to(torch.int8)
@@ -377,6 +431,8 @@ class PackedLinear(nn.Module):
                 xf = x2.to(torch.float32)
                 m = torch.clamp(xf.abs().amax(-1, keepdim=True), min=_TINY)
                 y = torch.ops.quantized.linear_dynamic((xf / m).contiguous(), self._packed, True) * m
+            elif self._dequantizes(xin.shape[0]):  # many rows: dequantize once, then the float matmul
+                y = torch.nn.functional.linear(xin, self._kernel_weight())
             elif self.kernel == "int4":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self._wq, self._kg, self._sz)
                 if y.shape[1] != self.out_features:
@@ -392,6 +448,32 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _dequantizes(self, rows: int) -> bool:
+        """Whether ``rows`` input rows run the dequantize + float matmul path (see :data:`DEQUANT_ROWS`)."""
+        if self.dequant_rows is None or rows < self.dequant_rows or self.kernel not in ("int4", "int8"):
+            return False
+        return self.kernel == "int8" or self._deq_scales is not None  # int4: a kernel layout it can unpack
+
+    def _kernel_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in ``compute_dtype`` as the kernel computes it, from the resident kernel form:
+        int4 ``(u - 8) * s + zero`` per kernel group (its 64-row block layout unpacked with two bitwise ops and a
+        transpose), int8 ``v * s`` (+ the unsigned codes' correction). Transient: one layer's weight at a time."""
+        n, k = self.out_features, self.in_features
+        dt = self.compute_dtype
+        if self.kernel == "int8":
+            v = self._wq[:, :k] if self._wq.shape[1] != k else self._wq
+            if self._corr is None:
+                return v.to(dt) * self._sz[:, None]
+            return torch.addcmul(self._corr[:, None], v.to(dt), self._sz[:, None])
+        n_pad, kg = self._wq.shape[0], self._kg
+        nb, g, half = n_pad // _INT4_BLOCK_N, k // kg, _INT4_BLOCK_N // 2
+        scale, zero = self._deq_scales
+        p = self._wq.view(nb, k, half)
+        u = torch.stack((p & 15, p >> 4), dim=2).view(nb, g, kg, _INT4_BLOCK_N).to(dt) - 8
+        w = torch.addcmul(zero, u, scale).view(nb, k, _INT4_BLOCK_N)  # [block, in, row in block]
+        w = w.transpose(1, 2).reshape(n_pad, k)
+        return w if n_pad == n else w[:n]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, signed={self.signed}, kernel={self.kernel!r}, "
@@ -399,7 +481,8 @@ class PackedLinear(nn.Module):
 
     def resident_bytes(self) -> int:
         """Bytes of the tensors this module keeps (codes in the kernel's form, scales, zero points, bias)."""
-        ts = [self._wq, self._sz, self._corr, self.scale, self.zero_point, self.bias, self.awq_scales]
+        ts = [self._wq, self._sz, self._corr, self.scale, self.zero_point, self.bias, self.awq_scales,
+              *(self._deq_scales or ())]
         packed = self.in_features * self.out_features if self._packed is not None else 0  # fbgemm: 1 byte / weight
         return packed + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
