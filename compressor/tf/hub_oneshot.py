@@ -316,6 +316,39 @@ def _check_keras_layouts(stages: Any) -> None:
                                   f"RtnQuantizer for wider codes")
 
 
+def _check_conversions(stages: Any, compressors: Sequence[Any], first: Sequence[Any]) -> None:
+    """Every layer a quantizer compresses has a stock Keras layer for its grid that a preset can describe (not: a
+    3-D EinsumDense kernel that Keras's GPTQ layer would split otherwise than ours, AWQ codes over 4 bits, codes
+    for Keras's int8 layer, which a preset's config rebuilds with activation quantization): checked on the
+    first block's layers with placeholder codes (``keras_quantized_variables`` changes nothing), before anything
+    is run."""
+    from .quantization.lowbit import keras_quantized_variables
+    from .quantization.oneshot import AwqQuantizer
+
+    for i, (stage, c) in enumerate(zip(stages, compressors)):
+        if not getattr(type(c), "holds_integer_codes", False):
+            continue
+        for w in c.modules_wrapper:
+            if w not in first:
+                continue
+            spec, plan = c._specs[w.name], c._layouts[w.name]
+            gs = spec.group_size if spec.group_size and 0 < spec.group_size < plan.n_in else plan.n_in
+            groups = -(-plan.n_in // gs)
+            try:
+                mode = keras_quantized_variables(
+                    w.name, w.layer, np.zeros((plan.n_out, plan.n_in), np.int32), np.ones((plan.n_out, groups)),
+                    np.zeros((plan.n_out, groups)), spec.group_size or -1, spec.bits, spec.symmetric,
+                    awq_scales=np.ones(plan.n_in) if isinstance(c, AwqQuantizer) else None).mode
+            except ConfigError as e:
+                raise ConfigError(f"--recipe: stage {i} ({stage.name}): {e}") from None
+            if mode == "int8":
+                raise ConfigError(f"--recipe: stage {i} ({stage.name}): layer {w.name!r}: {spec.bits}-bit symmetric "
+                                  f"codes per output channel go into Keras's int8 layers, whose weight-only setting "
+                                  f"a keras-hub preset cannot record (its config keeps the dtype policy only, and "
+                                  f"keras-hub would rebuild them quantizing the activations too); give a group_size "
+                                  f"or quant_scheme: affine (Keras's GPTQ layer holds those codes, weight-only)")
+
+
 def _compressors(model: Any, stages: Any) -> list[Any]:
     """The recipe's compressors on ``model``; an op_names / op_types entry that matches no layer is an error
     (in memory it is a warning; here it would cost a whole run to notice)."""
@@ -406,6 +439,7 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
             b = _block_of(blocks, w.name)
             if b is not None:
                 wrappers[id(b)].append(w)
+    _check_conversions(stages, compressors, wrappers[id(blocks[0][1])] if blocks else [])
     paths = {id(b): at.get(id(b)) for _, b in blocks}
     if not blocks or any(p is None for p in paths.values()):
         raise ModelError(f"{what}: no decoder blocks found among the layers the weights file holds")

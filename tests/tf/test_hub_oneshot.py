@@ -339,11 +339,15 @@ def test_a_sharded_bfloat16_preset_streams_in_bfloat16(presets, tmp_path):
 
 
 def test_gemma_streams_to_the_in_memory_result(tmp_path, presets):
-    """Another family (Gemma: tied embeddings, its own decoder block class), a backbone-only preset."""
+    """Another family (Gemma: tied embeddings, its own decoder block class), a backbone-only preset, and another
+    Keras layout: GPTQ w8 g64 codes in Keras's GPTQ layers (one byte a code, scales and zero points per group)."""
     src = _gemma(tmp_path / "gemma")
-    _run(src, tmp_path / "out", GPTQ, presets["ids"])
-    _, backbone = _in_memory(src, GPTQ, presets["tokens"], backbone_only=True)
-    _assert_same_weights(_written(tmp_path / "out"), backbone, "gemma")
+    recipe = [{"GptqQuantizer": [{"quant_bits": 8, "group_size": 64, "op_types": ["default"]}]}]
+    _run(src, tmp_path / "out", recipe, presets["ids"])
+    _, backbone = _in_memory(src, recipe, presets["tokens"], backbone_only=True)
+    got = _written(tmp_path / "out")
+    assert {str(layer.quantization_mode) for layer in got._flatten_layers() if layer.quantization_mode} == {"gptq"}
+    _assert_same_weights(got, backbone, "gemma")
 
 
 def test_bad_input_is_refused_before_anything_is_written(presets, tmp_path):
@@ -363,6 +367,9 @@ def test_bad_input_is_refused_before_anything_is_written(presets, tmp_path):
                                                        {"op_names": ["lm_head"], "exclude": True}]}], ids)
     with pytest.raises(ConfigError, match="8-bit AWQ codes have no stock Keras layer"):
         _run(src, tmp_path / "o1", [{"AwqQuantizer": [{"quant_bits": 8, "op_types": ["default"]}]}], ids)
+    with pytest.raises(ConfigError, match=r"stage 0 \(RtnQuantizer\): layer 'transformer_layer_0/self_attention/query': "
+                                          r"8-bit symmetric codes per output channel go into Keras's int8 layers"):
+        _run(src, tmp_path / "o1", [{"RtnQuantizer": [{"quant_bits": 8, "op_types": ["default"]}]}], ids)
     (tmp_path / "ids.pt").write_bytes(b"x")
     with pytest.raises(ConfigError, match=r"\.pt token file is read by the torch backend"):
         _run(src, tmp_path / "o1", GPTQ, tmp_path / "ids.pt")
