@@ -34,7 +34,9 @@ it cannot decode exactly:
   of a layer a quantized config group names exactly, is refused too; ``weight_g_idx`` (activation order) is
   not applied, so it is refused;
 * a tensor whose dtype or shape differs from what config.json implies (codes, scales, zero points, shapes,
-  bitmasks, values, row offsets);
+  bitmasks, values, row offsets); packed codes or zero points with bits set in the padding past the last code
+  (a 4-bit tensor read as 2 bits fills the same words), naive codes or zero points outside ``num_bits``, a
+  symmetric layer holding non-zero zero points;
 * a config value of the wrong type: ``symmetric`` and ``dynamic`` must be JSON booleans (``"false"`` is
   refused, naming the key and the value), ``num_bits`` an int in 1..8, ``group_size`` an int dividing the
   input columns;
@@ -731,7 +733,7 @@ _SPARSE_FORMATS = ("sparse-bitmask", "sparse-24-bitmask")
 #: docstring), raised with ``max_bytes=`` or COMPRESSOR_MAX_DECODED_BYTES; decoded CHUNK values at a time
 DECODED_BASE = 32 << 20
 DECODED_RATIO = 16
-CHUNK = 1 << 18
+CHUNK = 1 << 16
 
 
 def decoded_cap(files_bytes: int, max_bytes: int | None = None) -> int:
@@ -1003,11 +1005,44 @@ def _shape2(layer: _Layer, key: str) -> tuple[int, int]:
 def _blocks(rows: int, cols: int) -> Iterator[tuple[int, int, int, int]]:
     """``(r0, r1, c0, c1)`` tiles of about CHUNK values covering ``[rows, cols]``; columns split at multiples
     of 32 (a word of packed codes of any width starts there)."""
-    cstep = cols if cols <= CHUNK else CHUNK
+    cstep = cols if cols <= CHUNK else max(32, CHUNK // 32 * 32)
     rstep = max(1, CHUNK // max(cstep, 1))
     for r0 in range(0, rows, rstep):
         for c0 in range(0, cols, cstep):
             yield r0, min(rows, r0 + rstep), c0, min(cols, c0 + cstep)
+
+
+def _check_padding(layer: _Layer, packed: _Stored, n: int, bits: int, key: str, what: str) -> None:
+    """The bits past the ``n`` codes of ``bits`` bits in the last word of each ``what`` (row / column) of
+    ``packed`` are zero, as compressed-tensors (and this module) pad: set bits mean the data holds more or wider
+    codes than the config says (a 4-bit tensor read as 2 bits fits the same words)."""
+    used = n * bits % 32
+    if not used or not packed.size:
+        return
+    last = packed.get(np.s_[:, -1]) if what == "row" else packed.get(np.s_[-1, :])
+    bad = np.flatnonzero(last.view(np.uint32) >> np.uint32(used))
+    if bad.size:
+        raise layer.bad(f"{layer.name}.{key} has bits set past the {n} codes of {bits} bits of {what} {int(bad[0])} "
+                        f"(the padding is zero as written): the codes are wider or more than the config's num_bits "
+                        f"and shape say")
+
+
+def _zero_points(layer: _Layer, out: int, groups: int, bits: int) -> np.ndarray:
+    """The signed zero points ``[out, groups]`` (int32) of an asymmetric quantized layer, checked."""
+    (zpp,) = _need(layer, "weight_zero_point")
+    if layer.kind == "naive-quantized":
+        if zpp.shape != (out, groups) or zpp.dtype.kind not in "iu":
+            raise layer.bad(f"weight_zero_point is {zpp.dtype} {list(zpp.shape)}, expected integers {[out, groups]}")
+        zp = zpp.get().astype(np.int64)
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if zp.size and (zp.min() < lo or zp.max() > hi):
+            raise layer.bad(f"zero points outside the signed {bits}-bit range [{lo}, {hi}]")
+        return zp.astype(np.int32)
+    if zpp.dtype != np.int32 or zpp.shape != (math.ceil(out * bits / 32), groups):
+        raise layer.bad(f"weight_zero_point is {zpp.dtype} {list(zpp.shape)}, expected int32 "
+                        f"{[math.ceil(out * bits / 32), groups]}")
+    _check_padding(layer, zpp, out, bits, "weight_zero_point", "column")
+    return unpack_int32(np.ascontiguousarray(zpp.get().T), bits, out).T.astype(np.int32)
 
 
 _Decoded = tuple[tuple[int, ...], np.dtype, dict[str, Any], Callable[[], Iterator[tuple[Any, np.ndarray]]]]
@@ -1052,19 +1087,20 @@ def _decode(layer: _Layer, cfg: _Config) -> _Decoded:
             raise layer.bad(f"weight_scale is {scale.dtype} {list(scale.shape)}, expected a float {[out, groups]}")
         zp = None
         if not sym:
-            (zpp,) = _need(layer, "weight_zero_point")
-            if layer.kind == "naive-quantized":
-                if zpp.shape != (out, groups) or zpp.dtype.kind not in "iu":
-                    raise layer.bad(f"weight_zero_point is {zpp.dtype} {list(zpp.shape)}, expected integers "
-                                    f"{[out, groups]}")
-                zp = zpp.get().astype(np.int32)
-            else:
-                if zpp.dtype != np.int32 or zpp.shape != (math.ceil(out * bits / 32), groups):
-                    raise layer.bad(f"weight_zero_point is {zpp.dtype} {list(zpp.shape)}, expected int32 "
-                                    f"{[math.ceil(out * bits / 32), groups]}")
-                zp = unpack_int32(np.ascontiguousarray(zpp.get().T), bits, out).T.astype(np.int32)
+            zp = _zero_points(layer, out, groups, bits)
+        elif "weight_zero_point" in layer.tensors:  # older writers kept zeros for symmetric layers: only zeros
+            zpp = layer.tensors["weight_zero_point"]
+            try:
+                nonzero = bool(np.any(_zero_points(layer, out, groups, bits)))
+            except CheckpointError:
+                nonzero = zpp.dtype.kind not in "iu" or zpp.size != out * groups or bool(np.any(zpp.get()))
+            if nonzero:
+                raise layer.bad(f"config group {layer.scheme[0]!r} says symmetric, but {n}.weight_zero_point holds "  # type: ignore[index]
+                                f"non-zero zero points (is 'symmetric' right?)")
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         packed = layer.kind == "pack-quantized"
+        if packed:  # the bits past each row's last code are zero (the writer pads so): else num_bits is wrong
+            _check_padding(layer, q, cols, bits, "weight_packed", "row")
 
         def quantized() -> Iterator[tuple[Any, np.ndarray]]:
             s32 = None
@@ -1130,6 +1166,7 @@ def _load(folder: str, max_bytes: int | None, sink: _Sink) -> tuple[dict[str, An
     """Check the checkpoint in ``folder`` (config, files, every layer's tensors, the decoded size against
     :func:`decoded_cap`), then decode it layer by layer into ``sink``; ``(config, files' size)``."""
     folder = os.fspath(folder)
+    decoded_cap(0, max_bytes)  # a bad max_bytes / COMPRESSOR_MAX_DECODED_BYTES before any file is opened
     config, qc = _read_config(folder)
     cfg_path = os.path.join(folder, "config.json")
     tensors: dict[str, _Stored] = {}
@@ -1140,11 +1177,11 @@ def _load(folder: str, max_bytes: int | None, sink: _Sink) -> tuple[dict[str, An
                 raise CheckpointError(f"{folder!r}: tensor {k!r} is stored twice ({tensors[k].path!r} and {path!r})")
             tensors[k] = v
         size += os.path.getsize(path)
+    cap = decoded_cap(size, max_bytes)
     try:
         cfg = _Config(cfg_path, qc)
         plans = [(layer, *_decode(layer, cfg)) for layer in _layers(tensors, cfg)]
         total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _, _ in plans)
-        cap = decoded_cap(size, max_bytes)
         if total > cap:
             raise CheckpointError(f"{folder!r}: its weights decode to {total:,} bytes, more than the {cap:,} this "
                                   f"reader decodes from {size:,} bytes of files ({DECODED_BASE:,} + {DECODED_RATIO}x "
