@@ -523,7 +523,7 @@ def _write(preset: HubPreset, model: Any, blocks: Sequence[tuple[str, Any]], pat
         _write_json(os.path.join(folder, TASK_FILE), task)
     skip = {CONFIG_FILE, TASK_FILE, WEIGHTS_FILE, SHARDED_WEIGHTS_FILE}
     if preset.sharded:
-        skip.update(os.path.basename(p) for p, _, _ in preset.datasets.values())
+        skip.update(os.path.basename(p) for p in preset.files)
     for name in sorted(os.listdir(preset.path)):
         p = os.path.join(preset.path, name)
         if name in skip:

@@ -169,7 +169,7 @@ class HubPreset:
 
     Attributes: ``path``, ``config`` (``config.json``), ``metadata`` (``metadata.json`` or ``{}``), ``task``
     (``task.json`` or None), ``weights`` (the weights file: ``model.weights.h5`` or ``model.weights.json``),
-    ``sharded``, ``datasets`` (``{'<group>/vars/<key>': (file, shape, dtype name)}`` of every weights file),
+    ``sharded``, ``files`` (the HDF5 files: the single one, or the shards), ``datasets`` (``{'<group>/vars/<key>': (file, shape, dtype name)}`` of every weights file),
     ``nbytes`` (bytes of those datasets), ``dtype`` (the backbone's dtype policy name).
     """
 
@@ -190,8 +190,8 @@ class HubPreset:
         self.metadata = _read_json(meta_path, "metadata") if os.path.isfile(meta_path) else {}
         task_path = os.path.join(self.path, TASK_FILE)
         self.task = _read_json(task_path, "task") if os.path.isfile(task_path) else None
-        self.weights, self.sharded, files = self._weight_files()
-        self.datasets = self._datasets(files)
+        self.weights, self.sharded, self.files = self._weight_files()
+        self.datasets = self._datasets(self.files)
         if not self.datasets:
             raise CheckpointError(f"{self.weights!r}: the weights file holds no variable")
         self.nbytes = sum(math.prod(shape) * np.dtype(_np_dtype(dt)).itemsize
@@ -272,9 +272,8 @@ class HubPreset:
         before, so the output takes the source's)."""
         import h5py
 
-        files = sorted({f for f, _, _ in self.datasets.values()}) if self.sharded else [self.weights]
         out: dict[str, str] = {}
-        for path in files:
+        for path in self.files:
             with h5py.File(path, "r") as f:
                 def visit(name: str, obj: Any) -> None:
                     if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")) and \
