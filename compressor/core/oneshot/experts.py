@@ -28,7 +28,7 @@ from .protocol import LayerResult, LayerTask
 from .quantize import rtn_quantize
 from .sparse import wanda_mask
 
-__all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "expert_fallback", "warn_fallbacks"]
+__all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "fallback_due", "expert_fallback", "warn_fallbacks"]
 
 #: a routed expert's layer that saw fewer calibration tokens than this is compressed without statistics
 #: (:func:`expert_fallback`). 1: only an expert the calibration set never reached; raise it (module attribute) to
@@ -38,28 +38,42 @@ MIN_EXPERT_TOKENS = 1
 _ROUTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def mark_routed(handle: Any, expert: str | None) -> None:
-    """Mark the layer whose task handle is ``handle`` as a layer of the routed expert ``expert`` (its path, e.g.
-    ``model.layers.3.mlp.experts.5``); ``None`` removes the mark. Called by a backend's block finder."""
+def mark_routed(layer: Any, expert: str | None) -> None:
+    """Mark ``layer`` (a task's handle, or the layer a handle wraps) as a layer of the routed expert ``expert`` (its
+    path, e.g. ``model.layers.3.mlp.experts.5``); ``None`` removes the mark. Called by a backend's block finder."""
     if expert is None:
-        _ROUTED.pop(handle, None)
+        _ROUTED.pop(layer, None)
     else:
-        _ROUTED[handle] = expert
+        _ROUTED[layer] = expert
 
 
 def routed_expert(task: LayerTask) -> str | None:
-    """The routed expert ``task``'s layer belongs to (:func:`mark_routed`), or None."""
-    try:
-        return _ROUTED.get(task.handle)
-    except TypeError:  # a handle that cannot be weakly referenced is never marked
-        return None
+    """The routed expert ``task``'s layer belongs to (:func:`mark_routed` of its handle, or of the layer the handle
+    wraps: its ``layer`` / ``module`` attribute), or None."""
+    h = task.handle
+    for obj in (h, getattr(h, "layer", None), getattr(h, "module", None)):
+        if obj is None:
+            continue
+        try:
+            found = _ROUTED.get(obj)
+        except TypeError:  # an object that cannot be weakly referenced is never marked
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def fallback_due(task: LayerTask, stats: Any) -> bool:
+    """True when ``task``'s layer is a routed expert's and its statistics ``stats`` (None: a method without
+    statistics) hold fewer than :data:`MIN_EXPERT_TOKENS` tokens: :func:`expert_fallback` compresses it."""
+    return stats is not None and stats.count < MIN_EXPERT_TOKENS and routed_expert(task) is not None
 
 
 def expert_fallback(method: Any, task: LayerTask, weight: np.ndarray, mask: np.ndarray | None,
                     stats: Any) -> LayerResult | None:
     """The result for a routed expert's layer that saw fewer than :data:`MIN_EXPERT_TOKENS` tokens (see the module
     docstring), or None: the layer is not a routed expert's, has enough tokens, or the method reads no statistics."""
-    if stats is None or stats.count >= MIN_EXPERT_TOKENS or routed_expert(task) is None:
+    if not fallback_due(task, stats):
         return None
     info = {"tokens": int(stats.count), "expert": routed_expert(task)}
     if getattr(method, "kind", "pruner") == "quantizer":
