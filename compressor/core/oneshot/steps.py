@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .collective import owner_of
-from .experts import expert_fallback, warn_fallbacks
+from .experts import expert_fallback, routed_expert, warn_fallbacks
 from .memory import Undo, release_freed_heap
 from .protocol import LayerResult, LayerTask, OneShotBackend
 from .statistics import GramAccumulator
@@ -30,6 +30,11 @@ def _row(task: LayerTask, method: Any, result: LayerResult, block: str) -> dict[
 
 def _check_seen(method: Any, task: LayerTask, stats: GramAccumulator | None) -> None:
     if stats is not None and stats.count == 0:
+        expert = routed_expert(task)  # compute_layer gives it a fallback: only AWQ's group search gets here
+        if expert is not None:
+            raise ModelError(f"{type(method).__name__}: layer {task.name!r} of the routed expert {expert!r} saw no "
+                             f"calibration token, and AWQ's block search scores it together with the layers reading "
+                             f"its input; give awq_search: 'layer' (it then gets round to nearest) or more data")
         raise ModelError(f"{type(method).__name__}: layer {task.name!r} saw no input during calibration (is it "
                          f"used in the model's forward for these inputs?); exclude it or check the data")
 
