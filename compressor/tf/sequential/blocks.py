@@ -1,12 +1,14 @@
-"""A Keras model's decoder blocks and the calls they receive: finding the blocks (:func:`find_blocks`), one
-recorded block call (:class:`BlockInput`), intercepting a layer's ``call``, and the float64 pass's dtype policies."""
+"""A Keras model's decoder blocks and the calls they receive: finding the blocks (:func:`find_blocks`), the experts
+and routers of its mixture-of-experts layers (:func:`find_experts`, :func:`find_routers`), one recorded block call
+(:class:`BlockInput`), intercepting a layer's ``call``, and the float64 pass's dtype policies."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
@@ -15,6 +17,7 @@ import tensorflow as tf
 
 from ...core.errors import ModelError
 from ...core.interrupts import deferred_interrupts
+from ...core.oneshot.experts import mark_routed
 from ..compressor import iter_layers
 
 _MISSING = object()
@@ -171,11 +174,124 @@ def _children(layer: Any) -> list[Any]:
             if not isinstance(c, keras.layers.InputLayer)]
 
 
-def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None) -> list[tuple[str, Any]]:
-    """The model's repeated blocks ``[(path, layer)]`` (see the module docstring); ``[]``: none found.
-    ``targets``: class names of the blocks (a ModelError when the model has none)."""
+@dataclass
+class ExpertSet:
+    """The routed experts of one mixture-of-experts layer ``parent``: ``members`` (paths), ``count`` expert layers of
+    one class (``fused`` False), or one layer holding each expert's weights as slice ``[e]`` of its 3-D weights
+    (``fused`` True, ``members`` its path, ``params``: the weights' names and shapes, e.g. keras-hub Mixtral's
+    expert bank); ``routers``: the layers beside them that score ``count`` experts; ``gates``: the Dense layers
+    beside them with ONE output (a scalar gate per token)."""
+
+    parent: str
+    members: list[str]
+    count: int
+    fused: bool
+    routers: list[str] = field(default_factory=list)
+    gates: list[str] = field(default_factory=list)
+    params: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+
+def _width(layer: Any) -> int | None:
+    """The output width of a layer that could score experts: a Dense layer's ``units``, or the last axis of a leaf
+    layer's 2-D ``kernel``."""
+    units = getattr(layer, "units", None)
+    if isinstance(units, int) and not isinstance(units, bool):
+        return units
+    kernel = getattr(layer, "kernel", None) if not _children(layer) else None
+    shape = getattr(kernel, "shape", None)
+    return int(shape[-1]) if shape is not None and len(shape) == 2 else None
+
+
+def _fused_weights(layer: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """A leaf layer's 3-D weights ``[experts, ...]`` sharing their first axis (at least 2), else []."""
+    if _children(layer):
+        return []
+    shapes = [(w.path.rsplit("/", 1)[-1] if hasattr(w, "path") else w.name, tuple(int(d) for d in w.shape))
+              for w in layer.weights if len(w.shape) == 3]
+    if not shapes or len({s[0] for _, s in shapes}) != 1 or shapes[0][1][0] < 2:
+        return []
+    return shapes
+
+
+def find_experts(model: Any) -> list[ExpertSet]:
+    """The routed experts of ``model``'s mixture-of-experts layers, without naming a model family: ``E >= 2`` child
+    layers of one class that hold sub-layers (or a leaf child holding 3-D weights ``[E, ...]``), next to a child that
+    scores ``E`` experts (a Dense layer with ``E`` units): the router must be a direct child of the layer holding
+    the experts."""
     layers = iter_layers(model)
     path_of = {id(layer): p for p, layer in layers}
+    out: list[ExpertSet] = []
+    for node in [model] + [layer for _, layer in layers]:
+        kids = [(path_of[id(c)], c) for c in _children(node) if id(c) in path_of]
+        if not kids:
+            continue
+        parent = path_of.get(id(node), "")
+        sets: list[tuple[list[tuple[str, Any]], bool, list[tuple[str, tuple[int, ...]]]]] = []
+        groups: dict[type, list[tuple[str, Any]]] = {}
+        for p, c in kids:
+            if _children(c):
+                groups.setdefault(type(c), []).append((p, c))
+            elif (fused := _fused_weights(c)):
+                sets.append(([(p, c)], True, fused))
+        sets += [(g, False, []) for g in groups.values() if len(g) >= 2]
+        for members, fused, params in sets:
+            count = params[0][1][0] if fused else len(members)
+            inside = {id(c) for _, c in members}
+            routers = [p for p, c in kids if id(c) not in inside and _width(c) == count]
+            if not routers:
+                continue
+            gates = [p for p, c in kids if id(c) not in inside and _width(c) == 1]
+            out.append(ExpertSet(parent, [p for p, _ in members], count, fused, routers, gates, params))
+    return out
+
+
+def find_routers(model: Any) -> list[str]:
+    """The paths of the routers and scalar gates of ``model``'s mixture-of-experts layers (:func:`find_experts`):
+    the layers a one-shot run leaves float unless they are named (as llmcompressor and vLLM expect)."""
+    return [p for e in find_experts(model) for p in e.routers + e.gates]
+
+
+def _mark_routed_layers(experts: list[ExpertSet], layers: list[tuple[str, Any]], selected: Sequence[str]) -> None:
+    """Mark each selected layer inside a routed expert (not fused) with the expert's path for core's fallback
+    (:func:`~compressor.core.oneshot.experts.mark_routed`); every other selected layer unmarked."""
+    members = [m for e in experts if not e.fused for m in e.members]
+    by_path = dict(layers)
+    for s in selected:
+        layer = by_path.get(s)
+        if layer is not None:
+            mark_routed(layer, next((m for m in members if s.startswith(m + "/")), None))
+
+
+def _warn_fused(experts: list[ExpertSet], model: Any, blocks: list[tuple[str, Any]], selected: Sequence[str]) -> None:
+    """One warning naming the fused expert weights of the mixture-of-experts layers in the blocks that hold
+    selected layers (the one-shot methods compress Dense / EinsumDense kernels: these stay as they are)."""
+    scopes = [p for p, _ in blocks if any(s.startswith(p + "/") for s in selected)] or ([""] if selected else [])
+    fused = [e for e in experts if e.fused and any(not p or e.members[0].startswith(p + "/") for p in scopes)]
+    if not fused:
+        return
+    shapes = ", ".join(f"{n} {list(s)}" for n, s in fused[0].params)
+    more = f" and {len(fused) - 1} more like it" if len(fused) > 1 else ""
+    warnings.warn(f"one-shot calibration: the routed experts of {len(fused)} mixture-of-experts layer(s) are fused 3-D "
+                  f"weights ({fused[0].members[0]}: {shapes}{more}) and are NOT compressed: the one-shot methods "
+                  f"compress Dense / EinsumDense layers", stacklevel=4)
+
+
+def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """The model's repeated blocks ``[(path, layer)]``; ``[]``: none found. ``targets``: class names of the blocks
+    (outermost ones; a ModelError when the model has none). Without targets: the largest group of two or more
+    child layers of one class of one parent that hold sub-layers and a selected layer, that is neither
+
+    * the routed experts of a mixture-of-experts layer (:func:`find_experts`: they are called on the tokens the
+      router picks, not one after the other on the previous one's output), nor
+    * inside a member of another such group (the outermost repeated layers are the decoder, not a group nested in
+      its layers).
+
+    Also marks the selected layers of routed experts for core's fallback and warns once about fused expert
+    weights that stay uncompressed."""
+    layers = iter_layers(model)
+    path_of = {id(layer): p for p, layer in layers}
+    experts = find_experts(model)
+    _mark_routed_layers(experts, layers, selected)
 
     def holds_selected(path: str) -> bool:
         return any(s.startswith(path + "/") for s in selected)
@@ -189,22 +305,27 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
             containers = sorted({type(layer).__name__ for p, layer in layers if _children(layer)})
             raise ModelError(f"sequential_targets {list(targets)}: the model has no layer of these classes; its layers "
                              f"with sub-layers are {containers}")
+        _warn_fused(experts, model, found, selected)
         return found
-    best: list[tuple[str, Any]] = []
+    routed = {tuple(e.members) for e in experts if not e.fused}
+    groups: list[list[tuple[str, Any]]] = []
     for node in [model] + [layer for _, layer in layers]:
-        groups: dict[type, list[tuple[str, Any]]] = {}
+        by_type: dict[type, list[tuple[str, Any]]] = {}
         for child in _children(node):
             p = path_of.get(id(child))
             if p is not None and _children(child):
-                groups.setdefault(type(child), []).append((p, child))
-        for members in groups.values():
-            if len(members) >= 2 and any(holds_selected(p) for p, _ in members) and len(members) > len(best):
-                best = members
+                by_type.setdefault(type(child), []).append((p, child))
+        groups += [m for m in by_type.values() if len(m) >= 2 and any(holds_selected(p) for p, _ in m)]
+
+    def nested(members: list[tuple[str, Any]]) -> bool:  # inside a member of another group
+        return any(g is not members and any(members[0][0].startswith(p + "/") for p, _ in g) for g in groups)
+
+    best: list[tuple[str, Any]] = []
+    for members in groups:
+        if len(members) > len(best) and tuple(p for p, _ in members) not in routed and not nested(members):
+            best = members
+    _warn_fused(experts, model, best, selected)
     return best
-
-
-
-
 
 
 def _float64_of(v: Any) -> Any:
