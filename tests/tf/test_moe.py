@@ -153,7 +153,7 @@ def test_the_blocks_are_the_decoder_layers_and_the_experts_are_found():
     assert marked["layer2/attn"] is None and marked["layer2/moe/router"] is None
     assert sum(v is not None for v in marked.values()) == LAYERS * EXPERTS * 3
     # a chain of blocks: calibrated block by block, no warning, every expert half pruned
-    assert calibrate(p) == []
+    assert calibrate(p, num_samples=8) == []
     for name, layer in expert_layers(model):
         k = layer.kernel.numpy()
         assert np.count_nonzero(k == 0) == k.size // 2, name
@@ -191,7 +191,7 @@ def test_an_expert_without_tokens_falls_back_with_one_warning(cls, cfg, fallback
     model = build(dead=(7,))
     before = {n: layer.kernel.numpy().T.astype(np.float64) for n, layer in expert_layers(model)}
     c = make(cls, model, cfg)
-    got = calibrate(c)
+    got = calibrate(c, num_samples=8)
     dead = [f"layer{i}/moe/expert7" for i in range(LAYERS)]
     how = "magnitude pruning" if fallback == "magnitude" else "round to nearest"
     assert got == [f"{c.method.name}: 3 routed expert(s) saw no calibration token and were compressed without "
@@ -231,3 +231,43 @@ def test_awq_block_search_on_an_expert_called_without_tokens_says_what_to_do_and
     assert len(got) == 1 and got[0].startswith("awq: 3 routed expert(s) saw no calibration token")
     assert {r["layer"] for r in c.rows if r.get("fallback") == "rtn"} == {
         f"layer{i}/moe/expert7/{n}" for i in range(LAYERS) for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.xfail(strict=True, reason="the selection leaves routers out once the Keras OneShotMixin."
+                   "_substitute_layers applies blocks.find_routers (compressor/tf/sequential/mixin.py)")
+def test_routers_stay_float_by_default_and_are_compressed_when_named():
+    model = build()
+    before = [ly.moe.router.kernel.numpy().copy() for ly in model.decoder]
+    p = make(SparseGPTPruner, model, {"sparsity": 0.5})
+    assert not any(w.name.endswith("/router") for w in p.modules_wrapper)
+    assert calibrate(p, num_samples=4) == []
+    assert all(np.array_equal(b, ly.moe.router.kernel.numpy()) for b, ly in zip(before, model.decoder))
+    named = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = SparseGPTPruner(named, [{"sparsity": 0.5, "op_types": ["default"]},
+                                    {"sparsity": 0.5, "op_names": ["layer1/moe/router"]}])
+    assert calibrate(q, num_samples=4) == []
+    assert np.count_nonzero(named.decoder[1].moe.router.kernel.numpy() == 0) == D * EXPERTS // 2
+    assert np.array_equal(before[0], named.decoder[0].moe.router.kernel.numpy())
+
+
+def test_keras_hub_mixtrals_expert_bank_is_found_and_named_when_it_stays_uncompressed():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    bb = keras_hub.models.MixtralBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                                          hidden_dim=32, intermediate_dim=48, num_experts=4, top_k=2)
+    moe = ["transformer_layer_0/mixtral_sparse_moe_block", "transformer_layer_1/mixtral_sparse_moe_block_1"]
+    sets = find_experts(bb)
+    assert [(s.parent, s.members, s.count, s.fused, s.routers) for s in sets] == [
+        (m, [f"{m}/experts"], 4, True, [f"{m}/sparse_feedforward_gate_dense"]) for m in moe]
+    assert find_routers(bb) == [f"{m}/sparse_feedforward_gate_dense" for m in moe]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        q = GptqQuantizer(bb, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"]}])
+    assert [n for n, _ in q._blocks] == ["transformer_layer_0", "transformer_layer_1"]
+    assert [str(w.message) for w in got if "fused" in str(w.message)] == [
+        "one-shot calibration: the routed experts of 2 mixture-of-experts layer(s) are fused 3-D weights "
+        "(transformer_layer_0/mixtral_sparse_moe_block/experts: expert_feedforward_gate_dense [4, 32, 48], "
+        "expert_feedforward_intermediate_dense [4, 32, 48], expert_feedforward_output_dense [4, 48, 32] and 1 more "
+        "like it) and are NOT compressed: the one-shot methods compress Dense / EinsumDense layers"]

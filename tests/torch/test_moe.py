@@ -329,3 +329,70 @@ def test_a_layer_outside_the_experts_that_sees_nothing_is_still_an_error():
     p = make(GptqQuantizer, Unused(), {"quant_bits": 4, "group_size": 8})
     with pytest.raises(ModelError, match="layer 'b' saw no input"):
         p.calibrate([torch.randn(3, D)], progress=False)
+
+
+# ------------------------------------------------------------------------------------------------ 3. routers
+ROUTER_RULE = pytest.mark.xfail(strict=True, reason="the selection leaves routers out once OneShotMixin."
+                                "_substitute_layers applies blocks.find_routers (compressor/torch/sequential/mixin.py)")
+
+
+@ROUTER_RULE
+def test_routers_stay_float_by_default_and_are_compressed_when_named():
+    model = build()
+    routers = {f"layers.{i}.moe.router": model.layers[i].moe.router.weight.detach().clone() for i in range(LAYERS)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = SparseGPTPruner(model, [{"sparsity": 0.5, "op_types": ["Linear"]}])
+    assert not set(routers) & {w.name for w in p.get_modules_wrapper()}
+    assert calibrate(p, batches()) == []
+    for i in range(LAYERS):
+        assert torch.equal(model.layers[i].moe.router.weight, routers[f"layers.{i}.moe.router"])
+    named = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = SparseGPTPruner(named, [{"sparsity": 0.5, "op_types": ["Linear"]},
+                                    {"sparsity": 0.5, "op_names": ["layers.1.moe.router"]}])
+    assert calibrate(q, batches()) == []
+    assert int((named.layers[1].moe.router.weight == 0).sum()) == D * EXPERTS // 2
+    assert torch.equal(named.layers[0].moe.router.weight, routers["layers.0.moe.router"])
+
+
+# ------------------------------------------------------------------------------------------------ 4. fused experts
+def _hf_moe(family):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if family == "mixtral":
+            return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                num_local_experts=4, num_experts_per_tok=2, **common)).eval()
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48,
+            **common)).eval()
+
+
+@pytest.mark.parametrize("family,params,share", [
+    ("mixtral", "gate_up_proj [4, 96, 32], down_proj [4, 32, 48]", 85),
+    ("qwen2_moe", "gate_up_proj [4, 48, 32], down_proj [4, 32, 24]", 54),
+])
+def test_fused_3d_experts_are_found_and_named_when_they_stay_uncompressed(family, params, share):
+    """transformers 5 stores the routed experts as 3-D parameters: they are found (with their router, and
+    Qwen2-MoE's scalar shared-expert gate) and the run says they are not compressed, and how much they hold."""
+    model = _hf_moe(family)
+    sets = find_experts(model)
+    assert [(s.path, s.count, s.fused, s.routers) for s in sets] == [
+        (f"model.layers.{i}.mlp.experts", 4, True, [f"model.layers.{i}.mlp.gate"]) for i in range(2)]
+    gates = [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)] if family == "qwen2_moe" else []
+    assert [g for s in sets for g in s.gates] == gates
+    assert find_routers(model) == [p for i in range(2) for p in
+                                   [f"model.layers.{i}.mlp.gate"] + gates[i:i + 1]]
+    p = make(GptqQuantizer, model, {"quant_bits": 4, "group_size": 16})
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = calibrate(p, [ids])
+    assert got == [f"one-shot calibration: the routed experts of 2 mixture-of-experts module(s) are fused 3-D "
+                   f"parameters (model.layers.0.mlp.experts: {params} and 1 more like it; {share} % of the weights of "
+                   f"the blocks) and are NOT compressed: the one-shot methods compress Linear layers (one 2-D weight "
+                   f"each); only the model's Linear layers are"]
+    assert not any(".experts." in r["layer"] for r in p.oneshot_rows)
