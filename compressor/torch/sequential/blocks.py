@@ -138,6 +138,54 @@ def _warn_fused(experts: list[ExpertSet], model: nn.Module, blocks: list[tuple[s
                   f"compress Linear layers (one 2-D weight each); only the model's Linear layers are", stacklevel=3)
 
 
+def float64_exempt(block: nn.Module) -> list[nn.Module]:
+    """The modules of ``block`` a float64 pass must leave in the model's dtype: fused experts (3-D parameters
+    :func:`find_experts` finds), whose grouped matrix products (transformers 5's ``grouped_mm`` experts kernel)
+    take no float64. They are not compressed, so their float64 outputs would serve only the parity of the next
+    block's inputs; :func:`model_dtype_hooks` runs them in their own dtype inside the float64 pass."""
+    return [block.get_submodule(e.path) for e in find_experts(block) if e.fused]
+
+
+def model_dtype_hooks(module: nn.Module) -> list[Any]:
+    """Hooks that run ``module`` in the dtype of its own floating parameters when it is called with other floating
+    tensors (a float64 pass): its floating tensor arguments are cast to that dtype, its floating tensor output(s)
+    back to the dtype of its first floating argument. Returns the hook handles (remove them after the pass). The
+    module's parameters must not be swapped for float64 copies meanwhile."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return []
+    own = dtypes.pop()
+    called: list[torch.dtype] = []
+
+    def cast(v: Any, dtype: torch.dtype) -> Any:
+        if torch.is_tensor(v):
+            return v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
+        if isinstance(v, (tuple, list)):
+            return type(v)(cast(x, dtype) for x in v)
+        if isinstance(v, dict):
+            return {k: cast(x, dtype) for k, x in v.items()}
+        return v
+
+    def first_float(v: Any) -> torch.dtype | None:
+        if torch.is_tensor(v):
+            return v.dtype if v.is_floating_point() else None
+        if isinstance(v, (tuple, list)):
+            return next((d for x in v if (d := first_float(x)) is not None), None)
+        if isinstance(v, dict):
+            return first_float(list(v.values()))
+        return None
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        called.append(first_float((args, kwargs)) or own)
+        return cast(args, own), cast(kwargs, own)
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> Any:
+        return cast(out, called.pop())
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True)]
+
+
 def find_blocks(model: nn.Module, targets: Sequence[str] | None, selected: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
     """The model's blocks in execution (definition) order: modules whose class name is in ``targets``
     (outermost ones), or, without targets, the children of an ``nn.ModuleList`` whose children all have one class
