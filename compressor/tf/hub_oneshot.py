@@ -45,7 +45,14 @@ from keras.src.saving import saving_lib
 
 from ..core.errors import ConfigError, ConfigWarning, ModelError
 from ..core.oneshot import forward_in_float64, release_freed_heap
-from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
+from ..core.oneshot.stream import (
+    BlockIO,
+    RunStore,
+    check_disk_space,
+    check_folders,
+    check_stages,
+    run_streamed,
+)
 from ..core.recipe import load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
 from .calibration_data import calibration_batches
@@ -393,31 +400,14 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
     zeros). One decoder block is in memory at a time; a killed run continues where it stopped when called
     again. Returns a summary (sizes in and out, the per-layer report rows, seconds)."""
     t0 = time.perf_counter()
-    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     what = "oneshot"
-    if not os.path.isdir(src):
-        raise ConfigError(f"{what}: SRC_DIR {src!r} is not a folder")
-    if out == src or out.startswith(src + os.sep):
-        raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
-    if os.path.lexists(out):
-        _drop_finished_run(out + ".partial")
-        raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
-                          f"the end)")
+    src, out = check_folders(src, out, "preset", what)
     stages = load_recipe(recipe, "tf", what="--recipe")
     _check_keras_layouts(stages)
     preset = HubPreset(src)
     vocab = preset.config["config"].get("vocabulary_size")
     tokens = _tokens(data, src, num_samples, seq_len, int(vocab) if isinstance(vocab, int) else None)
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{what}: the folder of OUT_DIR, {parent!r}, does not exist")
-    hidden = int(preset.config["config"].get("hidden_dim", 0) or 0)
-    need = 2 * preset.nbytes + 2 * tokens.size * hidden * 4
-    free = shutil.disk_usage(parent).free
-    if free < need:
-        raise ConfigError(f"{what}: {free / 2**30:.2f} GiB free beside OUT_DIR, the run needs about {need / 2**30:.2f} "
-                          f"GiB (the output and the run folder's block files, each at most the preset's "
-                          f"{preset.nbytes / 2**30:.2f} GiB, and one block's recorded inputs)")
+    check_disk_space(out, preset.nbytes, tokens.size, int(preset.config["config"].get("hidden_dim", 0) or 0), what)
     float64 = forward_in_float64(forward_dtype, what, not tf.config.list_logical_devices("GPU"))
     options = {"forward_dtype": forward_dtype, "batch_size": batch_size}
     work = out + ".partial"
@@ -463,19 +453,6 @@ def oneshot(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: An
                    if os.path.isfile(os.path.join(out, f)))
     return {"blocks": len(blocks), "bytes_in": preset.nbytes, "bytes_out": size_out, "rows": rows,
             "dense_notes": [], "seconds": time.perf_counter() - t0}
-
-
-def _drop_finished_run(work: str) -> None:
-    """A run killed between OUT_DIR's rename and the removal of its run folder left that folder behind, its work
-    done: remove it (only a folder whose state says every block is finished and that holds no output of ours)."""
-    try:
-        with open(os.path.join(work, "state", "state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(state, dict) and state.get("done") == state.get("blocks") and not os.path.exists(
-            os.path.join(work, "preset")):
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- output

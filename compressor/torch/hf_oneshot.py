@@ -41,7 +41,14 @@ from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
 from ..core.errors import ConfigError, ConfigWarning, ModelError
 from ..core.oneshot import forward_in_float64, release_freed_heap
 from ..core.oneshot.collective import split_evenly
-from ..core.oneshot.stream import BlockIO, RunStore, check_stages, run_streamed
+from ..core.oneshot.stream import (
+    BlockIO,
+    RunStore,
+    check_disk_space,
+    check_folders,
+    check_stages,
+    run_streamed,
+)
 from ..core.recipe import load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
 from .distributed import TorchCollective
@@ -233,17 +240,8 @@ def _prepare(src: Any, out: Any, recipe: Any, data: Any, num_samples: int, seq_l
              forward_dtype: str, workers: int, first: bool = True) -> _Prepared:
     """Every refusal of a run, before anything is written (``first``: the process that may remove a finished run's
     leftover folder)."""
-    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     what = "oneshot"
-    if not os.path.isdir(src):
-        raise ConfigError(f"{what}: SRC_DIR {src!r} is not a folder")
-    if out == src or out.startswith(src + os.sep):
-        raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
-    if os.path.lexists(out):
-        if first:
-            _drop_finished_run(out + ".partial")
-        raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
-                          f"the end)")
+    src, out = check_folders(src, out, "checkpoint", what, first)
     stages = load_recipe(recipe, "torch", what="--recipe")
     ckpt = HfCheckpoint(src)
     tokens = _tokens(data, src, num_samples, seq_len, getattr(ckpt.config, "vocab_size", None))
@@ -252,16 +250,7 @@ def _prepare(src: Any, out: Any, recipe: Any, data: Any, num_samples: int, seq_l
         raise ConfigError(f"{what}: {workers} processes need at least {workers} calibration batches, there are "
                           f"{batches} ({len(tokens)} sequences, batch size {batch_size}): give more sequences, a "
                           f"smaller --batch-size or fewer --workers")
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{what}: the folder of OUT_DIR, {parent!r}, does not exist")
-    hidden = int(getattr(ckpt.config, "hidden_size", 0) or 0)
-    need = 2 * ckpt.nbytes + 2 * tokens.size * hidden * 4
-    free = shutil.disk_usage(parent).free
-    if free < need:
-        raise ConfigError(f"{what}: {free / 2**30:.2f} GiB free beside OUT_DIR, the run needs about {need / 2**30:.2f} "
-                          f"GiB (the output and the run folder's block states, each at most the checkpoint's "
-                          f"{ckpt.nbytes / 2**30:.2f} GiB, and one block's recorded inputs)")
+    check_disk_space(out, ckpt.nbytes, tokens.size, int(getattr(ckpt.config, "hidden_size", 0) or 0), what)
     forward_in_float64(forward_dtype, what, True)
     return _Prepared(src, out, stages, ckpt, tokens)
 
@@ -457,20 +446,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def _drop_finished_run(work: str) -> None:
-    """A run killed between OUT_DIR's rename and the removal of its run folder left that folder behind, its work
-    done: remove it (only a folder whose state says every block is finished and that holds nothing else of ours)."""
-    state_path = os.path.join(work, "state", "state.json")
-    try:
-        with open(state_path, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(state, dict) and state.get("done") == state.get("blocks") and not os.path.exists(
-            os.path.join(work, "checkpoint")):
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _tied_source(model: nn.Module, name: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +31,8 @@ from .method import OneShotMethod
 from .observe import observers
 from .protocol import OneShotBackend
 
-__all__ = ["RunStore", "BlockIO", "run_streamed", "check_stages"]
+__all__ = ["RunStore", "BlockIO", "run_streamed", "check_stages", "check_folders", "check_disk_space",
+           "drop_finished_run"]
 
 STATE_VERSION = 1
 
@@ -233,3 +235,50 @@ def _rss() -> str:
         return f", RSS {pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB"
     except (OSError, ValueError, IndexError, AttributeError):
         return ""
+
+
+def check_folders(src: str | os.PathLike[str], out: str | os.PathLike[str], output: str, what: str = "oneshot",
+                  first: bool = True) -> tuple[str, str]:
+    """The absolute ``(src, out)`` of a streamed run, refused before anything is written: SRC_DIR not a folder,
+    OUT_DIR inside it, OUT_DIR existing (``first``: the process that may remove a finished run's leftover folder
+    ``OUT_DIR.partial`` then, see :func:`drop_finished_run`; ``output``: the name of the output's folder in it),
+    OUT_DIR's folder missing."""
+    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
+    if not os.path.isdir(src):
+        raise ConfigError(f"{what}: SRC_DIR {src!r} is not a folder")
+    if out == src or out.startswith(src + os.sep):
+        raise ConfigError(f"{what}: OUT_DIR {out!r} is inside SRC_DIR {src!r}; the source is never written to")
+    if os.path.lexists(out):
+        if first:
+            drop_finished_run(out + ".partial", output)
+        raise ConfigError(f"{what}: OUT_DIR {out!r} exists; give a new folder (the output appears there, whole, at "
+                          f"the end)")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{what}: the folder of OUT_DIR, {parent!r}, does not exist")
+    return src, out
+
+
+def check_disk_space(out: str, source_bytes: int, tokens: int, hidden: int, what: str = "oneshot") -> None:
+    """Refuse a run the disk beside ``out`` cannot hold: the output and the run folder's block states (each at
+    most the source's ``source_bytes``) and one block's recorded inputs (``tokens`` x ``hidden`` float32, twice)."""
+    need = 2 * source_bytes + 2 * tokens * hidden * 4
+    free = shutil.disk_usage(os.path.dirname(out)).free
+    if free < need:
+        raise ConfigError(f"{what}: {free / 2**30:.2f} GiB free beside OUT_DIR, the run needs about {need / 2**30:.2f} "
+                          f"GiB (the output and the run folder's block states, each at most the source's "
+                          f"{source_bytes / 2**30:.2f} GiB, and one block's recorded inputs)")
+
+
+def drop_finished_run(work: str, output: str) -> None:
+    """A run killed between OUT_DIR's rename and the removal of its run folder ``work`` left that folder behind, its
+    work done: remove it (only a folder whose state says every block is finished and that holds no output folder
+    ``output`` of ours)."""
+    try:
+        with open(os.path.join(work, "state", "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and state.get("done") == state.get("blocks") and not os.path.exists(
+            os.path.join(work, output)):
+        shutil.rmtree(work, ignore_errors=True)
