@@ -22,6 +22,7 @@ from .awq import (
 )
 from .codes import QuantSpec
 from .config import AWQ_CLIP_SKIP, AWQ_SEARCH_SAMPLES
+from .experts import fallback_due
 from .memory import Undo, _compact, _Spill, release_freed_heap
 from .method import OneShotMethod
 from .protocol import LayerResult, LayerTask, OneShotBackend
@@ -259,7 +260,9 @@ def _awq_block(backend: OneShotBackend, method: AwqMethod, block: Any, inputs: l
     its own output error."""
     groups: dict[int, list[LayerTask]] = {}
     for t in tasks:
-        groups.setdefault(id(accs[t.name]) if method.block_search(t) else id(t), []).append(t)
+        # an expert too few tokens reached is compressed alone (its fallback), not searched in a group
+        groups.setdefault(id(accs[t.name]) if method.block_search(t) and not fallback_due(t, accs[t.name]) else id(t),
+                          []).append(t)
     multi = [g for g in groups.values() if len(g) > 1]
     if not multi:
         compress_layers(backend, method, tasks, accs, rows, name, undo)

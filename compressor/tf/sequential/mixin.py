@@ -25,7 +25,7 @@ from ...core.sparse_pattern import parse_sparse_pattern
 from ..calibration_data import calibration_batches
 from ..kernel_layout import ONESHOT_DEFAULT_TYPES, KernelLayout, kernel_layout
 from .backend import KerasOneShotBackend
-from .blocks import find_blocks, remapper_off
+from .blocks import find_blocks, find_routers, remapper_off
 
 #: sequences per forward pass when the calibration data is one array of samples
 CALIBRATION_BATCH_SIZE = 8
@@ -67,6 +67,9 @@ class OneShotMixin:
         outside every block producing the vocabulary of an Embedding of the model) is left out unless it is
         named in ``op_names``; the blocks are found here."""
         what = self._what
+        # the routers / gates of mixture-of-experts layers stay float unless named (as llmcompressor and vLLM expect)
+        routers = set(find_routers(self.bound_model))
+        selected = [(i, c) for i, c in selected if i.name not in routers or i.name in c.get("op_names", ())]
         chosen = {i.name for i, _ in selected}
         out: list[tuple[LayerInfo, dict[str, Any]]] = []
         for info, cfg in selected:

@@ -40,6 +40,8 @@ from .blocks import (
     _version,
     _widened,
     find_blocks,
+    float64_exempt,
+    model_dtype_hooks,
 )
 
 
@@ -357,9 +359,15 @@ class TorchOneShotBackend(OneShotBackend):
 
         undo = self._undo_later(put_back)  # registered before the first swap
         try:
+            # fused experts (grouped matrix products that take no float64) keep the model's dtype, cast at their
+            # boundary (blocks.float64_exempt): they are not compressed, only their outputs feed the pass
+            exempt = float64_exempt(block)
+            exempt_ids = {id(m) for e in exempt for m in e.modules()}
+            for e in exempt:
+                handles.extend(model_dtype_hooks(e))
             copies: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied) gets one float64 copy
             for m in block.modules():
-                if id(m) in unit_ids:
+                if id(m) in unit_ids or id(m) in exempt_ids:
                     continue
                 for d in (m._parameters, m._buffers):
                     for n, t in list(d.items()):

@@ -24,6 +24,7 @@ from ..calibration_data import _model_device, _to, calibration_batches
 from ..layout import in_out_features
 from ..modules import innermost_module
 from .backend import TorchOneShotBackend
+from .blocks import find_routers
 
 #: what ``op_types: ['default']`` selects for the one-shot compressors: Linear layers (HF ``Conv1D`` included)
 ONESHOT_DEFAULT_TYPES = ("Linear", "Conv1D")
@@ -84,10 +85,13 @@ class OneShotMixin:
 
     def _substitute_layers(self, selected: list, layers: list, modules: dict[str, nn.Module]) -> list:
         """'default' selects Linear-like layers only (a torch nn.Conv1d shares the alias Conv1D); the output head
-        (``get_output_embeddings()``, a layer called ``lm_head``, a weight tied to an ``nn.Embedding``) is left
-        out unless op_names names it."""
+        (``get_output_embeddings()``, a layer called ``lm_head``, a weight tied to an ``nn.Embedding``) and the
+        routers of mixture-of-experts blocks are left out unless op_names names them."""
         selected = super()._substitute_layers(selected, layers, modules)  # type: ignore[misc]
         model = self.bound_model  # type: ignore[attr-defined]
+        # the routers / gates of mixture-of-experts blocks stay float unless named (as llmcompressor and vLLM expect)
+        routers = set(find_routers(model))
+        selected = [(i, c) for i, c in selected if i.name not in routers or i.name in c.get("op_names", ())]
         embeddings = {id(e.weight) for e in map(innermost_module, modules.values()) if isinstance(e, nn.Embedding)}
         out = []
         skipped = []
