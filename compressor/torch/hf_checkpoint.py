@@ -482,6 +482,36 @@ def _keep_foreign_files(path: str, tmp: str) -> None:
             shutil.copy2(src, dst, follow_symlinks=False)
 
 
+def _reload_problem(model: nn.Module, pack: dict[str, QuantizerModuleWrapper]) -> str | None:
+    """Why ``from_pretrained`` would fail on the packed checkpoint, known at export: a packed layer of a Linear
+    subclass (Falcon's FalconLinear) whose model's ``_init_weights`` reads the ``weight`` that compressed-tensors
+    replaces by its packed tensors (probed on a weightless instance of that class); None when nothing is known."""
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        return None
+    by_class: dict[type, list[str]] = {}
+    for name, w in pack.items():
+        layer = innermost_module(w)
+        if type(layer) is not nn.Linear:
+            by_class.setdefault(type(layer), []).append(name)
+    for cls, names in by_class.items():
+        probe = cls.__new__(cls)
+        nn.Module.__init__(probe)
+        probe.register_parameter("bias", None)
+        probe.in_features, probe.out_features = 1, 1
+        try:
+            with torch.no_grad():
+                init(probe)
+        except AttributeError as e:
+            return (f"transformers cannot reload this checkpoint: {type(model).__name__}._init_weights reads "
+                    f"{cls.__name__}.weight, which the packed layers ({', '.join(repr(n) for n in names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''}) no longer have ({e}); use compressor's "
+                    f"load_compressed_tensors, or export without packing (pack_weights / a model_path)")
+        except Exception:  # noqa: BLE001 - anything else says nothing about the reload
+            continue
+    return None
+
+
 def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
                             sparse_format: str = "dense") -> None:
     """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
@@ -492,7 +522,8 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ModelError(f"hf_path {path!r} exists and is not a folder; a compressed-tensors checkpoint is a folder")
-    packed_layers(model, state)  # refuse what cannot be written before anything is
+    pack, _, _ = packed_layers(model, state)  # refuse what cannot be written before anything is
+    reload_note = _reload_problem(model, pack)
 
     def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
         p = plan_tensors(model, state, sparse_format, fold)
@@ -518,6 +549,8 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     if dense_notes:
         warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
                       UserWarning, stacklevel=4)
+    if reload_note and qc.get("config_groups"):
+        warnings.warn(f"export_model(hf_path=...): {reload_note}", UserWarning, stacklevel=4)
     if qc.get("sparsity_config"):
         warnings.warn(f"export_model(hf_path=...): {len(qc['sparsity_config']['targets'])} layers are stored "
                       f"{qc['sparsity_config']['format']}, a format compressed-tensors 0.15+ (and transformers with it) "

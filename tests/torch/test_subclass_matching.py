@@ -134,3 +134,35 @@ def test_falcon_sparsegpt_2_4_checkpoint_reloads_with_the_in_memory_logits(tmp_p
     assert float((out - ref).norm() / ref.norm()) < 1e-5
     w = loaded.transformer.h[1].mlp.dense_4h_to_h.weight
     assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) == 2
+
+
+def test_falcon_gptq_checkpoint_says_at_export_that_transformers_cannot_reload_it(tmp_path):
+    """transformers' Falcon initialises FalconLinear.weight when it builds the model, and the packed checkpoint has
+    no such weight: the export says so (a probe of the model's _init_weights), naming the layers; a Llama export,
+    whose layers are plain Linear, says nothing of the kind."""
+    transformers = pytest.importorskip("transformers")
+    from compressor.torch import GptqQuantizer
+
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    new_decoder_architecture=False, multi_query=True, parallel_attn=True,
+                                    bias=False, alibi=False)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    q = GptqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["Linear"]},
+                              {"op_names": ["lm_head"], "exclude": True}])
+    q.calibrate(tokens, progress=False)
+    with pytest.warns(UserWarning, match=r"transformers cannot reload this checkpoint: FalconForCausalLM._init_weights "
+                                         r"reads FalconLinear.weight.*'transformer.h.0.self_attention.query_key_value'"):
+        q.export_model(None, hf_path=str(tmp_path / "falcon"))
+    with pytest.raises(AttributeError):  # what the warning foretells
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "falcon"))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)).eval()
+    q = GptqQuantizer(llama, [{"quant_bits": 4, "group_size": 16, "op_types": ["Linear"]},
+                              {"op_names": ["lm_head"], "exclude": True}])
+    q.calibrate(tokens, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q.export_model(None, hf_path=str(tmp_path / "llama"))
+    assert not [w for w in caught if "cannot reload" in str(w.message)]
