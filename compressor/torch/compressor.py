@@ -32,6 +32,7 @@ from torch import nn
 from .. import torch_plugin
 from ..core.config import KeySpec, normalize_config_list
 from ..core.errors import ConfigError, ModelError
+from ..core.interrupts import deferred_interrupts
 from ..core.matching import LayerInfo, match_layers
 from . import families, hooks
 from .distributed import refuse_wrapped_model
@@ -126,15 +127,29 @@ class Compressor:
         self._collectors: dict[int, list[Any]] = {}
         self._collector_ids = itertools.count()
         self._slot_containers = slot_plan.containers
-        slot_plan.install(model)
-        for wrapper, places in zip(wrappers, slots):
-            object.__setattr__(wrapper, _WRAPPER_FLAG, self._kind)
-            object.__setattr__(wrapper, "_compressor_owner_name", what)
-            for parent, attr in places:
-                setattr(parent, attr, wrapper)
-        if optimizer is not None:
-            hooks.install(optimizer, self)
-        families.on_compress(model)  # model-family plug-ins (e.g. Hugging Face save_pretrained)
+        # every module's children, recorded before the first change: an exception or Ctrl-C part way (or in a
+        # family plug-in) puts the model's structure back as it was, with a second Ctrl-C held back meanwhile
+        children = [(m, dict(m._modules)) for m in model.modules()]
+        hooked = False
+        try:
+            slot_plan.install(model)
+            for wrapper, places in zip(wrappers, slots):
+                object.__setattr__(wrapper, _WRAPPER_FLAG, self._kind)
+                object.__setattr__(wrapper, "_compressor_owner_name", what)
+                for parent, attr in places:
+                    setattr(parent, attr, wrapper)
+            if optimizer is not None:
+                hooks.install(optimizer, self)
+                hooked = True
+            families.on_compress(model)  # model-family plug-ins (e.g. Hugging Face save_pretrained)
+        except BaseException:
+            with deferred_interrupts():
+                if hooked:
+                    hooks.uninstall(optimizer, self)
+                for m, kids in children:
+                    m._modules.clear()
+                    m._modules.update(kids)
+            raise
 
     # ------------------------------------------------------------------ selection
     @staticmethod

@@ -237,3 +237,45 @@ def test_ctrl_c_at_every_step_of_pack_weights():
         else:
             pack_weights(model)  # and it still packs
         assert n > 20
+
+
+def test_a_compressor_interrupted_while_it_wraps_the_model_leaves_it_as_it_was(monkeypatch):
+    """Ctrl-C (or any exception) at each change a constructor makes to the model (every wrapper put in place, the
+    optimizer hook, the family plug-in) puts every module back where it was: the same objects at the same paths,
+    nothing wrapped, the optimizer without the hook; with nothing injected the layers are wrapped."""
+    import compressor.torch.compressor as base
+    from compressor.torch import LevelPruner
+
+    model = _llama()
+    before = _snapshot(model)
+    places = {n: id(m) for n, m in model.named_modules()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = [{"sparsity": 0.5, "op_types": ["Linear"]}, {"op_names": ["lm_head"], "exclude": True}]
+    calls = [0]
+    real_setattr = setattr
+
+    def counting(obj, name, value):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise KeyboardInterrupt
+        real_setattr(obj, name, value)
+
+    monkeypatch.setattr(base, "setattr", counting, raising=False)
+    fail_at = [0]
+    p = LevelPruner(model, cfg, opt)
+    total = calls[0]
+    assert total == 14 and len(p.get_modules_wrapper()) == 14  # one setattr per wrapped layer
+    p._unwrap_model()
+    p.unhook()
+    for k in range(1, total + 1):
+        fail_at[0], calls[0] = k, 0
+        with pytest.raises(KeyboardInterrupt):
+            LevelPruner(model, cfg, opt)
+        assert {n: id(m) for n, m in model.named_modules()} == places, k
+        assert _same(_snapshot(model), before), k
+    fail_at[0] = 0
+    monkeypatch.setattr(base.families, "on_compress", lambda m: (_ for _ in ()).throw(RuntimeError("plug-in")))
+    with pytest.raises(RuntimeError, match="plug-in"):
+        LevelPruner(model, cfg, opt)
+    assert {n: id(m) for n, m in model.named_modules()} == places
+    assert base.hooks.hooked_compressors(opt) == []  # the hook installed before the plug-in failed is gone
