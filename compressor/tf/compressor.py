@@ -61,6 +61,7 @@ import tensorflow as tf
 
 from ..core.config import normalize_config_list
 from ..core.errors import ConfigError, ModelError
+from ..core.interrupts import deferred_interrupts
 from ..core.matching import LayerInfo, match_layers
 from ..tf_plugin import DEFAULT_TYPES
 from . import hooks, layout
@@ -389,7 +390,13 @@ class Compressor:
         # mutate the model last
         self._instrument()
         if optimizer is not None:
-            self._hook(optimizer)
+            try:
+                self._hook(optimizer)
+            except BaseException:
+                with deferred_interrupts():
+                    self.unhook()
+                    self._unwrap_model()
+                raise
 
     # -- overridable -----------------------------------------------------------------------------------
     def validate_config(self, config_list: list[dict[str, Any]]) -> None:
@@ -481,13 +488,15 @@ class Compressor:
         done = []
         try:
             for w in self.modules_wrapper:
+                done.append(w)  # recorded before it changes its layer: one interrupted half way is undone too
                 w._install(self.wrapper_attr)
-                done.append(w)
-        except Exception:
-            for w in reversed(done):
-                w._uninstall()
+            self._retrace()
+        except BaseException:  # Ctrl-C too: every layer back as it was, a second Ctrl-C held back meanwhile
+            with deferred_interrupts():
+                for w in reversed(done):
+                    w._uninstall()
+                self._retrace()
             raise
-        self._retrace()
 
     def _unwrap_model(self) -> keras.layers.Layer:
         """Remove the instrumentation (the wrappers keep their state); returns the same model object."""

@@ -146,3 +146,38 @@ def test_a_second_ctrl_c_during_the_rollback_waits_for_it(monkeypatch):
     assert restored == LAYERS[::-1]
     assert isinstance(info.value.__context__, KeyboardInterrupt)
     assert _same(_state(m, q), before)
+
+
+def test_a_compressor_interrupted_while_it_wraps_the_model_leaves_every_layer_as_it_was(monkeypatch):
+    """Ctrl-C at each change a Keras compressor's constructor makes to its layers (a layer's call intercepted, the
+    wrapper put on the layer) takes every wrapper off again: no layer keeps an intercepted call or a wrapper
+    attribute, and the model computes what it did; with nothing injected the layers are wrapped."""
+    import compressor.tf.compressor as base
+    from compressor.tf import LevelPruner
+
+    m = _lm()
+    ref = np.asarray(m(CALIB))
+    layers = [m.embed, m.head] + [ly for b in m.decoder for ly in (b.ln, b.up, b.down)]
+    cfg = [{"sparsity": 0.5, "op_types": ["Dense"]}]
+    calls = [0]
+    fail_at = [0]
+    real_setattr = setattr
+
+    def counting(obj, name, value):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise KeyboardInterrupt
+        real_setattr(obj, name, value)
+
+    monkeypatch.setattr(base, "setattr", counting, raising=False)
+    p = LevelPruner(m, cfg)
+    total = calls[0]
+    assert total == 5 and len(p.modules_wrapper) == 5  # head + 2 x (up, down): one wrapper attribute each
+    p.strip()
+    for k in range(1, total + 1):
+        fail_at[0], calls[0] = k, 0
+        with pytest.raises(KeyboardInterrupt):
+            LevelPruner(m, cfg)
+        assert not any("call" in vars(ly) for ly in layers), k  # no call left intercepted
+        assert not any(isinstance(v, base.LayerWrapper) for ly in layers for v in vars(ly).values()), k
+        np.testing.assert_array_equal(np.asarray(m(CALIB)), ref)
