@@ -386,15 +386,15 @@ class _Transaction:
         if self.token is not None:
             for folder in self.folders:
                 _sweep(folder, self.token)
-        if not committed:
-            for folder in reversed(self.created):
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only if empty
         if self.token is not None:
             for folder in self.folders[1:]:
                 _remove(self._path("ref", folder))
             _remove(self._path("json"))
             _remove(self._path("lock"))
+        if not committed:  # after the journal files, which may sit in them
+            for folder in reversed(self.created):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only if empty
         self.state = "done"
 
     def abort(self) -> None:
