@@ -48,11 +48,14 @@ LAYERS = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Hundreds of tiny runs: one intra-op thread (several spin-waiting on a busy machine made each 100x slower)."""
+    """Hundreds of tiny runs: one intra-op thread (several spin-waiting on a busy machine made each 100x slower).
+    After each test, torch's grad mode must be on as before: an interrupt landing inside ``no_grad``'s own exit
+    left it off for every later test of the session."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+    assert torch.is_grad_enabled(), "an interrupted run left torch's grad mode off"
 
 
 def _snapshot(model):

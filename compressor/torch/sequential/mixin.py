@@ -11,6 +11,7 @@ from torch import nn
 
 from ...core.config import KeySpec
 from ...core.errors import ConfigError, ModelError
+from ...core.interrupts import deferred_interrupts
 from ...core.matching import type_names
 from ...core.oneshot import (
     ONESHOT_KEYS,
@@ -150,13 +151,18 @@ class OneShotMixin:
                        for _, a, k in calibration_batches(data, f"{what}.calibrate", num_samples=num_samples)]
         backend = TorchOneShotBackend(self, self.sequential_targets, float64)
         modes = {m: m.training for m in model.modules()}
+        grad = torch.is_grad_enabled()
         try:
             model.eval()
             with torch.no_grad():
                 self.oneshot_rows = run_sequential(backend, method, batches, progress=progress)
         finally:
-            for m, mode in modes.items():
-                m.training = mode
+            # the training flags and torch's grad mode back, whatever stopped the run (a Ctrl-C may land inside
+            # no_grad's own exit), with a second Ctrl-C held back meanwhile
+            with deferred_interrupts():
+                torch.set_grad_enabled(grad)
+                for m, mode in modes.items():
+                    m.training = mode
         self.calibrated = True
         return self
 
