@@ -100,7 +100,9 @@ def _vm_hwm() -> float:
 def _run(side: str, folder: Path, args: argparse.Namespace, workers: int = 1, threads: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--samples", str(args.samples),
            "--seq-len", str(args.seq_len), "--threads", str(threads or args.threads), "--workers", str(workers)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # numpy's BLAS pool sized as torch's (the statistics and solves run there): "1 thread" means one thread
+    blas = {k: str(threads or args.threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **blas}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise SystemExit(f"{side} run failed:\n{proc.stderr[-3000:]}")
