@@ -370,17 +370,24 @@ DECODED_RATIO = 256
 _MAX_DIM = 1 << 48
 
 
+def env_decoded_cap() -> int | None:
+    """The decoded-size cap the environment variable COMPRESSOR_MAX_DECODED_BYTES sets for every reader of compressed
+    files (``.cmpk``, compressed-tensors checkpoints), or None when it is not set."""
+    env = os.environ.get("COMPRESSOR_MAX_DECODED_BYTES")
+    if not env:
+        return None
+    try:
+        return int(env)
+    except ValueError:
+        raise ConfigError(f"COMPRESSOR_MAX_DECODED_BYTES={env!r} is not an integer number of bytes") from None
+
+
 def decoded_cap(file_bytes: int, max_bytes: int | None = None) -> int:
     """The most tensor bytes :func:`unpack` decodes from a file of ``file_bytes`` bytes (see the caps above)."""
     if max_bytes is not None:
         return int(max_bytes)
-    env = os.environ.get("COMPRESSOR_MAX_DECODED_BYTES")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise ConfigError(f"COMPRESSOR_MAX_DECODED_BYTES={env!r} is not an integer number of bytes") from None
-    return DECODED_BASE + DECODED_RATIO * int(file_bytes)
+    env = env_decoded_cap()
+    return env if env is not None else DECODED_BASE + DECODED_RATIO * int(file_bytes)
 
 
 def _check_prefix(head: bytes, size: int, where: str) -> tuple[int, int]:

@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from .cmpk import env_decoded_cap
 from .errors import ConfigError, ModelError
 from .oneshot.codes import stored_code_width, stored_codes_to_full
 
@@ -744,13 +745,8 @@ def decoded_cap(files_bytes: int, max_bytes: int | None = None) -> int:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
         return max_bytes
-    env = os.environ.get("COMPRESSOR_MAX_DECODED_BYTES")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise ConfigError(f"COMPRESSOR_MAX_DECODED_BYTES={env!r} is not an integer number of bytes") from None
-    return DECODED_BASE + DECODED_RATIO * int(files_bytes)
+    env = env_decoded_cap()
+    return env if env is not None else DECODED_BASE + DECODED_RATIO * int(files_bytes)
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:

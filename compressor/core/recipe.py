@@ -21,14 +21,15 @@ import difflib
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigWarning
 
-__all__ = ["ONESHOT_ALGORITHMS", "RecipeStage", "load_recipe", "recipe_hash"]
+__all__ = ["ONESHOT_ALGORITHMS", "RecipeStage", "build_compressors", "load_recipe", "recipe_hash"]
 
 #: the algorithms a streamed recipe may name, and their kind: the one-shot methods, which compress a block from
 #: its calibration statistics alone (no training loop, no whole-model pass)
@@ -210,3 +211,25 @@ def recipe_hash(stages: Sequence[RecipeStage]) -> str:
     payload = [[s.name, _canonical(s.config_list)] for s in stages]
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def build_compressors(stages: Sequence[RecipeStage], model: Any, layer_names: Callable[[], list[str]],
+                      source: str = "checkpoint", hint: Callable[[str], str] = lambda message: "",
+                      echo: bool = True) -> list[Any]:
+    """The recipe's compressors on ``model``, stage by stage. A config entry that matches no layer is only a warning
+    in memory; a streamed run refuses it (it would cost a whole run to notice): a ConfigError naming the stage, the
+    message, ``hint(message)`` and a few of the model's layer names (``layer_names()``: e.g. its Linear layers;
+    ``source``: what the model was read from). Other warnings are passed on (``echo``; off in all but one process of
+    a run over several)."""
+    out = []
+    for i, stage in enumerate(stages):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            out.append(stage.cls(model, stage.config_list))
+        for w in caught:
+            if issubclass(w.category, ConfigWarning) and "match no layer" in str(w.message):
+                raise ConfigError(f"--recipe: stage {i} ({stage.name}): {w.message}{hint(str(w.message))}; the "
+                                  f"{source}'s layers are named like {layer_names()[:3]}")
+            if echo:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out

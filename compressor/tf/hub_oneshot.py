@@ -53,7 +53,7 @@ from ..core.oneshot.stream import (
     check_stages,
     run_streamed,
 )
-from ..core.recipe import load_recipe, recipe_hash
+from ..core.recipe import build_compressors, load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
 from .calibration_data import calibration_batches
 from .compressor import iter_layers, strip_model
@@ -359,20 +359,13 @@ def _check_conversions(stages: Any, compressors: Sequence[Any], first: Sequence[
 def _compressors(model: Any, stages: Any) -> list[Any]:
     """The recipe's compressors on ``model``; an op_names / op_types entry that matches no layer is an error
     (in memory it is a warning; here it would cost a whole run to notice)."""
-    out = []
+    def hint(message: str) -> str:
+        return (" (a Keras model has no 'lm_head' layer: keras-hub's LM head is the token embedding, which the "
+                "one-shot compressors leave out; drop that entry)") if "lm_head" in message else ""
+
+    out = build_compressors(stages, model, lambda: [p for p, layer in iter_layers(model) if isinstance(
+        layer, (keras.layers.Dense, keras.layers.EinsumDense))], "preset", hint)
     for i, stage in enumerate(stages):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConfigWarning)
-            out.append(stage.cls(model, stage.config_list))
-        for w in caught:
-            if issubclass(w.category, ConfigWarning) and "match no layer" in str(w.message):
-                some = [p for p, layer in iter_layers(model)
-                        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))][:3]
-                hint = (" (a Keras model has no 'lm_head' layer: keras-hub's LM head is the token embedding, which "
-                        "the one-shot compressors leave out; drop that entry)") if "lm_head" in str(w.message) else ""
-                raise ConfigError(f"--recipe: stage {i} ({stage.name}): {w.message}{hint}; the preset's layers are "
-                                  f"named like {some}")
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         linear = [c for c in stage.normalized if not c["exclude"] and "Linear" in c.get("op_types", ())
                   and not {"EinsumDense", "default"} & set(c.get("op_types", ()))]
         einsum = [p for p, layer in iter_layers(model) if isinstance(layer, keras.layers.EinsumDense)]

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..core.compressed_tensors import load_compressed_tensors, write_safetensors
-from ..core.errors import ConfigError, ConfigWarning, ModelError
+from ..core.errors import ConfigError, ModelError
 from ..core.oneshot import forward_in_float64, release_freed_heap
 from ..core.oneshot.collective import split_evenly
 from ..core.oneshot.stream import (
@@ -49,7 +49,7 @@ from ..core.oneshot.stream import (
     check_stages,
     run_streamed,
 )
-from ..core.recipe import load_recipe, recipe_hash
+from ..core.recipe import build_compressors, load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
 from .distributed import TorchCollective
 from .hf_checkpoint import TensorPlan, capture_call, plan_tensors, quantization_config, write_config
@@ -282,19 +282,8 @@ def _run(prep: _Prepared, recipe: Any, batch_size: int, forward_dtype: str, spar
         for rel, t in [*first.named_parameters(), *first.named_buffers()]:
             if prefix0 + rel in ckpt.tensors:
                 t.copy_(ckpt.read(prefix0 + rel))
-        compressors = []
-        for i, stage in enumerate(stages):
-            # a name that matches no layer is only a warning in memory; here it would cost a whole run to notice
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ConfigWarning)
-                compressors.append(stage.cls(model, stage.config_list))
-            for w in caught:
-                if issubclass(w.category, ConfigWarning) and "match no layer" in str(w.message):
-                    some = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3]
-                    raise ConfigError(f"--recipe: stage {i} ({stage.name}): {w.message}; the checkpoint's layers are "
-                                      f"named like {some}")
-                if rank == 0:
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        compressors = build_compressors(
+            stages, model, lambda: [n for n, m in model.named_modules() if isinstance(m, nn.Linear)], echo=rank == 0)
         names = _original_names(model)
         template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
         first.to("meta")
