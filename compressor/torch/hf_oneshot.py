@@ -377,7 +377,10 @@ def _in_group(src: Any, out: Any, recipe: Any, data: Any, *, num_samples: int, s
         coll.barrier()
         with _threads(threads):
             summary = _run(prep, recipe, batch_size, forward_dtype, sparse_format, progress, coll, t0)
-        return coll.broadcast_object(summary if coll.rank == 0 else None, 0)
+        summary = coll.broadcast_object(summary if coll.rank == 0 else None, 0)
+        if made:
+            coll.barrier()  # every process done with the group before any tears it down (gloo aborts otherwise)
+        return summary
     finally:
         if made:
             torch.distributed.destroy_process_group()
@@ -447,6 +450,7 @@ def _worker(rank: int, d: str, world: int, threads: int, src: str, out: str, rec
             prep = _prepare(src, out, recipe, tokens, len(tokens), tokens.shape[1], batch_size, forward_dtype, world,
                             first=False)
             result = ("ok", _run(prep, recipe, batch_size, forward_dtype, sparse_format, progress, coll, t0))
+            coll.barrier()  # every process done (process 0 writes the checkpoint last) before any leaves the group
         finally:
             torch.distributed.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
