@@ -28,6 +28,7 @@ from ..calibration_data import _tensors
 from ..layout import canonical_shape, from_canonical, to_canonical
 from ..modules import is_wrapper
 from ..pruning.wrapper import PrunerModuleWrapper
+from . import fused_experts as fused
 from .blocks import (
     _dedupe,
     _hidden_of,
@@ -40,6 +41,7 @@ from .blocks import (
     _version,
     _widened,
     find_blocks,
+    find_experts,
     float64_exempt,
     model_dtype_hooks,
 )
@@ -59,6 +61,8 @@ class TorchOneShotBackend(OneShotBackend):
         self._tasks = {id(w): LayerTask(w.name, w.config, canonical_shape(w, w.weight.shape)[1], w,
                                         getattr(w, "quant_spec", None))
                        for w in self.wrappers}
+        # the routed experts of fused 3-D parameters: one task per expert slice (fused_experts)
+        self._fused = fused.fused_tasks(compressor, self.model, find_experts(self.model))
         fwd = getattr(self.model, "forward", None)
         try:
             params = inspect.signature(fwd).parameters if fwd is not None else {}
@@ -86,9 +90,11 @@ class TorchOneShotBackend(OneShotBackend):
     def block_layers(self, block: nn.Module | None) -> list[LayerTask]:
         if block is None:
             inside = set().union(*self._block_ids) if self._block_ids else set()
-            return [self._tasks[id(w)] for w in self.wrappers if id(w) not in inside]
+            return ([self._tasks[id(w)] for w in self.wrappers if id(w) not in inside]
+                    + [t for t in self._fused if id(t.handle.bank) not in inside])
         ids = {id(m) for m in block.modules()}
-        return [self._tasks[id(w)] for w in self.wrappers if id(w) in ids]
+        return ([self._tasks[id(w)] for w in self.wrappers if id(w) in ids]
+                + [t for t in self._fused if id(t.handle.bank) in ids])
 
     def _undo_later(self, undo: Callable[[], None]) -> Callable[[], None]:
         self._pending.append(undo)
@@ -202,6 +208,7 @@ class TorchOneShotBackend(OneShotBackend):
 
         hooked = [w.name for w in self.wrappers
                   if w.name in observe or (shared.get(w.name) is not None and shared[w.name] in observe)]
+        hooked += [t.name for t in self._fused if t.name in observe]
         calls = ObserveCalls(hooked)
         for w in self.wrappers:
             fn = observe.get(w.name)
@@ -224,6 +231,11 @@ class TorchOneShotBackend(OneShotBackend):
             else:
                 continue
             handles.append(self._called(w).register_forward_pre_hook(pre))
+
+        def fired(name: str) -> None:
+            if stop and calls.fired(name):
+                raise ObservedAll
+        fused.observe_fused(self._fused, observe, keep, fired, handles)
 
         def reset() -> None:
             last[:] = [None, -1, None]
@@ -460,13 +472,21 @@ class TorchOneShotBackend(OneShotBackend):
     def take_rows(self, inp: _Input, rows: list[int]) -> _Input:
         """``inp`` restricted to the sequences ``rows`` of its batch: every tensor argument with the batch as its
         first axis (hidden state, 4-D masks, position ids and rotary tables, the keep-mask) indexed there;
-        1-D tensors (cache positions), batch-1 broadcasts and other objects as they are."""
+        1-D tensors (cache positions), batch-1 broadcasts and other objects as they are. A tensor of 3 or more axes
+        whose first axis is the batch folded with another one, ``b * m`` entries (Bloom's ALiBi bias
+        ``[batch * heads, 1, keys]``), is cut as ``b`` runs of ``m``: the batch-major order ``x.view(b * m, ...)``
+        gives a ``[b, m, ...]`` tensor, the order a block unfolds it in (``view(b, m, ...)``). 2-D tensors are cut
+        only when their first axis is the batch (a ``[positions, dim]`` rotary table is no batch)."""
         b = self.batch_rows(inp)
         idx = torch.tensor(rows, dtype=torch.long)
 
         def cut(v: Any) -> Any:
             if torch.is_tensor(v):
-                return v.index_select(0, idx.to(v.device)) if v.dim() >= 2 and v.shape[0] == b else v
+                if v.dim() < 2 or b < 2 or v.shape[0] % b or (v.dim() == 2 and v.shape[0] != b):
+                    return v
+                m = v.shape[0] // b
+                sel = idx if m == 1 else (idx[:, None] * m + torch.arange(m)).reshape(-1)
+                return v.index_select(0, sel.to(v.device))
             if isinstance(v, tuple):
                 return tuple(cut(x) for x in v)
             if isinstance(v, list):
@@ -538,12 +558,17 @@ class TorchOneShotBackend(OneShotBackend):
         arrays (views of CPU tensors: core writes them out at once, before anything changes) or, for dtypes
         numpy lacks (bfloat16), CPU tensor copies."""
         w = task.handle
+        if isinstance(w, fused.FusedSlice):
+            return fused.snapshot(w)
         saved = {f"buffer:{n}": _host(b) for n, b in w.named_buffers()}
         saved["weight"] = _host(w.weight)
         return saved
 
     def restore(self, task: LayerTask, saved: dict[str, Any]) -> None:
         w = task.handle
+        if isinstance(w, fused.FusedSlice):
+            fused.restore(w, saved)
+            return
         buffers = dict(w.named_buffers())
 
         def tensor(v: Any) -> torch.Tensor:
@@ -556,12 +581,17 @@ class TorchOneShotBackend(OneShotBackend):
 
     def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
         w = task.handle
+        if isinstance(w, fused.FusedSlice):
+            w.assign(weight)
+            return
         new = from_canonical(w, torch.from_numpy(np.ascontiguousarray(weight)))
         with torch.no_grad():
             w.weight.copy_(new.to(dtype=w.weight.dtype, device=w.weight.device))
 
     def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
         w = task.handle
+        if isinstance(w, fused.FusedSlice):
+            return w.read(), fused.slice_mask(w)
         weight = to_canonical(w, w.weight.detach()).to("cpu", torch.float64).numpy()
         mask = self.compressor._oneshot_mask(w)
         if mask is not None:
@@ -572,6 +602,9 @@ class TorchOneShotBackend(OneShotBackend):
 
     def write(self, task: LayerTask, result: LayerResult) -> None:
         self.set_weight(task, result.weight)
+        if isinstance(task.handle, fused.FusedSlice):
+            fused.record(task.handle, result)
+            return
         self.compressor._oneshot_write(task.handle, result)
 
 
