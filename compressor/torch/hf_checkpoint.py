@@ -25,8 +25,8 @@ Called by the Hugging Face family plug-in (:mod:`compressor.torch.hf`) with the 
   pruned layer is 2:4) or ``'auto'`` (2:4 where a layer is, else bitmask). compressed-tensors 0.15+ (and so
   transformers with it) no longer read the sparse formats: load those with
   :func:`compressor.core.compressed_tensors.load_compressed_tensors` / ``compressor unpack``.
-* Not packed (float, a warning names them): GPT-2's ``Conv1D`` (not a Linear for compressed-tensors) and a
-  quantized layer whose weight is tied to another (the LM head tied to the embedding).
+* Not packed (float, a warning names them): GPT-2's ``Conv1D`` (:data:`CONV1D_REASON`: transformers cannot
+  reload it packed) and a quantized layer whose weight is tied to another (the LM head tied to the embedding).
 """
 
 from __future__ import annotations
@@ -58,11 +58,20 @@ from ..core.oneshot.codes import stored_codes_to_full
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
+from .sequential.fused_experts import export_notes
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS", "TensorPlan", "plan_tensors", "quantization_config", "write_config",
-           "packed_layers", "capture_call"]
+           "packed_layers", "capture_call", "dense_warning", "CONV1D_REASON"]
 
 SPARSE_FORMATS = ("dense", "bitmask", "2:4", "auto")
+#: why a quantized Hugging Face ``Conv1D`` (GPT-2; weight ``[in, out]``) is written as float weights, said once in the
+#: export's warning. Measured with transformers 5 / compressed-tensors 0.20 on a tiny GPT-2 with its Conv1D layers
+#: packed in the Linear layout: the default load left them randomly initialised (logits off by 0.26, no error), and
+#: ``dequantize=True`` refused the [out, in] weights ("size mismatch"; a square one would load transposed)
+CONV1D_REASON = ("transformers loads compressed-tensors checkpoints through compressed-tensors, which gives a "
+                 "quantization scheme only to nn.Linear / nn.Embedding modules: packed Conv1D tensors would be left "
+                 "unread and the layers randomly initialised (and CompressedTensorsConfig(dequantize=True) would put "
+                 "[out, in] weights into Conv1D's [in, out]); as float weights they reload exactly")
 #: (consumer suffix, producer suffix): the producer's output rows feed the consumer's input columns one to one
 _ROW_FOLDS = (("self_attn.o_proj", "self_attn.v_proj"), ("self_attn.out_proj", "self_attn.v_proj"),
               ("attn.out_proj", "attn.v_proj"), ("mlp.down_proj", "mlp.up_proj"), ("fc2", "fc1"))
@@ -291,6 +300,13 @@ class TensorPlan:
         self.sparse_zeros += other.sparse_zeros
         self.dense_notes.extend(other.dense_notes)
         self.folded = self.folded or other.folded
+
+
+def dense_warning(notes: list[str]) -> str:
+    """The warning for the layers a checkpoint writes as float weights (``notes``: one per layer, and the folds'
+    remarks), with :data:`CONV1D_REASON` said once where Conv1D layers are among them."""
+    why = f" ({CONV1D_REASON})" if any("(Conv1D:" in n for n in notes) else ""
+    return f"written as float weights (not packed): {', '.join(notes)}{why}"
 
 
 def packed_layers(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, QuantizerModuleWrapper],
@@ -527,7 +543,9 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
 
     def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
         p = plan_tensors(model, state, sparse_format, fold)
-        return p.tensors, p.bf16, quantization_config(p), p.dense_notes, p.folded
+        # fused 3-D experts (transformers 5 MoE) compressed by a one-shot run: float, named in the warning
+        notes = p.dense_notes + export_notes(model)
+        return p.tensors, p.bf16, quantization_config(p), notes, p.folded
 
     def write(tmp: str, tensors: dict[str, np.ndarray], bf16: set[str], qc: dict[str, Any]) -> None:
         os.makedirs(tmp)
@@ -547,8 +565,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
                 write(tmp, tensors, bf16, qc)
         _keep_foreign_files(path, tmp)
     if dense_notes:
-        warnings.warn(f"export_model(hf_path=...): written as float weights (not packed): {', '.join(dense_notes)}",
-                      UserWarning, stacklevel=4)
+        warnings.warn(f"export_model(hf_path=...): {dense_warning(dense_notes)}", UserWarning, stacklevel=4)
     if reload_note and qc.get("config_groups"):
         warnings.warn(f"export_model(hf_path=...): {reload_note}", UserWarning, stacklevel=4)
     if qc.get("sparsity_config"):
