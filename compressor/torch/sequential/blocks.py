@@ -17,6 +17,7 @@ from ...core.errors import ModelError
 from ...core.oneshot.experts import mark_routed
 from ..layout import in_out_features
 from ..modules import is_wrapper
+from .fused_experts import supported
 
 
 def _contains(module: nn.Module, ids: set[int]) -> bool:
@@ -120,11 +121,13 @@ def _mark_routed_layers(experts: list[ExpertSet], model: nn.Module, selected: li
 def _warn_fused(experts: list[ExpertSet], model: nn.Module, blocks: list[tuple[str, nn.Module]],
                 selected: list[nn.Module]) -> None:
     """One warning naming the fused expert parameters (3-D, one slice per expert) of the mixture-of-experts
-    modules in the blocks that hold selected layers: the one-shot methods compress 2-D Linear weights, so these
-    stay as they are."""
+    modules in the blocks that hold selected layers whose per-expert computation is not known
+    (:func:`~.fused_experts.supported`: transformers' experts banks are, and are compressed slice by slice), so
+    these stay as they are."""
     ids = {id(m) for m in selected}
     scopes = [(n, b) for n, b in blocks if _contains(b, ids)] or ([("", model)] if ids else [])
-    fused = [e for e in experts if e.fused and any(not n or e.path.startswith(n + ".") for n, _ in scopes)]
+    fused = [e for e in experts if e.fused and not supported(model.get_submodule(e.path))
+             and any(not n or e.path.startswith(n + ".") for n, _ in scopes)]
     if not fused:
         return
     total = sum(p.numel() for _, b in scopes for p in b.parameters() if p.dim() >= 2)
@@ -141,8 +144,8 @@ def _warn_fused(experts: list[ExpertSet], model: nn.Module, blocks: list[tuple[s
 def float64_exempt(block: nn.Module) -> list[nn.Module]:
     """The modules of ``block`` a float64 pass must leave in the model's dtype: fused experts (3-D parameters
     :func:`find_experts` finds), whose grouped matrix products (transformers 5's ``grouped_mm`` experts kernel)
-    take no float64. They are not compressed, so their float64 outputs would serve only the parity of the next
-    block's inputs; :func:`model_dtype_hooks` runs them in their own dtype inside the float64 pass."""
+    take no float64: :func:`model_dtype_hooks` runs them in their own dtype inside the float64 pass (the
+    statistics of their expert slices, :mod:`.fused_experts`, are then float32 rows)."""
     return [block.get_submodule(e.path) for e in find_experts(block) if e.fused]
 
 

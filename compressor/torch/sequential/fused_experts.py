@@ -1,0 +1,254 @@
+"""Routed experts held as FUSED 3-D parameters in a one-shot run (transformers 5's Mixtral / Qwen2-MoE / DeepSeek
+``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``): each expert's slice of each
+parameter is a layer of its own.
+
+* **which**: a bank of experts that transformers' ``use_experts_implementation`` built (it carries ``has_gate``,
+  ``is_transposed``, ``has_bias``; :func:`supported`), found by :func:`~.blocks.find_experts`. Its parameters
+  ``gate_up_proj`` (``up_proj`` without a gate) and ``down_proj`` are matched against the config list as a
+  ``Linear`` layer named ``<bank>.<param>`` (``op_names`` may also name the bank, ``<bank>.<param>`` or one slice
+  ``<bank>.<e>.<param>``); the last matching entry wins, as for any layer. So ``op_types: ['default']`` compresses
+  them; the routers stay float (they are not in the bank).
+* **layout**: slice ``[e]`` is ``[out, in]`` (``F.linear``'s) unless the bank says ``is_transposed`` (GPT-OSS:
+  ``[in, out]``); core sees the canonical ``[out, in]`` either way (:class:`FusedSlice`).
+* **statistics**: while a block is observed, the bank's ``forward`` is replaced (an instance attribute, removed
+  again when the pass ends, an exception or Ctrl-C included) by an equivalent per-expert loop that hands each
+  expert's routed input rows to its gate/up slice's observer and the activations ``act(gate) * up`` of those rows
+  to its down slice's observer (padded tokens left out where the batch has a 2-D ``attention_mask``). Each slice
+  so gets its own Gram matrix / channel norms from the tokens its router sent it; an expert that got none falls
+  back as core says (:mod:`compressor.core.oneshot.experts`: round to nearest / magnitude, one warning).
+* **result**: the compressed slice is written into the 3-D parameter (the model computes with it at once); its
+  mask / codes / scales are kept per slice (:func:`fused_results`) for export."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...core.matching import expand_op_types, type_names
+from ...core.oneshot import LayerResult, LayerTask
+from ...core.oneshot.experts import mark_routed
+
+__all__ = ["FusedSlice", "supported", "fused_tasks", "fused_results", "observe_fused", "up_name", "slice_mask", "record",
+           "snapshot", "restore", "export_notes"]
+
+#: bank -> {slice name: LayerResult of the last one-shot run that wrote the slice}
+_RESULTS: weakref.WeakKeyDictionary[nn.Module, dict[str, LayerResult]] = weakref.WeakKeyDictionary()
+
+
+def up_name(bank: nn.Module) -> str:
+    """The bank's first projection: ``gate_up_proj`` (gated experts) or ``up_proj``."""
+    return "gate_up_proj" if getattr(bank, "has_gate", True) else "up_proj"
+
+
+def supported(bank: nn.Module) -> bool:
+    """A bank whose per-expert computation is known: built by transformers' ``use_experts_implementation``
+    (``has_gate`` / ``is_transposed`` / ``has_bias`` attributes) with 3-D ``<up>`` and ``down_proj`` parameters."""
+    if not all(hasattr(bank, a) for a in ("has_gate", "is_transposed", "has_bias")):
+        return False
+    ps = bank._parameters
+    return all(isinstance(ps.get(n), torch.Tensor) and ps[n].dim() == 3 for n in (up_name(bank), "down_proj"))
+
+
+class FusedSlice:
+    """Expert ``expert``'s slice of the 3-D parameter ``param`` of the bank ``bank`` (at ``path``); a task handle."""
+
+    def __init__(self, bank: nn.Module, path: str, param: str, expert: int):
+        self.bank, self.path, self.param, self.expert = bank, path, param, expert
+        self.transposed = bool(getattr(bank, "is_transposed", False))
+        self.name = f"{path}.{expert}.{param}"
+
+    def tensor(self) -> torch.Tensor:
+        """The slice as stored (a view of the parameter)."""
+        return self.bank._parameters[self.param][self.expert]
+
+    def canonical(self) -> torch.Tensor:
+        """The slice as ``[out, in]`` (a view)."""
+        t = self.tensor()
+        return t.t() if self.transposed else t
+
+    def read(self) -> np.ndarray:
+        return self.canonical().detach().to("cpu", torch.float64).numpy()
+
+    def assign(self, weight: np.ndarray | torch.Tensor) -> None:
+        """Write a canonical ``[out, in]`` weight into the slice."""
+        w = torch.as_tensor(np.ascontiguousarray(weight)) if isinstance(weight, np.ndarray) else weight
+        dst = self.canonical()
+        with torch.no_grad():
+            dst.copy_(w.to(dtype=dst.dtype, device=dst.device))
+
+    def __repr__(self) -> str:
+        return f"FusedSlice({self.name})"
+
+
+def _config_for(config_list: list[dict[str, Any]], default_types: Any, bank_path: str, param: str,
+                expert: int) -> dict[str, Any] | None:
+    """The entry of ``config_list`` a Linear layer ``<bank>.<param>`` takes (last match wins; excluded: None)."""
+    names = {bank_path, f"{bank_path}.{param}", f"{bank_path}.{expert}.{param}"}
+    linear = type_names("Linear")
+    chosen = None
+    for entry in config_list:
+        if "op_types" in entry and not (linear & expand_op_types(entry["op_types"], default_types)):
+            continue
+        if "op_names" in entry and not names & set(entry["op_names"]):
+            continue
+        chosen = entry
+    return None if chosen is None or chosen.get("exclude", False) else chosen
+
+
+def fused_tasks(compressor: Any, model: nn.Module, experts: list[Any]) -> list[LayerTask]:
+    """One task per expert and fused parameter of the supported banks in ``experts`` (:class:`~.blocks.ExpertSet`)
+    that the compressor's config list selects; each handle is marked as its routed expert's for core's fallback."""
+    tasks: list[LayerTask] = []
+    for s in experts:
+        if not s.fused:
+            continue
+        bank = model.get_submodule(s.path)
+        if not supported(bank):
+            continue
+        for param in (up_name(bank), "down_proj"):
+            for e in range(s.count):
+                cfg = _config_for(compressor.config_list, compressor.default_types, s.path, param, e)
+                if cfg is None:
+                    continue
+                h = FusedSlice(bank, s.path, param, e)
+                mark_routed(h, f"{s.path}.{e}")
+                tasks.append(LayerTask(h.name, cfg, int(h.canonical().shape[1]), h))
+    return tasks
+
+
+def fused_results(bank: nn.Module) -> dict[str, LayerResult]:
+    """``{slice name: LayerResult}`` of the slices of ``bank`` a one-shot run wrote (mask, codes, AWQ scales)."""
+    return _RESULTS.setdefault(bank, {})
+
+
+class _Restore:
+    """A hook-handle-like object: ``remove()`` puts the bank's own ``forward`` back."""
+
+    def __init__(self, bank: nn.Module, had: Any):
+        self.bank, self.had = bank, had
+
+    def remove(self) -> None:
+        if self.had is None:
+            self.bank.__dict__.pop("forward", None)
+        else:
+            self.bank.__dict__["forward"] = self.had
+
+
+def _expert_loop(bank: nn.Module, see: Callable[[int, str, torch.Tensor, torch.Tensor, int], None]) -> Callable:
+    """A ``forward(hidden_states, top_k_index, top_k_weights)`` for ``bank`` computing what transformers' eager
+    experts compute, one expert at a time, calling ``see(expert, param, input rows, token indices)`` before each
+    of the expert's two products (``n``: the rows of ``hidden_states``)."""
+    up = up_name(bank)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        n = int(hidden_states.shape[0])
+        w1, w2 = bank._parameters[up], bank._parameters["down_proj"]
+        b1 = getattr(bank, f"{up}_bias", None) if bank.has_bias else None
+        b2 = getattr(bank, "down_proj_bias", None) if bank.has_bias else None
+
+        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            y = x @ w if bank.is_transposed else F.linear(x, w)
+            return y if b is None else y + b
+
+        for e in range(int(w1.shape[0])):
+            tok, pos = torch.where(top_k_index == e)
+            if not tok.numel():
+                continue
+            x = hidden_states[tok]
+            see(e, up, x, tok, n)
+            h = linear(x, w1[e], None if b1 is None else b1[e])
+            h = bank._apply_gate(h) if bank.has_gate else bank.act_fn(h)
+            see(e, "down_proj", h, tok, n)
+            y = linear(h, w2[e], None if b2 is None else b2[e])
+            if getattr(bank, "has_post_expert_norm", False):
+                y = bank.post_expert_norm(y)
+            y = y * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+    return forward
+
+
+def observe_fused(tasks: list[LayerTask], observe: dict[str, Callable[[Any], None]], keep: Callable[[], Any],
+                  fired: Callable[[str], None], handles: list[Any]) -> None:
+    """Install the per-expert loop on each bank holding an observed slice of ``tasks``: the rows of each slice's
+    input go to ``observe[slice name]`` (float32 numpy ``[tokens, in]``, float64 kept; padded tokens left out where
+    ``keep()``, the batch's ``[batch, seq]`` keep-mask, has one entry per row), then ``fired(name)`` (which may
+    raise to end the call). A restoring handle per bank goes to ``handles`` BEFORE its forward is replaced."""
+    banks: dict[int, tuple[nn.Module, dict[tuple[int, str], str]]] = {}
+    for t in tasks:
+        h = t.handle
+        if isinstance(h, FusedSlice) and t.name in observe:
+            banks.setdefault(id(h.bank), (h.bank, {}))[1][(h.expert, h.param)] = t.name
+    for bank, names in banks.values():
+        def see(e: int, param: str, x: torch.Tensor, tok: torch.Tensor, n: int, names: dict = names) -> None:
+            name = names.get((e, param))
+            if name is None:
+                return
+            k = keep()
+            if k is not None and k.numel() == n:  # one keep entry per token of the flattened batch
+                x = x[k.reshape(-1).to(x.device)[tok]]
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            observe[name](x.detach().to("cpu", dtype).numpy().reshape(-1, x.shape[-1]))
+            fired(name)
+        handles.append(_Restore(bank, bank.__dict__.get("forward")))
+        bank.forward = _expert_loop(bank, see)
+
+
+def slice_mask(h: FusedSlice) -> np.ndarray | None:
+    """The keep-mask an earlier run gave the slice (a pruner's; canonical), or None."""
+    got = fused_results(h.bank).get(h.name)
+    return None if got is None or got.mask is None or got.mask.all() else got.mask
+
+
+def record(h: FusedSlice, result: LayerResult) -> None:
+    """Keep ``result`` (its weight is in the parameter already) for export; a result without a mask (a quantizer's
+    on an unpruned slice) keeps the slice's earlier mask."""
+    kept = fused_results(h.bank)
+    prev = kept.get(h.name)
+    if result.mask is None and prev is not None and prev.mask is not None:
+        result = LayerResult(result.weight, prev.mask, result.quantized, result.scales, result.info)
+    # no float copy of the weight (it is in the parameter): the mask (1 byte a weight) and the codes, as a wrapper keeps
+    q = None if result.quantized is None else dataclasses.replace(result.quantized, dequantized=None)
+    kept[h.name] = LayerResult(np.empty((0, 0)), result.mask, q, result.scales, dict(result.info))
+
+
+def snapshot(h: FusedSlice) -> dict[str, Any]:
+    """The slice as stored (a numpy view where numpy has the dtype: core's undo writes it out at once) and its
+    recorded result."""
+    t = h.tensor().detach()
+    w = t.to("cpu").numpy() if t.dtype != torch.bfloat16 else t.to("cpu", copy=True)
+    return {"weight": w, "result": fused_results(h.bank).get(h.name)}
+
+
+def restore(h: FusedSlice, saved: dict[str, Any]) -> None:
+    w = saved["weight"]
+    with torch.no_grad():
+        h.tensor().copy_(torch.from_numpy(w) if isinstance(w, np.ndarray) else w)
+    if saved["result"] is None:
+        fused_results(h.bank).pop(h.name, None)
+    else:
+        fused_results(h.bank)[h.name] = saved["result"]
+
+
+def export_notes(model: nn.Module) -> list[str]:
+    """For a compressed-tensors export: one note per bank of ``model`` whose slices a one-shot run compressed.
+    They are written as the float tensors they hold (pruned zeros / dequantized values) under the fused names:
+    compressed-tensors packs ``nn.Linear`` layers only, and transformers loads the fused 3-D parameters as they are."""
+    notes = []
+    for path, m in model.named_modules():
+        got = _RESULTS.get(m)
+        if not got:
+            continue
+        kinds = sorted({"quantized" if r.quantized is not None else "pruned" for r in got.values()})
+        params = sorted({name.rsplit(".", 1)[1] for name in got})
+        notes.append(f"{path}.{{{','.join(params)}}} (fused 3-D routed experts, {len(got)} slices {'+'.join(kinds)}: "
+                     f"compressed-tensors packs Linear layers only; their compressed values are stored dense)")
+    return notes
