@@ -70,7 +70,7 @@ try:
 except ImportError:  # POSIX
     msvcrt = None  # type: ignore[assignment]
 
-__all__ = ["atomic_path", "atomic_paths", "recover", "temp_path_for", "transaction"]
+__all__ = ["atomic_path", "atomic_paths", "recover", "recover_for_reading", "temp_path_for", "transaction"]
 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS, Windows)
 
@@ -474,6 +474,17 @@ def recover(path: str | os.PathLike[str]) -> None:
     _recover_folder(os.path.dirname(p))
     if _is_dir(p):
         _recover_folder(p)
+
+
+def recover_for_reading(path: str | os.PathLike[str]) -> None:
+    """:func:`recover` before a reader opens ``path`` (a checkpoint folder, a compressed / mask / calibration file):
+    a killed export's leftovers there are finished or undone first, so the reader sees the complete old or the
+    complete new version. Where the folder cannot be repaired (read-only, no permission) the reader goes on: the
+    targets themselves are whole at every point of a transaction, only its leftovers stay beside them."""
+    try:
+        recover(path)
+    except OSError:
+        pass
 
 
 def _recover_folder(folder: str) -> None:

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_path
+from .atomic import atomic_path, recover_for_reading
 from .errors import CompressedFileError, ConfigError
 from .huffman import huffman_decode, huffman_encode
 
@@ -557,6 +557,7 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
     """The file's bytes, after checking its first bytes (magic, version, lengths vs its size on disk): a
     file that is not one is refused without being read whole."""
     p = os.fspath(path)
+    recover_for_reading(p)  # a killed export of this file: finished or undone before it is read
     if not os.path.isfile(p):
         what = "is a directory, not a file" if os.path.isdir(p) else "does not exist"
         raise CompressedFileError(f"compressed file {p!r} {what}")

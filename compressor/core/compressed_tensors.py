@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import recover_for_reading
 from .cmpk import env_decoded_cap
 from .errors import ConfigError, ModelError
 from .oneshot.codes import stored_code_width, stored_codes_to_full
@@ -1163,6 +1164,7 @@ def _load(folder: str, max_bytes: int | None, sink: _Sink) -> tuple[dict[str, An
     :func:`decoded_cap`), then decode it layer by layer into ``sink``; ``(config, files' size)``."""
     folder = os.fspath(folder)
     decoded_cap(0, max_bytes)  # a bad max_bytes / COMPRESSOR_MAX_DECODED_BYTES before any file is opened
+    recover_for_reading(folder)  # a killed export into this folder: finished or undone before it is read
     config, qc = _read_config(folder)
     cfg_path = os.path.join(folder, "config.json")
     tensors: dict[str, _Stored] = {}

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from .atomic import recover_for_reading
 from .errors import ConfigError
 
 __all__ = ["load_npz", "save_npz"]
@@ -50,6 +51,7 @@ def load_npz(path: str | os.PathLike, what: str = "mask file", error: type[Excep
     from .cmpk import decoded_cap
 
     p = os.fspath(path)
+    recover_for_reading(p)  # a killed export of this file: finished or undone before it is read
     if not os.path.isfile(p):
         raise error(f"{what} {p!r} does not exist")
     if not zipfile.is_zipfile(p):

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,58 @@ def test_folders_an_export_created_go_again_when_it_is_rolled_back(tmp_path):
         run()
     recover(target)
     assert listing(tmp_path) == []
+
+
+def test_a_reader_repairs_a_killed_export_before_it_reads(tmp_path):
+    """Killed before each file-system operation of an export of a checkpoint folder and a .cmpk file (one
+    transaction), then only READ: load_compressed_tensors and cmpk.unpack see the complete old or the complete
+    new version, both the same one, and the folder holds nothing of the transaction afterwards."""
+    import numpy as np
+
+    from compressor.core import cmpk
+    from compressor.core.compressed_tensors import load_compressed_tensors, write_safetensors
+
+    ckpt, packed = tmp_path / "ckpt", tmp_path / "w.cmpk"
+    old = {"layer.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    new = {"layer.weight": -np.arange(6, dtype=np.float32).reshape(2, 3)}
+
+    def write(folder, file, tensors):
+        os.mkdir(folder)
+        (Path(folder) / "config.json").write_text('{"model_type": "llama"}')
+        write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
+        cmpk.pack(tensors, file)
+
+    def export():
+        with atomic_paths(ckpt, packed) as (tc, tp):
+            write(tc, tp, new)
+
+    def reset():
+        import shutil
+
+        shutil.rmtree(ckpt, ignore_errors=True)
+        for n in os.listdir(tmp_path):
+            p = tmp_path / n
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text('{"model_type": "llama"}')
+        write_safetensors(str(ckpt / "model.safetensors"), old)
+        cmpk.pack(old, packed)
+
+    reset()
+    with counted(None, False) as state:
+        export()
+    seen = set()
+    for k in range(1, state["n"] + 1):
+        reset()
+        with counted(k, True, no_exchange=k % 2 == 0):
+            with pytest.raises(Killed):
+                export()
+        got_ckpt = load_compressed_tensors(ckpt)["layer.weight"]
+        got_file = cmpk.unpack(packed)["layer.weight"]
+        version = "new" if np.array_equal(got_ckpt, new["layer.weight"]) else "old"
+        np.testing.assert_array_equal(got_ckpt, {"old": old, "new": new}[version]["layer.weight"], err_msg=str(k))
+        np.testing.assert_array_equal(got_file, {"old": old, "new": new}[version]["layer.weight"], err_msg=str(k))
+        assert listing(tmp_path) == ["ckpt", "w.cmpk"], k
+        assert listing(ckpt) == ["config.json", "model.safetensors"], k
+        seen.add(version)
+    assert seen == {"old", "new"}

@@ -121,6 +121,9 @@ def export_model(quantizer: Any, model_path: str | os.PathLike | None = None,
 
 def read_calibration(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """Read a calibration config written by ``export_model`` (JSON)."""
+    from ...core.atomic import recover_for_reading
+
+    recover_for_reading(path)  # a killed export of this file: finished or undone before it is read
     with open(os.fspath(path), encoding="utf-8") as f:
         return json.load(f)
 

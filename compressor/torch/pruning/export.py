@@ -179,6 +179,9 @@ def load_mask_file(mask_path: str | os.PathLike, device: Any = None) -> Any:
     :func:`compressor.core.archives.check_torch_archive`); a ConfigError naming the file when it is missing,
     not a torch file or past the caps."""
     p = os.fspath(mask_path)
+    from ...core.atomic import recover_for_reading
+
+    recover_for_reading(p)  # a killed export of this file: finished or undone before it is read
     if not os.path.isfile(p):
         raise ConfigError(f"mask file {p!r} does not exist")
     from ...core.archives import check_torch_archive
