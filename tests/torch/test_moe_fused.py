@@ -368,3 +368,33 @@ def test_the_compressed_tensors_checkpoint_reloads_with_the_in_memory_logits(tmp
         back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ck"), dtype=torch.float32).eval()
     assert torch.equal(back.model.layers[1].mlp.experts.down_proj, model.model.layers[1].mlp.experts.down_proj)
     assert rel(logits(back, data), ref) <= 1e-5
+
+
+def test_the_streamed_run_compresses_a_checkpoint_with_fused_names_as_in_memory(tmp_path):
+    """compressor.torch.oneshot on a checkpoint that stores the fused names (as export_model writes them): the same
+    expert slices as calibrate() in memory. (A checkpoint in Mixtral's per-expert layout, which save_pretrained
+    writes, is refused by the streamed reader: it does not apply transformers' weight conversions.)"""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import save_file
+
+    from compressor.torch import oneshot
+
+    model = mixtral()
+    src = tmp_path / "src"
+    model.config.save_pretrained(src)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    data = np.random.default_rng(1).integers(0, VOCAB, size=(8, 16))
+    np.save(tmp_path / "ids.npy", data)
+    stage = [{"quant_bits": 4, "group_size": 16, "op_types": ["Linear"]}, {"op_names": ["lm_head"], "exclude": True}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(src, tmp_path / "out", [{"GptqQuantizer": stage}], str(tmp_path / "ids.npy"), num_samples=8,
+                seq_len=16, batch_size=4, progress=False)
+        GptqQuantizer(model, stage).calibrate(list(torch.from_numpy(data).split(4)), progress=False)
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    for i in range(2):
+        for n in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(back.model.layers[i].mlp.experts, n), getattr(model.model.layers[i].mlp.experts, n))
+    x = torch.from_numpy(data[:2])
+    assert rel(logits(back, x), logits(model, x)) <= 1e-5
