@@ -57,15 +57,18 @@ def is_hf_model(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def export_ready(model: nn.Module) -> Iterator[None]:
     """While exporting: a model whose config caches keys/values (causal LMs) runs without the cache."""
-    config = getattr(model, "config", None)
-    cached = getattr(config, "use_cache", None)
-    if cached:
-        config.use_cache = False
+    # the model's config and any other config a submodule holds (a model whose config was replaced keeps the
+    # old object in its inner modules, which decide whether to build a cache)
+    configs = {id(c): c for c in [getattr(model, "config", None)] + [m.__dict__.get("config") for m in model.modules()]
+               if c is not None and getattr(c, "use_cache", None)}
+    cached = {k: c.use_cache for k, c in configs.items()}
+    for c in configs.values():
+        c.use_cache = False
     try:
         yield
     finally:
-        if cached:
-            config.use_cache = cached
+        for k, c in configs.items():
+            c.use_cache = cached[k]
 
 
 # ---------------------------------------------------------------------------------- save_pretrained
@@ -320,7 +323,11 @@ def speedup_config(model: nn.Module, layers: list[dict[str, Any]]) -> str | None
         bad = sorted(k for k in have if k in want and have[k] != want[k])
         missing = sorted(set(have) ^ set(want))
         if not bad and not missing:
-            model.config = new
+            # every submodule holding the old config (GPT2Model, its attention blocks, ...) gets the new one:
+            # they read use_cache / output flags from it, so the export context (use_cache=False) reaches them
+            for module in model.modules():
+                if module.__dict__.get("config") is config:
+                    module.config = new
             model.__dict__.pop("_speedup_config_error", None)
             changed = {k: getattr(new, k) for k in (*_WIDTH_KEYS, *_HEAD_KEYS, "head_dim")
                        if getattr(new, k, None) != getattr(config, k, None)}

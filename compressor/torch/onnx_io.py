@@ -4,7 +4,9 @@
   arguments (``{'input_ids': ids, 'attention_mask': mask}`` for a Hugging Face model); ``input_shape`` is
   the old shortcut (a float ``torch.randn`` tensor).
 * The graph gets a dynamic batch axis on every tensor input (axis 0) and, on token inputs (integer or
-  bool tensors of rank 2: ids, attention masks, token types), a dynamic sequence axis (axis 1).
+  bool tensors of rank 2: ids, attention masks, token types), a dynamic sequence axis (axis 1), unless the
+  caller gives ``dynamic_shapes`` / ``dynamic_axes`` (or ``dynamic=False``); an input of batch 1 is traced as
+  a batch of 2 (torch.export would fix an axis of size 1).
 * Model outputs may be a tensor, a tuple / list, a dict or a Hugging Face ``ModelOutput``: every tensor
   leaf, in order, is compared with the ONNX output of the same position (onnxruntime, CPU).
 * The file is written under a temporary name (:mod:`compressor.core.atomic`) and moved into place only
@@ -227,17 +229,44 @@ def export_onnx(model: nn.Module, onnx_path: str | os.PathLike, args: tuple, kwa
     ``opset_version``, ``dynamic_shapes``)."""
     kwargs = dict(kwargs or {})
     options = _onnx_kwargs(model, args, kwargs, onnx_kwargs, dynamic)
+    trace_args = args
+    if dynamic and options.get("dynamo") and "dynamic_shapes" in options and "dynamic_shapes" not in onnx_kwargs:
+        # torch.export specialises an axis of size 1: a batch of one is traced as two (its rows repeated) so the
+        # batch axis stays dynamic; the check below runs the inputs given
+        trace_args, trace_kwargs = batch_of_two(args), batch_of_two(kwargs)
+        if trace_kwargs:
+            options["kwargs"] = trace_kwargs
     if options.get("external_data"):
         raise ConfigError("export_model: external_data=True is not supported: the ONNX file is checked and moved "
                           "into place as one file (weights inside, up to protobuf's 2 GB)")
     with export_context(model), atomic_path(onnx_path) as tmp:
-        _export_and_check(model, tmp, args, kwargs, options, check, expected, rtol, atol, optimize)
+        _export_and_check(model, tmp, args, kwargs, options, check, expected, rtol, atol, optimize, trace_args)
+
+
+def batch_of_two(obj: Any) -> Any:
+    """``obj`` (a tuple / dict of inputs) with every tensor's batch axis repeated to 2 when ALL its tensors of
+    rank >= 1 have batch 1 (inputs of mixed batch sizes are left as they are)."""
+    leaves = [t for t in tensor_leaves(obj) if t.dim() >= 1]
+    if not leaves or any(t.shape[0] != 1 for t in leaves):
+        return obj
+
+    def two(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.repeat(2, *([1] * (v.dim() - 1))) if v.dim() >= 1 else v
+        if isinstance(v, (tuple, list)):
+            return type(v)(two(x) for x in v)
+        if isinstance(v, Mapping):
+            return {k: two(x) for k, x in v.items()}
+        return v
+
+    return two(obj)
 
 
 def _export_and_check(model: nn.Module, path: str, args: tuple, kwargs: dict[str, Any], options: dict[str, Any],
-                      check: bool, expected: Any, rtol: float, atol: float | None, optimize: bool) -> None:
+                      check: bool, expected: Any, rtol: float, atol: float | None, optimize: bool,
+                      trace_args: tuple | None = None) -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, path, **options)
+        torch.onnx.export(model, args if trace_args is None else trace_args, path, **options)
     if check:
         check_onnx(path, model, args, kwargs, expected, rtol=rtol, atol=atol, optimize=optimize)

@@ -111,14 +111,12 @@ def export_model(quantizer: Any, model_path: str | os.PathLike | None, calibrati
         if problem is None:
             check_int8_ready(quantizer)  # before anything is written
             fmt = "int8"
-            left = float_layers(quantizer)
+            left = _float_layer_note(quantizer, float_layers(quantizer))
             if left:
                 warnings.warn(
-                    f"export_model: the int8 ONNX graph keeps {len(left)} quantized layer(s) in float, with their "
-                    f"quantized weight values but float storage and no activation quantization: "
-                    f"{', '.join(f'{w.name!r} ({type(w.layer).__name__})' for w in left)}; onnxruntime runs "
-                    f"integer kernels only for Conv / Linear / Conv1D (QLinearConv, QGemm, QLinearMatMul)",
-                    UserWarning, stacklevel=3)
+                    f"export_model: the int8 ONNX graph keeps {len(left)} layer(s) in float (float weights and "
+                    f"float compute; onnxruntime runs integer kernels only for Conv / Linear / Conv1D, as "
+                    f"QLinearConv, QGemm, QLinearMatMul): {'; '.join(left)}", UserWarning, stacklevel=3)
         elif fmt == "int8":
             raise ValueError(f"export_model: onnx_format='int8': {problem}")
         else:
@@ -163,6 +161,32 @@ def export_model(quantizer: Any, model_path: str | os.PathLike | None, calibrati
     return calibration
 
 
+def _float_layer_note(quantizer: Any, left: list[QuantizerModuleWrapper]) -> list[str]:
+    """One entry per model layer the int8 ONNX graph keeps in float: the quantized layers without an integer
+    kernel (an LSTM's weight matrices grouped under the LSTM) and the recurrent layers the config left out
+    (an LSTM is most of a recurrent model's compute: a file called int8 that runs it in float says so)."""
+    from ..slots import slot_of
+
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for w in left:
+        slot = slot_of(w)
+        name = slot.layer_name if slot is not None else w.name
+        kind = type(slot.owner).__name__ if slot is not None else type(w.layer).__name__
+        groups.setdefault(name, (kind, []))[1].append(slot.spec.key if slot is not None else "weight")
+    out = [f"{name!r} ({kind}: quantized weight values {', '.join(keys)} stored as float, no activation "
+           f"quantization)" for name, (kind, keys) in groups.items()]
+    covered = set(groups) | {w.name for w in quantizer.get_modules_wrapper()}
+    from ..slots import SlottedLayer
+
+    for name, module in quantizer.bound_model.named_modules():
+        if isinstance(module, SlottedLayer) or name in covered:
+            continue
+        if isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)) and not any(
+                name.startswith(c + ".") for c in covered):
+            out.append(f"{name!r} ({type(module).__name__}: not in the config, float)")
+    return out
+
+
 def quantized_state_dict(quantizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """The state_dict of the model with ``quantizer``'s wrappers taken out, each quantized weight holding its
     quantized values, and ``{layer: (weight, bias)}`` as :meth:`TorchQuantizer.export_weight` gave them.
@@ -193,6 +217,8 @@ def export_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Te
                 **onnx_kwargs: Any) -> None:
     """Run ``torch.onnx.export`` with the wrappers in export mode (QDQ nodes, quantized weights), dynamic
     batch (and token sequence) axes; see :func:`compressor.torch.onnx_io.export_onnx`."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 - its ops must exist before the exporter's registry
+
     from ..onnx_io import export_onnx as export_graph
 
     if not isinstance(args, tuple):  # a single input tensor (older callers)
@@ -204,14 +230,12 @@ def export_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Te
         w._export_weight, w._export_bias = exported[w.name]
         w._export_plan = {t: _activation_plan(w, t) for t in w.quant_types if t != "weight"}
         w._export_qparams = {t: _frozen_qparams(w, t) for t in w.quant_types}
-    # torch.export cannot trace fake-quant ops on symbolic shapes: graphs with QDQ pairs keep the input's
-    # shapes, the others (weights exported as quantized constants: DoReFa, BNN) get dynamic axes
-    qdq = any(plan == "qdq" for w in wrappers for plan in w._export_plan.values()) or any(
-        w.quant_active and w._export_qparams.get("weight") is not None for w in wrappers if w._q_weight)
+    # dynamic batch (and token sequence) axes on every graph: under torch.export the QDQ pairs are traced as
+    # quantized_decomposed ops, which have shape functions (see .fakequant.onnx_qdq)
     try:
         # checked in onnxruntime for outputs (count, shapes); values are not compared: a float difference of
         # 1e-7 may move a value across a rounding boundary, one quantization step apart
-        export_graph(model, onnx_path, args, kwargs, check=True, atol=None, dynamic=not qdq, **onnx_kwargs)
+        export_graph(model, onnx_path, args, kwargs, check=True, atol=None, **onnx_kwargs)
     finally:
         for w in wrappers:
             w.export_mode = False
@@ -238,6 +262,8 @@ def _frozen_qparams(wrapper: QuantizerModuleWrapper, t: str) -> tuple | None:
         return None
     scale, zp, qmin, qmax = qp
     axis = quant_axis(wrapper.layer, t) if scale.dim() > 0 else None
+    if axis is None and scale.numel() == 1:  # host numbers: torch.export traces a per-tensor QDQ pair of them
+        return float(scale), float(zp), qmin, qmax, None
     return scale.detach().clone(), zp.detach().clone(), qmin, qmax, axis
 
 

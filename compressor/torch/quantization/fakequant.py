@@ -109,6 +109,11 @@ def onnx_qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmi
     if axis is not None:
         axis = axis % x.dim()
     box = _container(qmin, qmax)
+    if box is not None and torch.compiler.is_exporting():
+        return _decomposed_qdq(x, scale, zero_point, qmin, qmax, axis, box)
+    if not torch.is_tensor(scale):  # host numbers of a per-tensor grid (see _decomposed_qdq)
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+        zero_point = torch.tensor(float(zero_point), dtype=torch.float32, device=x.device)
     if box is None:
         if axis is not None:
             scale = cq.channel_view(ops, scale, x.dim(), axis)
@@ -127,3 +132,30 @@ def onnx_qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmi
             hi = cq.channel_view(ops, hi, x.dim(), axis)
         y = torch.clamp(y, lo, hi)
     return y
+
+
+def _decomposed_qdq(x: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | float, qmin: int,
+                    qmax: int, axis: int | None, box: tuple[int, int]) -> torch.Tensor:
+    """:func:`onnx_qdq` under ``torch.export`` (the dynamo ONNX exporter): ``quantized_decomposed`` quantize /
+    dequantize ops, which have shape functions (``torch.fake_quantize_*`` have none, so a graph with them could
+    only be traced on fixed shapes) and which the exporter writes as QuantizeLinear -> DequantizeLinear (plus a
+    Clip for a grid narrower than its container). A per-tensor scale given as a Python number is a per-tensor
+    pair; given as a tensor (its value is unknown while tracing) it is repeated along the last axis, a
+    per-axis pair with the same values."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed
+
+    qd = torch.ops.quantized_decomposed
+    dtype = torch.uint8 if box[0] == 0 else torch.int8
+    if axis is None and not torch.is_tensor(scale):
+        s_, z_ = float(scale), int(round(float(zero_point)))
+        q = qd.quantize_per_tensor(x, s_, z_, qmin, qmax, dtype)
+        y = qd.dequantize_per_tensor(q, s_, z_, qmin, qmax, dtype, out_dtype=x.dtype)
+        # the exporter's per-tensor QuantizeLinear saturates to the container only: clamp to a narrower grid
+        return y if (qmin, qmax) == box else torch.clamp(y, (qmin - z_) * s_, (qmax - z_) * s_)
+    s = torch.as_tensor(scale).detach().to(torch.float32)
+    zp = torch.as_tensor(zero_point).detach().round().to(torch.int64)
+    if axis is None:
+        axis = x.dim() - 1
+        s, zp = s.reshape(1).expand(x.shape[axis]), zp.reshape(1).expand(x.shape[axis])
+    q = qd.quantize_per_channel(x, s, zp, axis, qmin, qmax, dtype)
+    return qd.dequantize_per_channel(q, s, zp, axis, qmin, qmax, dtype, out_dtype=x.dtype)

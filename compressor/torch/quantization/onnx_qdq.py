@@ -103,11 +103,8 @@ def int8_export_problem(quantizer: Any) -> str | None:
     if not any(integer_kernel_layer(w) or embedding_layer(w) for w in wrappers):
         return (f"no quantized layer maps to an integer kernel (only Conv/Linear/Conv1D layers with quantized "
                 f"weights do; quantized: {', '.join(f'{w.name!r} ({w.type})' for w in wrappers)})")
-    left = [w for w in wrappers if not integer_kernel_layer(w) and not embedding_layer(w)]
-    if left:  # (their functional forward cannot be traced by the TorchScript exporter the int8 form uses)
-        return (f"layers {', '.join(f'{w.name!r} ({w.type})' for w in left)} have no onnxruntime integer kernel "
-                f"(only Conv/Linear/Conv1D layers with quantized weights do); leave them out of the config to get "
-                f"the int8 form for the others, with those layers in float")
+    # layers without an integer kernel are exported as their plain layer holding the quantized weight values
+    # (see .onnx_qdq_io._plain_float_layers) and named in export_model's warning
     for w in wrappers:
         if not w.quant_active:
             return f"layer {w.name!r} is not quantized yet (quant_start_step not reached)"

@@ -5,12 +5,17 @@ names the written file gets."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..modules import innermost_module
+from ..slots import SlottedLayer, _replace, slot_of
 from .wrapper import QuantizerModuleWrapper
 
 
@@ -54,7 +59,8 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
     try:
         from ..families import export_context  # model-family plug-ins, e.g. a causal LM without its KV cache
 
-        with torch.no_grad(), warnings.catch_warnings(), export_context(model):
+        with torch.no_grad(), warnings.catch_warnings(), export_context(model), \
+                _plain_float_layers(quantizer, exported):
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)
@@ -73,6 +79,60 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
             w._export_weight = w._export_bias = None
             w._export_plan = w._export_qparams = None
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def _plain_float_layers(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+    """While exporting: each quantized layer without an integer kernel (an LSTM's weight matrices, a norm ...)
+    is its plain layer holding its quantized weight values (their wrappers run ``torch.func.functional_call``,
+    which the TorchScript exporter cannot trace); the int8 graph keeps those layers in float."""
+    from .onnx_qdq import float_layers
+
+    model = quantizer.bound_model
+    swaps: list[tuple[nn.Module, nn.Module]] = []  # (in the model, put there for the export)
+    values: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}  # id(param) -> (owner, name, exported value)
+    parts: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
+    containers: dict[str, SlottedLayer] = {}
+    for w in float_layers(quantizer):
+        weight, bias = exported[w.name]
+        slot = slot_of(w)
+        if slot is not None:
+            container = model.get_submodule(slot.layer_name)
+            if not isinstance(container, SlottedLayer):
+                raise RuntimeError(f"int8 ONNX export: {slot.layer_name!r} is not the container of {w.name!r}")
+            containers[slot.layer_name] = container
+            owner = innermost_module(container.module)
+            if slot.spec.rows is None:
+                values[id(owner.get_parameter(slot.spec.param))] = (owner, slot.spec.param, weight)
+            else:
+                parts.setdefault((id(owner), slot.spec.param), {})[slot.spec.rows] = weight
+                values.setdefault(id(owner.get_parameter(slot.spec.param)), (owner, slot.spec.param, None))
+            continue
+        layer = w.layer
+        values[id(layer.weight)] = (layer, "weight", weight)
+        if bias is not None and getattr(layer, "bias", None) is not None:
+            values[id(layer.bias)] = (layer, "bias", bias)
+        swaps.append((w, w.module))
+    for container in containers.values():
+        swaps.append((container, container.module))
+    saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+    try:
+        for owner, pname, value in values.values():
+            p = owner.get_parameter(pname)
+            if value is None:  # row blocks (MultiheadAttention's in_proj_weight): unchanged rows keep theirs
+                value = p.detach().clone()
+                for (a, b), v in parts[(id(owner), pname)].items():
+                    value[a:b] = v
+            saved.append((p, p.data))
+            p.data = value.detach().to(device=p.device, dtype=p.dtype)
+        for old, new in swaps:
+            _replace(model, old, new)
+        yield
+    finally:
+        for old, new in reversed(swaps):
+            _replace(model, new, old)
+        for p, data in saved:
+            p.data = data
 
 
 def _export_dynamo(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bytes:
