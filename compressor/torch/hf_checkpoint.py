@@ -341,11 +341,13 @@ def packed_layers(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dic
 
 
 def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format: str = "dense",
-                 fold: bool = True, capture: Any = None, config: Any = None) -> TensorPlan:
+                 fold: bool = True, capture: Any = None, config: Any = None,
+                 unfolded: str = "its 1/s is not folded when a checkpoint is written block by block") -> TensorPlan:
     """The checkpoint's tensors for ``model`` (the whole model, or a part of it such as one decoder block) from
     its compressed ``state`` (original keys); see the module docstring. ``fold``: fold AWQ's 1/s into the layers
     that produce an AWQ layer's input; who reads what comes from one forward of the whole model, or for a part
-    from ``capture(part) -> (inputs, outputs)`` by module name (``config``: the model's config)."""
+    from ``capture(part) -> (inputs, outputs)`` by module name (``config``: the model's config). ``unfolded``: why an
+    AWQ layer is written in float when ``fold`` is False (the note of each)."""
     if sparse_format not in SPARSE_FORMATS:
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
     tied = _tied(model)
@@ -355,7 +357,7 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
         pack.pop(n)
         dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
                            f"its norm took another reader's 1/s)" if fold else
-                           f"{n!r} (AWQ: its 1/s is not folded when a checkpoint is written block by block)")
+                           f"{n!r} (AWQ: {unfolded})")
     # pruned float layers
     sparse_layers: dict[str, str] = {}
     if sparse_format != "dense":
@@ -542,7 +544,7 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     reload_note = _reload_problem(model, pack)
 
     def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
-        p = plan_tensors(model, state, sparse_format, fold)
+        p = plan_tensors(model, state, sparse_format, fold, unfolded="its 1/s is not folded")
         # fused 3-D experts (transformers 5 MoE) compressed by a one-shot run: float, named in the warning
         notes = p.dense_notes + export_notes(model)
         return p.tensors, p.bf16, quantization_config(p), notes, p.folded
