@@ -74,7 +74,8 @@ CONV1D_REASON = ("transformers loads compressed-tensors checkpoints through comp
                  "[out, in] weights into Conv1D's [in, out]); as float weights they reload exactly")
 #: (consumer suffix, producer suffix): the producer's output rows feed the consumer's input columns one to one
 _ROW_FOLDS = (("self_attn.o_proj", "self_attn.v_proj"), ("self_attn.out_proj", "self_attn.v_proj"),
-              ("attn.out_proj", "attn.v_proj"), ("mlp.down_proj", "mlp.up_proj"), ("fc2", "fc1"))
+              ("attn.out_proj", "attn.v_proj"), ("attention.output.dense", "attention.self.value"),
+              ("mlp.down_proj", "mlp.up_proj"), ("fc2", "fc1"))
 
 
 def _np(t: torch.Tensor) -> tuple[np.ndarray, bool]:
@@ -133,28 +134,60 @@ def capture_call(module: nn.Module, args: tuple, kwargs: dict[str, Any],
     """:func:`_capture` for a part of a model (a decoder block) on one recorded call: each submodule's first input
     and its output, by module name in the whole model (``prefix``: the part's own path, e.g. ``model.layers.3``)."""
     ins: dict[str, Any] = {}
-    outs: dict[str, Any] = {}
+    outs = _Outputs()
     handles = []
+    depth = [0]  # > 0 inside a weighted layer's forward
     for rel, m in module.named_modules():
         full = ".".join(p for p in (prefix, rel) if p)
+        weighted = _weighted(m)
 
-        def pre(mod: nn.Module, a: tuple, kw: dict, name: str = full) -> None:
+        def pre(mod: nn.Module, a: tuple, kw: dict, name: str = full, weighted: bool = weighted) -> None:
             x = a[0] if a else next(iter(kw.values()), None)
             if isinstance(x, torch.Tensor):
                 ins[name] = x
+            depth[0] += weighted
 
-        def post(mod: nn.Module, a: tuple, out: Any, name: str = full) -> None:
+        def post(mod: nn.Module, a: tuple, out: Any, name: str = full, weighted: bool = weighted) -> None:
+            depth[0] -= weighted
             if isinstance(out, torch.Tensor):
                 outs[name] = out
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _OutsideUses(outs.shared, depth):
             module(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
     return ins, outs
+
+
+class _Outputs(dict):
+    """The outputs of :func:`capture_call` by module name, with ``shared``: the ids of the tensors that an op
+    outside every weighted layer read for their values (a residual add reading a norm's output, as BERT's
+    post-norm blocks do): folding a 1/s into such a tensor's producer would change that other reader too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared: dict[int, torch.Tensor] = {}  # (the tensors kept: their ids stay unique)
+
+
+class _OutsideUses(torch.overrides.TorchFunctionMode):
+    """Records (in ``shared``) the tensor arguments of every op that runs outside a weighted layer's forward
+    and gives a floating-point tensor (value uses; shape queries give none)."""
+
+    def __init__(self, shared: dict[int, torch.Tensor], depth: list[int]):
+        super().__init__()
+        self.shared, self.depth = shared, depth
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.depth[0] and isinstance(out, torch.Tensor) and out.is_floating_point():
+            for a in (*args, *(kwargs or {}).values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor):
+                        self.shared[id(t)] = t
+        return out
 
 
 def _probe(model: nn.Module) -> torch.Tensor:
@@ -184,15 +217,19 @@ def _fold_error(model: nn.Module, folder: str) -> tuple[float, float]:
 
 def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, torch.Tensor],
                packed: set[str], capture: Any = None,
-               config: Any = None) -> tuple[dict[str, list[tuple[str, np.ndarray]]], list[str]]:
-    """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'div_rows'``, ``'mul_cols'``)
-    and the AWQ layers left in float. ``capture``: who reads what (``(inputs, outputs)`` by module name, as
-    :func:`_capture` finds them with one forward of the whole model; a part of a model brings its own);
-    ``config``: the model's config (grouped-query heads), default ``model.config``."""
+               config: Any = None) -> tuple[dict[str, list[tuple[str, np.ndarray]]], dict[str, str]]:
+    """``{key of a float tensor: [(how, s)]}`` (``how``: ``'div'`` elementwise, ``'offset_div'`` for a norm that
+    scales by ``1 + weight`` (Gemma's RMSNorm: ``w -> (1 + w) / s - 1``), ``'div_rows'``, ``'mul_cols'``) and the
+    AWQ layers left in float with why (``{layer: reason}``). ``capture``: who reads what (``(inputs, outputs)`` by
+    module name, as :func:`_capture` finds them with one forward of the whole model; a part of a model brings its
+    own); ``config``: the model's config (grouped-query heads), default ``model.config``."""
     try:
         ins, outs = (capture or _capture)(model)
-    except Exception:  # noqa: BLE001 - a model the probe cannot run (e.g. needs decoder inputs): no folds
-        return {}, sorted(awq)
+    except Exception as e:  # noqa: BLE001 - a model the probe cannot run (e.g. needs decoder inputs): no folds
+        return {}, dict.fromkeys(sorted(awq), f"the model could not be probed to find who reads what "
+                                              f"({type(e).__name__})")
+    why: dict[str, str] = {}  # an AWQ layer's reason not to fold, the first found
+    shared = getattr(outs, "shared", {})
     folds: dict[str, list[tuple[str, np.ndarray]]] = {}
     row_scale: dict[str, np.ndarray] = {}
     done: set[str] = set()
@@ -210,13 +247,20 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
         readers = sorted(n for n, t in ins.items() if t is x and _weighted(names[n]))
         readers = [n for n in readers if not any(n.startswith(o + ".") for o in readers if o != n)]
         producers = [n for n, t in outs.items() if t is x and type(names[n]).__name__.lower().endswith("norm")]
-        if len(producers) != 1 or any(not isinstance(innermost_module(names[r]), nn.Linear) for r in readers):
+        if len(producers) != 1:
+            why.setdefault(name, "its input comes from neither a norm nor a Linear it alone reads (e.g. a GELU)")
+            continue
+        if any(not isinstance(innermost_module(names[r]), nn.Linear) for r in readers):
             continue
         norm = producers[0]
         if norm in normed:
             continue
         normed.add(norm)
         ours = [r for r in readers if r in awq]
+        if id(x) in shared:  # e.g. BERT: the norm's output is also the residual
+            for r in ours:
+                why[r] = f"its norm's output ({norm!r}) is also read outside its layers (a residual add)"
+            continue
         if not ours or any(id(innermost_module(names[r]).weight) in tied for r in readers):
             continue  # a tied weight (LM head / embedding) cannot take s without changing its twin
         chosen = max(ours, key=lambda r: (innermost_module(names[r]).out_features, -ours.index(r)))
@@ -224,14 +268,22 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
         if f"{norm}.weight" not in state or state[f"{norm}.weight"].shape != (s.size,) or any(
                 f"{r}.weight" not in state for r in readers):
             continue
+        how = _norm_fold(names[norm], ins.get(norm), x, s)
+        if how is None:
+            for r in ours:
+                why[r] = f"its norm {norm!r} ({type(innermost_module(names[norm])).__name__}) does not scale its " \
+                         f"output by its weight"
+            continue
         for key in (f"{norm}.weight", f"{norm}.bias"):
             if key in state:
-                folds.setdefault(key, []).append(("div", s))
+                folds.setdefault(key, []).append((how if key.endswith("weight") else "div", s))
         for r in readers:
             if r in awq and np.array_equal(awq[r], s):
                 done.add(r)
             else:
                 folds.setdefault(f"{r}.weight", []).append(("mul_cols", s))
+                if r in awq:
+                    why[r] = f"its norm {norm!r} took the 1/s of {chosen!r}, another reader (different s)"
     # 2. Linear -> Linear (the producer's output rows are the consumer's input columns)
     config = config if config is not None else getattr(model, "config", None)
     for name, s in awq.items():
@@ -244,6 +296,7 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
             if p not in names or f"{p}.weight" not in state:
                 continue
             if prod == "fc1" and getattr(config, "activation_function", None) not in ("relu",):
+                why[name] = f"its input is {prod!r} after a non-ReLU activation"
                 continue
             n_out = int(getattr(innermost_module(names[p]), "out_features", -1))
             if n_out == s.size:
@@ -256,6 +309,7 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
                 d, rep = s.size // heads, heads // kv
                 r = s.reshape(kv, rep, d)
                 if not np.all(r == r[:, :1, :]):
+                    why[name] = f"its s differs between the query heads sharing one key/value head of {p!r}"
                     continue
                 rows = r[:, 0, :].reshape(-1)
             else:
@@ -264,7 +318,8 @@ def _awq_folds(model: nn.Module, awq: dict[str, np.ndarray], state: dict[str, to
                 continue
             row_scale[p] = rows
             done.add(name)
-    unfolded = sorted(set(awq) - done)
+    unfolded = {n: why.get(n, "nothing before it can take its 1/s exactly (no norm or Linear whose outputs it "
+                              "alone reads)") for n in sorted(set(awq) - done)}
     for p, rows in row_scale.items():
         target = f"{p}.weight_scale" if p in packed and p not in unfolded else f"{p}.weight"
         folds.setdefault(target, []).append(("div_rows", rows))
@@ -352,12 +407,14 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
     tied = _tied(model)
     pack, awq, dense_notes = packed_layers(model, state)
-    folds, unfolded = _awq_folds(model, awq, state, set(pack), capture, config) if awq and fold else ({}, list(awq))
-    for n in unfolded:
+    folds, left = _awq_folds(model, awq, state, set(pack), capture, config) if awq and fold else (
+        {}, dict.fromkeys(awq, unfolded))
+    by_reason: dict[str, list[str]] = {}
+    for n, reason in left.items():
         pack.pop(n)
-        dense_notes.append(f"{n!r} (AWQ: its own 1/s has no exact home in what produces its input, e.g. "
-                           f"its norm took another reader's 1/s)" if fold else
-                           f"{n!r} (AWQ: {unfolded})")
+        by_reason.setdefault(reason, []).append(repr(n))
+    for reason, layers in by_reason.items():  # one note per reason: the warning stays one readable line
+        dense_notes.append(f"{', '.join(layers)} (AWQ, as Q(W s) / s: {reason})")
     # pruned float layers
     sparse_layers: dict[str, str] = {}
     if sparse_format != "dense":
@@ -387,7 +444,10 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
             v = value.detach().cpu().double()
             for how, s in folds[key]:
                 t = torch.from_numpy(s)
-                v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
+                if how == "offset_div":  # a norm scaling by (1 + weight): (1 + w') = (1 + w) / s
+                    v = (1 + v) / t - 1
+                else:
+                    v = v * t if how == "mul_cols" else v / (t[:, None] if how == "div_rows" and v.dim() == 2 else t)
             value = v.to(value.dtype)
         return _np(value)
 
@@ -530,6 +590,33 @@ def _reload_problem(model: nn.Module, pack: dict[str, QuantizerModuleWrapper]) -
     return None
 
 
+def _norm_fold(norm: nn.Module, x: Any, y: Any, s: np.ndarray) -> str | None:
+    """How ``1 / s`` folds into ``norm`` exactly: ``'div'`` (the output is ``... * weight (+ bias)``),
+    ``'offset_div'`` (``... * (1 + weight)``, Gemma's RMSNorm), or None; tried on the norm's captured input ``x``
+    against its output ``y / s``."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return None
+    layer = innermost_module(norm)
+    w = getattr(layer, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    b = getattr(layer, "bias", None)
+    t = torch.from_numpy(s).to(device=w.device, dtype=torch.float64)
+    want = y.double() / t
+    for how, new in (("div", w.double() / t), ("offset_div", (1 + w.double()) / t - 1)):
+        params = {"weight": new.to(w.dtype)}
+        if isinstance(b, torch.Tensor):
+            params["bias"] = (b.double() / t).to(b.dtype)
+        try:
+            with torch.no_grad():
+                got = torch.func.functional_call(layer, params, (x,)).double()
+        except Exception:  # noqa: BLE001 - a norm that cannot run alone: not folded
+            return None
+        if torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-12):
+            return how
+    return None
+
+
 def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.Tensor],
                             sparse_format: str = "dense") -> None:
     """Write ``model`` (a compressed ``PreTrainedModel``; ``state``: its compressed state with the original
@@ -543,8 +630,9 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
     pack, _, _ = packed_layers(model, state)  # refuse what cannot be written before anything is
     reload_note = _reload_problem(model, pack)
 
-    def plan(fold: bool) -> tuple[dict[str, np.ndarray], set[str], dict[str, Any], list[str], bool]:
-        p = plan_tensors(model, state, sparse_format, fold, unfolded="its 1/s is not folded")
+    def plan(fold: bool, unfolded: str = "its 1/s is not folded") -> tuple[dict[str, np.ndarray], set[str],
+                                                                            dict[str, Any], list[str], bool]:
+        p = plan_tensors(model, state, sparse_format, fold, unfolded=unfolded)
         # fused 3-D experts (transformers 5 MoE) compressed by a one-shot run: float, named in the warning
         notes = p.dense_notes + export_notes(model)
         return p.tensors, p.bf16, quantization_config(p), notes, p.folded
@@ -562,8 +650,9 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
             err, tol = _fold_error(model, tmp)
             if err > tol:
                 shutil.rmtree(tmp)
-                tensors, bf16, qc, dense_notes, _ = plan(False)
-                dense_notes.append(f"(the AWQ 1/s folds changed this model's logits by {err:.3g}, so none is used)")
+                # the reason first, in the one note of every AWQ layer (the folds assume a wiring this model lacks)
+                tensors, bf16, qc, dense_notes, _ = plan(False, f"the AWQ 1/s folds changed this model's logits by "
+                                                               f"{err:.3g} (> {tol:.3g}), so none is used")
                 write(tmp, tensors, bf16, qc)
         _keep_foreign_files(path, tmp)
     if dense_notes:
