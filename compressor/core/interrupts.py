@@ -13,13 +13,14 @@ guard does nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["deferred_interrupts"]
+__all__ = ["deferred_interrupts", "undone_on_error", "record_undo", "undo_active", "commit_changes"]
 
 
 @contextlib.contextmanager
@@ -63,3 +64,67 @@ def _deliver(handler: Any) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         return
     handler(signal.SIGINT, None)
+
+
+# ------------------------------------------------------------------------------------------- undo on error
+class _UndoLog:
+    def __init__(self) -> None:
+        self.undo: list[Any] = []
+        self.keys: set[Any] = set()
+        self.changed = False
+        self.committed = False
+
+
+_LOG: contextvars.ContextVar[_UndoLog | None] = contextvars.ContextVar("compressor_undo", default=None)
+
+
+@contextlib.contextmanager
+def undone_on_error() -> Iterator[None]:
+    """A change made in place in the body is first recorded with :func:`record_undo`; if the body raises (Ctrl-C
+    included) before :func:`commit_changes`, every recorded change is undone, newest first, with Ctrl-C held
+    back until the model is whole again. Changes after the commit stay (the body finished its irreversible
+    step; what is left is bookkeeping). Nested blocks join the outermost."""
+    if _LOG.get() is not None:
+        yield
+        return
+    log = _UndoLog()
+    token = _LOG.set(log)
+    try:
+        yield
+    except BaseException:
+        if not log.committed:
+            with deferred_interrupts():
+                for undo in reversed(log.undo):
+                    undo()
+        raise
+    finally:
+        _LOG.reset(token)
+
+
+def undo_active() -> bool:
+    """Inside an :func:`undone_on_error` block that has not committed: in-place changes are to be recorded (or
+    postponed to the commit)."""
+    log = _LOG.get()
+    return log is not None and not log.committed
+
+
+def record_undo(key: Any, undo: Any, change: bool = True) -> None:
+    """Record how to undo a change about to be made (``undo()``), once per ``key`` (the first record holds the
+    value from before the block); nothing outside an :func:`undone_on_error` block or after its commit.
+    ``change=False``: state kept beside the model (a flag, a counter), put back too, but no change that
+    :func:`commit_changes` would make final."""
+    log = _LOG.get()
+    if log is None or log.committed or key in log.keys:
+        return
+    log.keys.add(key)
+    log.undo.append(undo)
+    log.changed = log.changed or change
+
+
+def commit_changes() -> None:
+    """The block's recorded changes are final from here (call it under :func:`deferred_interrupts` together with
+    the irreversible step it stands for). Before any change is recorded it does nothing: the step then only
+    repeats what the model already holds (masking weights with the masks they already have)."""
+    log = _LOG.get()
+    if log is not None and log.changed:
+        log.committed = True

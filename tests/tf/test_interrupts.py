@@ -181,3 +181,94 @@ def test_a_compressor_interrupted_while_it_wraps_the_model_leaves_every_layer_as
         assert not any("call" in vars(ly) for ly in layers), k  # no call left intercepted
         assert not any(isinstance(v, base.LayerWrapper) for ly in layers for v in vars(ly).values()), k
         np.testing.assert_array_equal(np.asarray(m(CALIB)), ref)
+
+
+# ------------------------------------------------------------------------------------------------ compress()
+def _convs():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv1")(inp)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv2")(x)
+    out = keras.layers.Dense(3, name="fc")(keras.layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inp, out)
+
+
+def _wrapped_pruner():
+    from compressor.tf import LevelPruner
+
+    m = _convs()
+    return m, LevelPruner(m, [{"sparsity": 0.5, "op_types": ["Conv2D", "Dense"]}])
+
+
+def _pruner_state(m, p):
+    weights = [(v.path.split("/", 1)[-1], v.numpy().copy()) for v in m.weights]
+    masks = {w.name: {n: v.numpy().copy() for n, v in w.state_variables().items()} for w in p.modules_wrapper}
+    return weights, masks
+
+
+def _pruner_same(a, b):
+    return (len(a[0]) == len(b[0]) and all(x[0] == y[0] and np.array_equal(x[1], y[1]) for x, y in zip(a[0], b[0]))
+            and a[1].keys() == b[1].keys() and all(np.array_equal(a[1][k][n], b[1][k][n]) for k in a[1] for n in a[1][k]))
+
+
+COMPRESS = {os.path.join(ROOT, p): None for p in ("tf/pruning/pruner.py", "tf/pruning/wrapper.py",
+                                                   "tf/pruning/masker.py", "core/interrupts.py")}
+
+
+def test_ctrl_c_at_steps_of_compress_takes_effect_once_it_has_finished():
+    """Keras pruner compress() holds Ctrl-C back: sent at a line of it, the KeyboardInterrupt comes once every
+    weight is masked as by an uninterrupted call (or, sent before the hold is in place, with nothing changed)."""
+    m, p = _wrapped_pruner()
+    p.compress()
+    finished = _pruner_state(m, p)
+    n = count_lines(lambda: _wrapped_pruner()[1].compress(), COMPRESS)
+    assert n > 30
+    outcomes = {"as before": 0, "finished": 0}
+    for k in range(1, n + 1, max(1, n // 25)):
+        m, p = _wrapped_pruner()
+        before = _pruner_state(m, p)
+        state = run_interrupted(p.compress, k, COMPRESS)
+        if not state["sent"]:
+            continue
+        assert state["raised"], f"Ctrl-C after line {k} of {n} of compress was lost"
+        now = _pruner_state(m, p)
+        if _pruner_same(now, before):
+            outcomes["as before"] += 1
+        else:
+            assert _pruner_same(now, finished), f"Ctrl-C after line {k} of {n}: half pruned"
+            outcomes["finished"] += 1
+    assert outcomes["as before"] <= 3 and outcomes["finished"] > 5, outcomes
+
+
+def test_an_error_at_each_mask_of_compress_puts_every_mask_back(monkeypatch):
+    """An exception at the k-th mask a Keras pruner's compress() sets leaves every weight and mask as before, for
+    every k; compress() called again then prunes as an uninterrupted call."""
+    from compressor.tf.pruning.wrapper import PrunerLayerWrapper
+
+    m, p = _wrapped_pruner()
+    p.compress()
+    finished = _pruner_state(m, p)
+    real = PrunerLayerWrapper.set_mask
+    calls = [0, None]
+
+    def failing(self, name, value):
+        calls[0] += 1
+        if calls[0] == calls[1]:
+            raise RuntimeError("calc_mask failed")
+        return real(self, name, value)
+
+    monkeypatch.setattr(PrunerLayerWrapper, "set_mask", failing)
+    m, p = _wrapped_pruner()
+    p.compress()
+    total = calls[0]
+    assert total >= 3
+    for k in range(1, total + 1):
+        m, p = _wrapped_pruner()
+        before = _pruner_state(m, p)
+        calls[:] = [0, k]
+        with pytest.raises(RuntimeError, match="calc_mask failed"):
+            p.compress()
+        assert _pruner_same(_pruner_state(m, p), before), f"an error at mask {k} of {total} changed the model"
+        calls[:] = [0, None]
+        p.compress()
+        assert _pruner_same(_pruner_state(m, p), finished), f"compress() after an error at mask {k} did not prune"

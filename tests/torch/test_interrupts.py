@@ -282,3 +282,98 @@ def test_a_compressor_interrupted_while_it_wraps_the_model_leaves_it_as_it_was(m
         LevelPruner(model, cfg, opt)
     assert {n: id(m) for n, m in model.named_modules()} == places
     assert base.hooks.hooked_compressors(opt) == []  # the hook installed before the plug-in failed is gone
+
+
+# ------------------------------------------------------------------------------------------------ compress()
+COMPRESS = {os.path.join(ROOT, p): None for p in (
+    "torch/pruning/pruner.py", "torch/pruning/wrapper.py", "torch/pruning/dependency.py", "torch/pruning/masker.py",
+    "core/interrupts.py")}
+
+
+class _Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.conv2(torch.relu(self.conv1(x))).mean((2, 3)))
+
+
+def _wrapped_pruner(kind):
+    from compressor.torch import L1FilterPruner, LevelPruner
+
+    torch.manual_seed(0)
+    model = _Convs().eval()
+    if kind == "level":
+        return model, LevelPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2d", "Linear"]}])
+    x = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    return model, L1FilterPruner(model, [{"sparsity": 0.5, "op_types": ["Conv2d"]}], dependency_aware=True,
+                                 dummy_input=x)
+
+
+def _tensors_equal(a, b):
+    return a[0].keys() == b[0].keys() and all(torch.equal(x[1], y[1]) for x, y in zip(a[0].values(), b[0].values()))
+
+
+@pytest.mark.parametrize("kind", ["level", "l1-dependency-aware"])
+def test_ctrl_c_at_every_step_of_compress_takes_effect_once_it_has_finished(kind):
+    """A pruner's compress() holds Ctrl-C back: sent at any line of it (but its first, before it holds anything),
+    the KeyboardInterrupt comes once the model is pruned as by an uninterrupted call (every mask and weight equal),
+    grad mode as before."""
+    model, pruner = _wrapped_pruner(kind)
+    pruner.compress()
+    finished = _snapshot(model)
+    n = count_lines(lambda: _wrapped_pruner(kind)[1].compress(), COMPRESS)
+    assert n > 50
+    outcomes = {"as before": 0, "finished": 0}
+    for k in range(1, n + 1, 7):
+        model, pruner = _wrapped_pruner(kind)
+        before = _snapshot(model)
+        state = run_interrupted(pruner.compress, k, COMPRESS)
+        assert torch.is_grad_enabled(), f"Ctrl-C after line {k} of {n} of compress left grad mode off"
+        if not state["sent"]:
+            continue
+        assert state["raised"], f"Ctrl-C after line {k} of {n} of compress was lost"
+        if _same(_snapshot(model), before):
+            outcomes["as before"] += 1
+        else:
+            assert _tensors_equal(_snapshot(model), finished), f"Ctrl-C after line {k} of {n}: half pruned"
+            outcomes["finished"] += 1
+    assert outcomes["as before"] <= 3 and outcomes["finished"] > 5, outcomes  # before the hold is in place
+
+
+@pytest.mark.parametrize("kind", ["level", "l1-dependency-aware"])
+def test_an_error_at_each_mask_of_compress_puts_every_mask_back(kind, monkeypatch):
+    """An exception at the k-th mask compress() sets (a calc_mask failing half way) leaves the wrapped model
+    bit-identical to before compress(), for every k; compress() called again then prunes as an uninterrupted
+    call."""
+    from compressor.torch.pruning.wrapper import PrunerModuleWrapper
+
+    model, pruner = _wrapped_pruner(kind)
+    pruner.compress()
+    finished = _snapshot(model)
+    real = PrunerModuleWrapper.set_mask
+    calls = [0, None]
+
+    def failing(self, name, value):
+        calls[0] += 1
+        if calls[0] == calls[1]:
+            raise RuntimeError("calc_mask failed")
+        return real(self, name, value)
+
+    monkeypatch.setattr(PrunerModuleWrapper, "set_mask", failing)
+    model, pruner = _wrapped_pruner(kind)
+    pruner.compress()
+    total = calls[0]
+    assert total >= 3
+    for k in range(1, total + 1):
+        model, pruner = _wrapped_pruner(kind)
+        before = _snapshot(model)
+        calls[:] = [0, k]
+        with pytest.raises(RuntimeError, match="calc_mask failed"):
+            pruner.compress()
+        assert _same(_snapshot(model), before), f"an error at mask {k} of {total} changed the model"
+        calls[:] = [0, None]
+        pruner.compress()
+        assert _tensors_equal(_snapshot(model), finished), f"compress() after an error at mask {k} did not prune"

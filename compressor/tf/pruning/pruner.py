@@ -25,6 +25,8 @@ import tensorflow as tf
 from ...core.clock import user_override
 from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError
+from ...core.interrupts import commit_changes, deferred_interrupts, record_undo, undone_on_error
+from ...core.pruner_config import MASK_NAMES
 from ...core.matching import LayerInfo
 from .. import layout
 from ..compressor import Compressor
@@ -86,13 +88,42 @@ class TfPruner(Compressor):
             wrapper.apply_masks()
 
     def compress(self) -> Any:
-        """Compute the initial masks (eagerly, even when called while tracing) and return the model."""
+        """Compute the initial masks (eagerly, even when called while tracing) and return the model.
+        A Ctrl-C while it runs takes effect when it has finished; an error (a ``calc_mask`` raising) puts every mask
+        it set back: the model is as before."""
         self._refresh_ready()
-        self._compressed = True
-        with tf.init_scope():
-            self.update_mask()
-            self.apply_masks()
+        self._masks_in_one_commit(self.update_mask)
         return self.model
+
+    def _masks_in_one_commit(self, compute: Any) -> None:
+        """``compute()`` sets masks (eagerly); the weights are then masked all at once. A Ctrl-C meanwhile takes
+        effect when it has finished; if ``compute()`` raises, the masks it set are put back and the pruner is not
+        marked compressed (the model as before)."""
+        was = self._compressed
+        with deferred_interrupts():
+            self._compressed = True
+            try:
+                with tf.init_scope(), undone_on_error():
+                    self._undoable_round()
+                    compute()
+                    commit_changes()
+                    self.apply_masks()
+            except BaseException:
+                self._compressed = was
+                raise
+
+    def _undoable_round(self) -> None:
+        """What a mask round changes besides the masks, put back too if it does not finish: the pruner's own
+        state and its wrappers' other state variables (``if_calculated``, statistics)."""
+        kept = [(v, v.numpy().copy()) for w in self.modules_wrapper if w.ready
+                for name, v in w.state_variables().items() if name not in MASK_NAMES]
+        state = self.state_dict()
+
+        def undo() -> None:
+            self.load_state_dict(state)
+            for v, value in kept:
+                v.assign(value)
+        record_undo(("pruner", id(self)), undo, change=False)
 
     def _refresh_ready(self) -> None:
         """Eager bookkeeping: masks for layers built since wrapping but not called yet (``model.build``);

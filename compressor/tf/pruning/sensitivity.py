@@ -42,9 +42,10 @@ class SensitivityPruner(SensitivityRoundsMixin, TfPruner):
             self.update_mask()
 
     def compress(self) -> Any:
-        self._compressed = True
         if self.iteration == 0:
-            self.prune_iteration()
+            self._masks_in_one_commit(self.prune_iteration)
+        else:
+            self._compressed = True
         return self.model
 
     def _initial_masks(self, wrapper: Any) -> Any:

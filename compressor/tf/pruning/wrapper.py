@@ -28,6 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from ...core.interrupts import record_undo, undo_active
 from ...core.matching import LayerInfo
 from ...core.pruner_config import MASK_NAMES, mask_to_set
 from .. import layout
@@ -114,6 +115,8 @@ class PrunerLayerWrapper(LayerWrapper):
         if tuple(t.shape) != tuple(current.shape):
             raise ValueError(f"{self.name}: {name} has shape {tuple(t.shape)}, expected {tuple(current.shape)} "
                              f"(masks are in the layer's Keras layout)")
+        if undo_active():  # inside compress(): the mask from before it, put back if compress() does not finish
+            record_undo(("mask", id(current)), lambda old=current.numpy().copy(): current.assign(old))
         current.assign(t)
 
     def set_masks(self, masks: dict[str, Any]) -> None:
@@ -122,8 +125,9 @@ class PrunerLayerWrapper(LayerWrapper):
             self.set_mask(key, value)
 
     def apply_masks(self) -> None:
-        """Zero the pruned weights (and bias) in place now; graph-safe, idempotent."""
-        if not self.ready:
+        """Zero the pruned weights (and bias) in place now; graph-safe, idempotent. Inside ``compress()`` the
+        weights are masked once, all together, when every mask is set (its commit): skipped until then."""
+        if not self.ready or undo_active():
             return
         pairs = [(self.weight, self.weight_mask)]
         if self._has_bias_mask and getattr(self.compressor, "masks_bias", True):

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...core.clock import user_override
 from ...core.errors import ConfigError, ModelError
+from ...core.interrupts import commit_changes, deferred_interrupts, record_undo, undone_on_error
 from ...core.matching import LayerInfo
 from ..compressor import Compressor
 from .dependency import DependencyAwareMixin
@@ -90,19 +91,32 @@ class TorchPruner(Compressor):
         masks: list[torch.Tensor] = []
         for w in stale:
             w._mask_pairs(tensors, masks)
+        # the weights change here for good: inside compress() this is its commit (the masks set before it are
+        # no longer put back on an error)
         with torch.no_grad():
             try:
                 torch._foreach_mul_(tensors, masks)
             except RuntimeError:
                 check_not_sharded(tensors, type(self).__name__)
                 raise
-        for w in stale:
-            w._mark_masked()
+            commit_changes()
+            for w in stale:
+                w._mark_masked()
 
     def compress(self) -> nn.Module:
-        """Compute the initial masks and return the (wrapped) model."""
-        self.update_mask()
+        """Compute the initial masks and return the (wrapped) model. A Ctrl-C while it runs takes effect when it
+        has finished (the model pruned); an error (a ``calc_mask`` raising) before the weights are masked puts
+        every mask it set back: the model is as before."""
+        with deferred_interrupts(), undone_on_error():
+            self._undoable_round()
+            self.update_mask()
         return self.bound_model
+
+    def _undoable_round(self) -> None:
+        """Inside :func:`~compressor.core.interrupts.undone_on_error`: what a mask round changes besides the
+        masks is put back too if it does not finish (the pruner's own state, torch's grad mode)."""
+        record_undo(("grad",), lambda on=torch.is_grad_enabled(): torch.set_grad_enabled(on), change=False)
+        record_undo(("pruner", id(self)), lambda state=self.state_dict(): self.load_state_dict(state), change=False)
 
     def mark_weights_stale(self) -> None:
         """Make the next :meth:`apply_masks` re-mask every layer: the optimizer hook calls it after a fused

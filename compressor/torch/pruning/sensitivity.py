@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ...core.interrupts import deferred_interrupts, undone_on_error
 from ...core.pruning import sensitivity_mask
 from ...core.sensitivity import SensitivityRoundsMixin
 from ..ops import ops
@@ -36,7 +37,9 @@ class SensitivityPruner(SensitivityRoundsMixin, TorchPruner):
 
     def compress(self) -> nn.Module:
         if self.iteration == 0:
-            self.prune_iteration()
+            with deferred_interrupts(), undone_on_error():  # see TorchPruner.compress
+                self._undoable_round()
+                self.prune_iteration()
         return self.bound_model
 
     def step(self) -> None:

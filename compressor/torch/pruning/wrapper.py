@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.interrupts import record_undo, undo_active
 from ...core.pruner_config import MASK_NAMES, mask_to_set
 from ..modules import innermost_module
 from ..slots import WeightSlot
@@ -185,8 +186,15 @@ class PrunerModuleWrapper(ReadThrough):
             value = value != 0
         if tuple(value.shape) != tuple(current.shape):
             raise ValueError(f"{self.name}: {name} has shape {tuple(value.shape)}, expected {tuple(current.shape)}")
+        if undo_active():  # inside compress(): the mask from before it, put back if compress() does not finish
+            record_undo(("mask", id(current)), lambda old=current.clone(): self._restore_mask(current, old))
         with torch.no_grad():
             current.copy_(value)
+        self._refresh_multipliers()
+
+    def _restore_mask(self, current: torch.Tensor, old: torch.Tensor) -> None:
+        with torch.no_grad():
+            current.copy_(old)
         self._refresh_multipliers()
 
     def set_masks(self, masks: dict[str, Any]) -> None:
