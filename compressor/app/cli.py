@@ -166,13 +166,28 @@ def _is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
+_MAX_BYTES_HELP = ("the most bytes the weights may decode to (e.g. 40G; default: 32 MiB + 16x the files' size, or "
+                   "COMPRESSOR_MAX_DECODED_BYTES): a file claiming more is refused before it is decoded")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``--max-bytes``: a number of bytes, optionally with K / M / G / T (binary multiples, ``iB`` / ``B`` allowed)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if m is None or float(m.group(1)) * _UNITS[m.group(2).upper()] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size in bytes, e.g. 500000000, 512M or 40G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from . import report
 
     if _is_checkpoint_dir(args.model):  # a compressed-tensors (Hugging Face) checkpoint folder
         from ..core.compressed_tensors import checkpoint_report, format_checkpoint_report
 
-        rep = checkpoint_report(args.model)
+        rep = checkpoint_report(args.model, max_bytes=args.max_bytes)
         print(json.dumps(rep, indent=2) if args.json else format_checkpoint_report(rep))
         return 0
 
@@ -288,7 +303,7 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
         if suffix not in (".npz", ".safetensors"):
             raise ConfigError(f"cannot write {args.output!r}: a compressed-tensors checkpoint unpacks to .npz or "
                               f".safetensors")
-        arrays = load_compressed_tensors(args.packed)  # checked completely before the output is touched
+        arrays = load_compressed_tensors(args.packed, max_bytes=args.max_bytes)  # checked before OUT is touched
         with atomic_path(args.output) as tmp:
             if suffix == ".npz":
                 save_npz(tmp, arrays)  # not np.savez(**arrays): a tensor named 'file' would break it
@@ -296,7 +311,7 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
                 write_safetensors(tmp, arrays)
         print(f"{args.packed} -> {args.output}: {len(arrays)} tensors")
         return 0
-    arrays = unpack(args.packed)
+    arrays = unpack(args.packed, max_bytes=args.max_bytes)
     if suffix == ".npz":
         with atomic_path(args.output) as tmp:
             save_npz(tmp, arrays)
@@ -447,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true",
                     help="machine-readable output (with --flops / --artifact: {'layers': [...], 'flops': {...}, "
                          "'files': [...]})")
+    rp.add_argument("--max-bytes", metavar="SIZE", type=_size, default=None, help=_MAX_BYTES_HELP)
     rp.set_defaults(func=_cmd_report)
 
     pk = sub.add_parser("pack", help="write an exported model as a compressed file (Deep Compression storage)",
@@ -472,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "(unpacked to float weights in .npz / .safetensors)")
     up.add_argument("output", metavar="OUT")
     up.add_argument("--model", metavar="ARCH.keras", help="for a .keras OUT: the model file giving the architecture")
+    up.add_argument("--max-bytes", metavar="SIZE", type=_size, default=None, help=_MAX_BYTES_HELP)
     up.set_defaults(func=_cmd_unpack)
 
     os_ = sub.add_parser("oneshot", help="compress a language-model checkpoint block by block, disk to disk",

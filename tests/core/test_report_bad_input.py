@@ -86,3 +86,29 @@ def test_tflite_is_memory_mapped_not_read(tmp_path):
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[1] < peaks[0] + 4096 and peaks[1] < 1 << 20, peaks  # reading it whole would take 16 MiB
+
+
+def test_max_bytes_on_the_command_line_caps_and_raises_the_decoded_size(tmp_path, capsys):
+    """``--max-bytes`` (report and unpack, checkpoint folders and .cmpk files): below what the weights decode to,
+    one line naming the size and exit 2 with nothing written; at or above it the command runs."""
+    from compressor.core.cmpk import pack
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    write_safetensors(str(ckpt / "model.safetensors"), {"layer.weight": np.ones((64, 64), np.float32)})
+    pack({"w": np.ones((64, 64), np.float32)}, tmp_path / "w.cmpk")
+    need = 64 * 64 * 4
+    for cmd in (["report", str(ckpt)], ["unpack", str(ckpt), str(tmp_path / "o1.npz")],
+                ["unpack", str(tmp_path / "w.cmpk"), str(tmp_path / "o2.npz")]):
+        assert main([*cmd, "--max-bytes", str(need - 1)]) == 2
+        err = capsys.readouterr().err
+        assert f"{need:,}" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "o1.npz").exists() and not (tmp_path / "o2.npz").exists()
+        assert main([*cmd, "--max-bytes", "16K"]) == 0
+        capsys.readouterr()
+        for out in ("o1.npz", "o2.npz"):
+            (tmp_path / out).unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as e:  # argparse's own usage error
+        main(["report", str(ckpt), "--max-bytes", "lots"])
+    assert e.value.code == 2 and "a size in bytes" in capsys.readouterr().err
