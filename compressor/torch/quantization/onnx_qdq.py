@@ -158,7 +158,7 @@ def export_int8_onnx(quantizer: Any, exported: dict[str, tuple[torch.Tensor, tor
     params = {w.name: {t: _host_qparams(w, t) for t in w.quant_types} for w in wrappers}
     dynamic = getattr(quantizer, "activation", "static") == "dynamic"
     made: set[str] = set()  # outputs of the nodes the dynamic rewrite adds
-    proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs))
+    proto = _export_float(quantizer, exported, dummy_input, dict(onnx_kwargs), float_layers(quantizer))
     model = onnx.load_from_string(proto)
     graph = _Graph(model)
     summary: dict[str, Any] = {}

@@ -20,8 +20,9 @@ from .wrapper import QuantizerModuleWrapper
 
 
 def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                  dummy_input: Any, onnx_kwargs: dict[str, Any]) -> bytes:
-    """The model with quantized weight values but no quantization ops, batch axis dynamic."""
+                  dummy_input: Any, onnx_kwargs: dict[str, Any], float_wrappers: list[Any] = ()) -> bytes:
+    """The model with quantized weight values but no quantization ops, batch axis dynamic. ``float_wrappers``:
+    the quantized layers without an integer kernel (``onnx_qdq.float_layers``), exported as plain layers."""
     model = quantizer.bound_model
     wrappers: list[QuantizerModuleWrapper] = quantizer.get_modules_wrapper()
     for w in wrappers:
@@ -60,7 +61,7 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
         from ..families import export_context  # model-family plug-ins, e.g. a causal LM without its KV cache
 
         with torch.no_grad(), warnings.catch_warnings(), export_context(model), \
-                _plain_float_layers(quantizer, exported):
+                _plain_float_layers(quantizer, exported, float_wrappers):
             warnings.simplefilter("ignore")
             if kwargs.get("dynamo"):
                 prog = torch.onnx.export(model, args, **kwargs)
@@ -82,18 +83,17 @@ def _export_float(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.
 
 
 @contextlib.contextmanager
-def _plain_float_layers(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+def _plain_float_layers(quantizer: Any, exported: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                        float_wrappers: list[Any]) -> Iterator[None]:
     """While exporting: each quantized layer without an integer kernel (an LSTM's weight matrices, a norm ...)
     is its plain layer holding its quantized weight values (their wrappers run ``torch.func.functional_call``,
     which the TorchScript exporter cannot trace); the int8 graph keeps those layers in float."""
-    from .onnx_qdq import float_layers
-
     model = quantizer.bound_model
     swaps: list[tuple[nn.Module, nn.Module]] = []  # (in the model, put there for the export)
     values: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}  # id(param) -> (owner, name, exported value)
     parts: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
     containers: dict[str, SlottedLayer] = {}
-    for w in float_layers(quantizer):
+    for w in float_wrappers:
         weight, bias = exported[w.name]
         slot = slot_of(w)
         if slot is not None:
