@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,7 @@ from ..core.oneshot.codes import stored_codes_to_full
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
-from .sequential.fused_experts import export_notes
+from .sequential.fused_experts import ExpertPiece, checkpoint_layout, export_notes, fuse_pieces, fused_results
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS", "TensorPlan", "plan_tensors", "quantization_config", "write_config",
            "packed_layers", "capture_call", "dense_warning", "CONV1D_REASON"]
@@ -199,7 +200,8 @@ def _fold_error(model: nn.Module, folder: str) -> tuple[float, float]:
     """Max |logits| difference between ``model`` and a fresh model of its class loaded with the float weights
     of the checkpoint in ``folder``, and the tolerance (float32 rounding of the folds)."""
     fresh = type(model)(model.config).eval()
-    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in load_compressed_tensors(folder).items()}, strict=False)
+    decoded = fuse_pieces(load_compressed_tensors(folder), checkpoint_layout(model)[0])  # per-expert pieces: fused
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in decoded.items()}, strict=False)
     if callable(getattr(fresh, "tie_weights", None)):
         fresh.tie_weights()
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -334,7 +336,8 @@ class TensorPlan:
     arrays; bf16 values as uint16 bit patterns, named in ``bf16``), the packed layers by ``(bits, group size or
     None, symmetric)`` (``groups``), the sparse-format layers (``sparse``: name -> format, with their weights'
     element and zero counts), the layers written in float with why (``dense_notes``), whether AWQ's 1/s folds
-    were used (``folded``)."""
+    were used (``folded``), the packed per-expert layers of fused routed experts by ``(bits, group size or None,
+    symmetric)`` (``experts``: the checkpoint's names, e.g. ``model.layers.0.block_sparse_moe.experts.3.w1``)."""
 
     tensors: dict[str, np.ndarray]
     bf16: set[str]
@@ -344,6 +347,7 @@ class TensorPlan:
     sparse_zeros: int
     dense_notes: list[str]
     folded: bool
+    experts: dict[tuple[int, int | None, bool], list[str]] = field(default_factory=dict)
 
     def merge(self, other: TensorPlan) -> None:
         """Add ``other``'s layers (another part of the same model) to this plan's counts and groups; the
@@ -355,6 +359,8 @@ class TensorPlan:
         self.sparse_zeros += other.sparse_zeros
         self.dense_notes.extend(other.dense_notes)
         self.folded = self.folded or other.folded
+        for k, names in other.experts.items():
+            self.experts.setdefault(k, []).extend(names)
 
 
 def dense_warning(notes: list[str]) -> str:
@@ -397,12 +403,15 @@ def packed_layers(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dic
 
 def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format: str = "dense",
                  fold: bool = True, capture: Any = None, config: Any = None,
-                 unfolded: str = "its 1/s is not folded when a checkpoint is written block by block") -> TensorPlan:
+                 unfolded: str = "its 1/s is not folded when a checkpoint is written block by block",
+                 experts: dict[str, list[ExpertPiece]] | None = None) -> TensorPlan:
     """The checkpoint's tensors for ``model`` (the whole model, or a part of it such as one decoder block) from
     its compressed ``state`` (original keys); see the module docstring. ``fold``: fold AWQ's 1/s into the layers
     that produce an AWQ layer's input; who reads what comes from one forward of the whole model, or for a part
     from ``capture(part) -> (inputs, outputs)`` by module name (``config``: the model's config). ``unfolded``: why an
-    AWQ layer is written in float when ``fold`` is False (the note of each)."""
+    AWQ layer is written in float when ``fold`` is False (the note of each). ``experts``: the per-expert layout of
+    the fused routed experts (:func:`~.sequential.fused_experts.checkpoint_layout`; default: found on ``model``,
+    which must then be the whole ``PreTrainedModel``); see :func:`_expert_plan`."""
     if sparse_format not in SPARSE_FORMATS:
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")
     tied = _tied(model)
@@ -433,6 +442,12 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
                                  f"non-zeros in every 4 consecutive inputs); use 'bitmask' or 'auto'")
             sparse_layers[pw.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
                 sparse_format == "auto" and two_four) else "sparse-bitmask"
+    if experts is None:
+        experts = checkpoint_layout(model)[0]
+    ex = _expert_plan(model, state, experts, sparse_format)
+    dense_notes.extend(ex.notes)
+    sparse_layers.update(ex.sparse)
+    if sparse_layers:
         kinds = set(sparse_layers.values())
         if len(kinds) > 1:  # one sparsity_config format per checkpoint: bitmask holds any pattern
             sparse_layers = dict.fromkeys(sparse_layers, "sparse-bitmask")
@@ -459,7 +474,7 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
             continue
         seen[id(value)] = key
         layer = key[: -len(".weight")] if key.endswith(".weight") else None
-        if layer in pack or layer in sparse_layers:
+        if layer in pack or layer in sparse_layers or key in ex.written:
             continue
         arr, is_bf16 = host(key)
         tensors[key] = arr
@@ -486,30 +501,209 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
                                                    spec.bits, False, sdtype))
         gs = spec.group_width(n_in)
         groups.setdefault((spec.bits, None if gs == n_in else gs, symmetric), []).append(name)
+    tensors.update(ex.tensors)
     total = zeros = 0
     for name, kind in sparse_layers.items():
-        arr, _ = host(f"{name}.weight")
+        arr = ex.sparse_values[name] if name in ex.sparse_values else host(f"{name}.weight")[0]
         tensors.update(sparse24_entries(name, arr) if kind == "sparse-24-bitmask" else bitmask_entries(name, arr))
-        total += state[f"{name}.weight"].numel()
-        zeros += int((state[f"{name}.weight"] == 0).sum())
-    return TensorPlan(tensors, bf16, groups, sparse_layers, total, zeros, dense_notes, bool(folds))
+        total += arr.size
+        zeros += int((arr == 0).sum())
+    return TensorPlan(tensors, bf16, groups, sparse_layers, total, zeros, dense_notes, bool(folds), ex.groups)
+
+
+@dataclass
+class _ExpertPlan:
+    """What :func:`_expert_plan` writes: packed tensors (``tensors``) by scheme (``groups``), the per-expert layers
+    stored in a sparse format (``sparse``: name -> format, ``sparse_values``: their float values), the fused keys
+    these replace (``written``), and the notes of the compressed experts left float (``notes``)."""
+
+    tensors: dict[str, np.ndarray]
+    groups: dict[tuple[int, int | None, bool], list[str]]
+    sparse: dict[str, str]
+    sparse_values: dict[str, np.ndarray]
+    written: set[str]
+    notes: list[str]
+
+
+#: why a fused parameter's quantized experts are stored dense (their compressed values as floats, fused names)
+_EXPERT_REASONS = {
+    "awq": "AWQ: their 1/s has no exact home (their input is the norm output the router and every expert read)",
+    "asymmetric": "asymmetric codes: transformers dequantizes per-expert packed weights without zero points",
+    "partial": "not every expert of the parameter is quantized: transformers merges a parameter's experts only "
+               "when every one is packed",
+    "schemes": "the routed experts use several bit widths: transformers dequantizes all routed experts of a "
+               "checkpoint with one scheme",
+}
+
+
+def _expert_plan(model: nn.Module, state: dict[str, torch.Tensor], experts: dict[str, list[ExpertPiece]],
+                 sparse_format: str) -> _ExpertPlan:
+    """The fused routed experts (transformers 5's 3-D ``gate_up_proj`` / ``down_proj``) whose slices a one-shot run
+    compressed, in the checkpoint's per-expert layout (``experts``: :func:`checkpoint_layout`), which
+    ``from_pretrained`` merges back into the fused parameters:
+
+    * quantized: ``pack-quantized`` per expert (``<piece>.weight_packed`` / ``weight_scale`` / ``weight_shape``),
+      when every expert of the parameter is quantized symmetric with equal groups and all packed experts of the
+      checkpoint share one scheme: transformers (5.x with compressed-tensors) dequantizes the pieces with the one
+      config group whose ``re:`` targets name the experts, before it merges them. Otherwise the parameter is
+      stored dense (a note says why).
+    * pruned, with a sparse format: ``sparse-bitmask`` / ``sparse-24-bitmask`` per expert when every expert of the
+      parameter has a mask (readable with :func:`~compressor.core.compressed_tensors.load_compressed_tensors`; like
+      every sparse-format layer, not by transformers with compressed-tensors 0.15+).
+    * anything else (pruned with ``sparse_format='dense'``, uncompressed, not packable): the fused float tensor
+      under its model name, as before (a checkpoint with a quantization_config loads per-expert float pieces
+      through transformers' dequantizing merge, which drops them: measured with transformers 5.24).
+
+    Banks without a per-expert layout (no conversion mapping: transposed / hand-made banks) keep the fused float
+    tensors with :func:`export_notes`' note."""
+    modules = dict(model.named_modules())
+    out = _ExpertPlan({}, {}, {}, {}, set(), [])
+    packable: dict[str, tuple[tuple[int, int | None, bool], list[Any]]] = {}
+    why: dict[str, tuple[str, int]] = {}  # fused key -> (reason, compressed slices)
+    handled: set[str] = set()
+    for key, pieces in experts.items():
+        path, _, param = key.rpartition(".")
+        bank = modules.get(path)
+        if key not in state or bank is None:
+            continue
+        handled.add(path)
+        got = fused_results(bank)
+        n_exp, _, n_in = pieces[0].shape
+        results = [got.get(f"{path}.{e}.{param}") for e in range(n_exp)]
+        quantized = [r for r in results if r is not None and r.quantized is not None]
+        if quantized:
+            if len(quantized) < n_exp:
+                why[key] = ("partial", len(quantized))
+            elif any(r.scales is not None for r in quantized):
+                why[key] = ("awq", len(quantized))
+            elif not all(r.quantized.spec.symmetric for r in quantized):
+                why[key] = ("asymmetric", len(quantized))
+            else:
+                packable[key] = (n_in, results)
+            continue
+        masked = [r for r in results if r is not None and r.mask is not None]
+        if sparse_format == "dense" or len(masked) < n_exp or state[key].dtype == torch.bfloat16:
+            continue
+        value = state[key].detach().cpu()
+        for p in pieces:
+            arr = value[p.expert][p.rows if isinstance(p.rows, slice) else torch.from_numpy(p.rows)].numpy().copy()
+            two_four = is_24_sparse(arr)
+            if sparse_format == "2:4" and not two_four:
+                raise ModelError(f"hf_path: hf_sparse_format='2:4' but routed expert {p.expert} of {key!r} is not "
+                                 f"2:4 sparse; use 'bitmask' or 'auto'")
+            out.sparse[p.name] = "sparse-24-bitmask" if sparse_format == "2:4" or (
+                sparse_format == "auto" and two_four) else "sparse-bitmask"
+            out.sparse_values[p.name] = arr
+        out.written.add(key)
+    scheme = _experts_scheme(packable)
+    if isinstance(scheme, str):  # one experts scheme per checkpoint
+        for key, (_, results) in packable.items():
+            why[key] = (scheme, len(results))
+        packable = {}
+    for key, (n_in, results) in packable.items():
+        bits, g, _ = scheme
+        sdtype = np.float16 if state[key].dtype == torch.float16 else np.float32
+        for p in experts[key]:
+            q = results[p.expert].quantized
+            # a coarser group (or per channel) written in the common group width: each scale repeated
+            cols = np.arange(0, n_in, g or n_in) // min(int(q.group_size), n_in)
+            out.tensors.update(pack_quantized_entries(p.name, q.codes[p.rows], q.scale[p.rows][:, cols],
+                                                      q.zero_point[p.rows][:, cols], bits, True, sdtype))
+            out.groups.setdefault(scheme, []).append(p.name)
+        out.written.add(key)
+    by_bank: dict[tuple[str, str, int], list[str]] = {}
+    for key, (reason, n) in why.items():
+        path, _, param = key.rpartition(".")
+        by_bank.setdefault((path, _EXPERT_REASONS.get(reason, reason), n), []).append(param)
+    for (path, reason, n), params in by_bank.items():
+        out.notes.append(f"{path}.{{{','.join(sorted(params))}}} (fused 3-D routed experts, {n} slices quantized "
+                         f"each: {reason}; their compressed values are stored dense)")
+    out.notes.extend(export_notes(model, skip=handled))
+    return out
+
+
+def _experts_scheme(packable: dict[str, tuple[int, list[Any]]]) -> tuple[int, int | None, bool] | str | None:
+    """The one ``(bits, group width or None, symmetric)`` the packable routed experts are written with: the
+    narrowest group width among them, when it divides every other width (a per-channel slice is any multiple) and
+    every input width; None for per channel everywhere. Else the reason why none is packed."""
+    bits: set[int] = set()
+    widths: list[tuple[int, int]] = []  # (group width, input width)
+    for n_in, results in packable.values():
+        for r in results:
+            bits.add(int(r.quantized.spec.bits))
+            widths.append((min(int(r.quantized.group_size), n_in), n_in))
+    if not widths:
+        return None
+    if len(bits) > 1:
+        return "schemes"
+    grouped = [w for w, n in widths if w < n]
+    if not grouped:
+        return bits.pop(), None, True
+    g = min(grouped)
+    if any(w % g or n % g for w, n in widths):
+        return (f"their group widths {sorted({w for w, _ in widths})} have no common width dividing every input "
+                f"width (compressed-tensors needs one group size, equal groups)")
+    return bits.pop(), g, True
+
+
+def _expert_targets(names: list[str], avoid: Any = ()) -> list[str]:
+    """``re:`` targets matching exactly the per-expert layers ``names`` (and none of ``avoid``), few of them: names
+    that differ only in their numbers (layer, expert) and last part (``w1`` / ``w3``) share one pattern where their
+    numbers are all combinations of the values seen; each names ``experts``, which is how transformers finds the
+    config group of the routed experts (``get_experts_scheme``)."""
+    by_shape: dict[tuple[str, ...], list[tuple[str, tuple[str, ...]]]] = {}
+    for name in names:
+        parts = name.split(".")
+        nums = tuple(x for x in parts[:-1] if x.isdigit())
+        shape = tuple("#" if x.isdigit() else x for x in parts[:-1])
+        by_shape.setdefault(shape, []).append((parts[-1], nums))
+    targets: list[str] = []
+    for shape, items in by_shape.items():
+        lasts = sorted({last for last, _ in items})
+        nums = [sorted({n[i] for _, n in items}, key=int) for i in range(sum(x == "#" for x in shape))]
+        combos = 1
+        for v in nums:
+            combos *= len(v)
+        it = iter(nums)
+        body = r"\.".join("(?:" + "|".join(next(it)) + ")" if x == "#" else re.escape(x) for x in shape)
+        pattern = "^" + body + r"\.(?:" + "|".join(re.escape(x) for x in lasts) + ")$"
+        exact = len(set(items)) == combos * len(lasts) and len(pattern) < 900
+        if exact and not any(re.match(pattern, a) for a in avoid):
+            targets.append("re:" + pattern)
+        else:
+            shape_names = [".".join([*_fill(shape, n), last]) for last, n in items]
+            targets.extend(f"re:^{re.escape(n)}$" for n in shape_names)
+    return targets
+
+
+def _fill(shape: tuple[str, ...], nums: tuple[str, ...]) -> list[str]:
+    it = iter(nums)
+    return [next(it) if x == "#" else x for x in shape]
 
 
 def quantization_config(plan: TensorPlan) -> dict[str, Any]:
     """The ``quantization_config`` of config.json for what ``plan`` packs ({} when nothing is)."""
-    groups, sparse_layers = plan.groups, plan.sparse
-    if not (groups or sparse_layers):
+    groups, sparse_layers, experts = plan.groups, plan.sparse, plan.experts
+    if not (groups or sparse_layers or experts):
         return {}
     formats = {"pack-quantized" if sym else "naive-quantized" for _, _, sym in groups}
+    formats |= {"pack-quantized" for _ in experts}
     qc: dict[str, Any] = {
         "quant_method": "compressed-tensors",
-        "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+        "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if formats else "dense",
         "quantization_status": "compressed", "kv_cache_scheme": None, "global_compression_ratio": None,
         "ignore": [], "config_groups": {}, "sparsity_config": {}, "transform_config": {}}
     for i, ((bits, gs, sym), names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
         qc["config_groups"][f"group_{i}"] = {"targets": sorted(names), "weights": quant_args(bits, gs, sym),
                                              "input_activations": None, "output_activations": None,
                                              "format": "pack-quantized" if sym else "naive-quantized"}
+    # the routed experts' packed pieces: a group of their own whose re: targets name the experts (transformers
+    # dequantizes every routed expert with that group's scheme; the pieces match no module of the loaded model,
+    # which compressed-tensors logs as "Could not match" once per target)
+    for i, ((bits, gs, sym), names) in enumerate(sorted(experts.items(), key=lambda kv: kv[1][0])):
+        qc["config_groups"][f"group_{len(groups) + i}"] = {
+            "targets": _expert_targets(names, avoid=sparse_layers), "weights": quant_args(bits, gs, sym),
+            "input_activations": None, "output_activations": None, "format": "pack-quantized"}
     if sparse_layers:
         kind = next(iter(sparse_layers.values()))
         qc["sparsity_config"] = {"format": kind, "targets": sorted(sparse_layers), "ignore": [],
@@ -629,13 +823,13 @@ def save_compressed_tensors(model: nn.Module, path: Any, state: dict[str, torch.
         raise ModelError(f"hf_path {path!r} exists and is not a folder; a compressed-tensors checkpoint is a folder")
     pack, _, _ = packed_layers(model, state)  # refuse what cannot be written before anything is
     reload_note = _reload_problem(model, pack)
+    layout = checkpoint_layout(model)[0]
 
     def plan(fold: bool, unfolded: str = "its 1/s is not folded") -> tuple[dict[str, np.ndarray], set[str],
                                                                             dict[str, Any], list[str], bool]:
-        p = plan_tensors(model, state, sparse_format, fold, unfolded=unfolded)
-        # fused 3-D experts (transformers 5 MoE) compressed by a one-shot run: float, named in the warning
-        notes = p.dense_notes + export_notes(model)
-        return p.tensors, p.bf16, quantization_config(p), notes, p.folded
+        # fused 3-D experts (transformers 5 MoE): per expert in transformers' layout where packed / sparse
+        p = plan_tensors(model, state, sparse_format, fold, unfolded=unfolded, experts=layout)
+        return p.tensors, p.bf16, quantization_config(p), p.dense_notes, p.folded
 
     def write(tmp: str, tensors: dict[str, np.ndarray], bf16: set[str], qc: dict[str, Any]) -> None:
         os.makedirs(tmp)

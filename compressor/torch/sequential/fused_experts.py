@@ -36,7 +36,7 @@ from ...core.oneshot import LayerResult, LayerTask
 from ...core.oneshot.experts import mark_routed
 
 __all__ = ["FusedSlice", "supported", "fused_tasks", "fused_results", "observe_fused", "up_name", "slice_mask", "record",
-           "snapshot", "restore", "export_notes"]
+           "snapshot", "restore", "export_notes", "ExpertPiece", "checkpoint_layout", "fuse_pieces"]
 
 #: bank -> {slice name: LayerResult of the last one-shot run that wrote the slice}
 _RESULTS: weakref.WeakKeyDictionary[nn.Module, dict[str, LayerResult]] = weakref.WeakKeyDictionary()
@@ -238,17 +238,142 @@ def restore(h: FusedSlice, saved: dict[str, Any]) -> None:
         fused_results(h.bank)[h.name] = saved["result"]
 
 
-def export_notes(model: nn.Module) -> list[str]:
-    """For a compressed-tensors export: one note per bank of ``model`` whose slices a one-shot run compressed.
+def export_notes(model: nn.Module, skip: Any = ()) -> list[str]:
+    """For a compressed-tensors export: one note per bank of ``model`` whose slices a one-shot run compressed and
+    that has no per-expert checkpoint layout (:func:`checkpoint_layout`; ``skip``: the banks' paths that have one).
     They are written as the float tensors they hold (pruned zeros / dequantized values) under the fused names:
     compressed-tensors packs ``nn.Linear`` layers only, and transformers loads the fused 3-D parameters as they are."""
     notes = []
     for path, m in model.named_modules():
         got = _RESULTS.get(m)
-        if not got:
+        if not got or path in skip:
             continue
         kinds = sorted({"quantized" if r.quantized is not None else "pruned" for r in got.values()})
         params = sorted({name.rsplit(".", 1)[1] for name in got})
         notes.append(f"{path}.{{{','.join(params)}}} (fused 3-D routed experts, {len(got)} slices {'+'.join(kinds)}: "
                      f"compressed-tensors packs Linear layers only; their compressed values are stored dense)")
     return notes
+
+
+# ------------------------------------------------------------------------------- the checkpoint's per-expert layout
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertPiece:
+    """One per-expert tensor of a checkpoint in transformers' on-disk layout (what ``save_pretrained`` writes and
+    ``from_pretrained`` merges back): the layer ``name`` (``model.layers.0.block_sparse_moe.experts.3.w1``; its
+    tensor ``<name>.weight``, ``[rows, in]``) holds rows ``rows`` (a slice, or an index array where they are not
+    consecutive) of expert ``expert``'s canonical ``[out, in]`` slice of the fused parameter ``param`` (a model key,
+    ``model.layers.0.mlp.experts.gate_up_proj``, ``shape`` ``[E, out, in]``)."""
+
+    name: str
+    param: str
+    expert: int
+    rows: slice | np.ndarray
+    shape: tuple[int, int, int]
+
+    @property
+    def n_rows(self) -> int:
+        return len(range(*self.rows.indices(self.shape[1]))) if isinstance(self.rows, slice) else len(self.rows)
+
+
+def _revert(model: nn.Module, probe: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """transformers' own save-time conversion (``revert_weight_conversion``: the inverse of what ``from_pretrained``
+    applies) of the probe tensors, or None where this transformers has none or it fails on them."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    try:
+        return revert_weight_conversion(model, dict(probe))
+    except Exception:  # noqa: BLE001 - a conversion that needs real tensors: no layout is known
+        return None
+
+
+def _bank_pieces(model: nn.Module, key: str, bank: nn.Module, param: str) -> list[ExpertPiece] | None:
+    """The per-expert pieces of the fused ``key``, found by converting an index probe with transformers' save-time
+    conversion: each element ``[e, r, c]`` of a ``[E, out, 2]`` probe holds ``(e * out + r) * 2 + c`` (float64,
+    exact), so each converted tensor names the expert and rows it took and shows its columns kept in order. None
+    when the conversion leaves the name, transposes, or cuts the input columns (no per-expert layout is used)."""
+    shape = tuple(int(d) for d in bank._parameters[param].shape)
+    n_exp, n_out, _ = shape
+    idx = torch.arange(n_exp * n_out, dtype=torch.float64).reshape(n_exp, n_out, 1) * 2
+    got = _revert(model, {key: idx + torch.tensor([0.0, 1.0], dtype=torch.float64)})
+    if not got or key in got:
+        return None
+    pieces: list[ExpertPiece] = []
+    seen: dict[int, list[np.ndarray]] = {}
+    for name, t in got.items():
+        in_order = t.dim() == 2 and t.shape[1] == 2 and bool(((t[:, 1] - t[:, 0]) == 1).all())
+        if not name.endswith(".weight") or not in_order:
+            return None
+        flat = (t[:, 0] / 2).long()
+        experts = set((flat // n_out).tolist())
+        if len(experts) != 1:
+            return None
+        e = experts.pop()
+        r = (flat % n_out).numpy()
+        seen.setdefault(e, []).append(r)
+        consecutive = bool(len(r)) and np.array_equal(r, np.arange(r[0], r[0] + len(r)))
+        rows: slice | np.ndarray = slice(int(r[0]), int(r[0]) + len(r)) if consecutive else r
+        pieces.append(ExpertPiece(name[: -len(".weight")], key, e, rows, shape))  # type: ignore[arg-type]
+    if sorted(seen) != list(range(n_exp)) or any(
+            not np.array_equal(np.sort(np.concatenate(r)), np.arange(n_out)) for r in seen.values()):
+        return None
+    return pieces
+
+
+def checkpoint_layout(model: nn.Module, renames: bool = False) -> tuple[dict[str, list[ExpertPiece]], dict[str, str]]:
+    """How transformers' checkpoints of ``model`` (a ``PreTrainedModel``; a skeleton on the meta device will do)
+    store its fused routed experts: ``{fused model key: [ExpertPiece]}`` for every supported, untransposed bank that
+    its family's conversion mapping splits per expert (Mixtral: ``block_sparse_moe.experts.E.w1 / w3`` rows of
+    ``gate_up_proj`` and ``w2`` = ``down_proj``; Qwen2-MoE and the families sharing its mapping: ``gate_proj`` /
+    ``up_proj`` / ``down_proj``). With ``renames``: also ``{model key: checkpoint key}`` of the other tensors that
+    the mapping renames (Mixtral's router ``mlp.gate`` is ``block_sparse_moe.gate`` on disk). Empty where
+    transformers has no mapping for the model (the fused names are then the checkpoint's)."""
+    experts: dict[str, list[ExpertPiece]] = {}
+    banks: set[str] = set()
+    for path, m in model.named_modules():
+        if not supported(m) or getattr(m, "is_transposed", False):
+            continue
+        for param in (up_name(m), "down_proj"):
+            key = f"{path}.{param}" if path else param
+            banks.add(key)
+            pieces = _bank_pieces(model, key, m, param)
+            if pieces:
+                experts[key] = pieces
+    moved: dict[str, str] = {}
+    if renames:
+        keys = [k for k in model.state_dict(keep_vars=True) if k not in banks]
+        got = _revert(model, {k: torch.tensor([float(i)], dtype=torch.float64) for i, k in enumerate(keys)})
+        for name, t in (got or {}).items():
+            if isinstance(t, torch.Tensor) and t.numel() == 1:
+                i = int(t.reshape(-1)[0])
+                if 0 <= i < len(keys) and keys[i] != name:
+                    moved[keys[i]] = name
+    return experts, moved
+
+
+def fuse_pieces(tensors: dict[str, Any], layout: dict[str, list[ExpertPiece]]) -> dict[str, Any]:
+    """``tensors`` (decoded weights by checkpoint name, numpy or torch) with every fused parameter whose per-expert
+    pieces (``<piece>.weight``) are all there stacked back under its model key (the pieces removed); the others as
+    they are."""
+    out = dict(tensors)
+    for key, pieces in layout.items():
+        names = [f"{p.name}.weight" for p in pieces]
+        if not all(n in out for n in names):
+            continue
+        first = out[names[0]]
+        shape = pieces[0].shape
+        if isinstance(first, torch.Tensor):
+            fused = torch.empty(shape, dtype=first.dtype)
+        else:
+            fused = np.empty(shape, dtype=np.asarray(first).dtype)
+        for p, n in zip(pieces, names):
+            value = out.pop(n)
+            rows = p.rows if isinstance(p.rows, slice) else torch.from_numpy(p.rows) if isinstance(
+                fused, torch.Tensor) else p.rows
+            if isinstance(fused, torch.Tensor):
+                fused[p.expert][rows] = value.to(fused.dtype)
+            else:
+                fused[p.expert][rows] = np.asarray(value)
+        out[key] = fused
+    return out
