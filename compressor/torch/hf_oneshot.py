@@ -52,11 +52,19 @@ from ..core.oneshot.stream import (
 from ..core.recipe import build_compressors, load_recipe, recipe_hash
 from ..core.token_data import calibration_tokens, cut_token_array
 from .distributed import TorchCollective
-from .hf_checkpoint import TensorPlan, capture_call, plan_tensors, quantization_config, write_config
+from .hf_checkpoint import (
+    TensorPlan,
+    capture_call,
+    dense_warning,
+    plan_tensors,
+    quantization_config,
+    write_config,
+)
 from .hf_stream import HfCheckpoint
 from .modules import is_wrapper
 from .sequential import TorchOneShotBackend
 from .sequential.blocks import _hidden_of, _Input
+from .sequential.fused_experts import checkpoint_layout, fused_results, supported
 from .token_data import checkpoint_tokenizer, load_token_file
 
 __all__ = ["oneshot"]
@@ -113,7 +121,7 @@ class _Checkpoint(BlockIO):
             for kind in (module.named_parameters(), module.named_buffers()):
                 for rel, t in kind:
                     key = self.names[prefix + rel]
-                    if key in self.ckpt.tensors:
+                    if self.ckpt.holds(key):
                         t.copy_(self.ckpt.read(key))
                     elif fresh is not None and rel in fresh:
                         t.copy_(fresh[rel])
@@ -124,10 +132,15 @@ class _Checkpoint(BlockIO):
         self._fill(block, self.prefix_of[id(block)], self.template)
 
     def save_block(self, block: nn.Module, path: str) -> None:
+        # the fused routed experts' codes / masks (kept per slice, outside the state) first: the writer packs them
+        _save(_expert_results(block), path + EXPERTS_SUFFIX)
         _save(block.state_dict(), path)
 
     def release_block(self, block: nn.Module) -> None:
         block.to("meta")
+        for m in block.modules():  # their codes / masks are in the run folder now
+            if supported(m):
+                fused_results(m).clear()
 
     def save_inputs(self, inputs: list[Any], path: str) -> None:
         _save([(c.args, c.kwargs, c.where, c.keep) for c in inputs], path)
@@ -144,6 +157,27 @@ class _Checkpoint(BlockIO):
         # the run's own file (written by save_inputs above into the run folder): the call arguments of a block
         # hold the model's own objects (position embeddings, masks), hence a full unpickle
         return [_Input(*c) for c in torch.load(path, weights_only=False)]
+
+
+#: beside a finished block's state in the run folder: its fused routed experts' results (codes, scales, masks)
+EXPERTS_SUFFIX = ".experts"
+
+
+def _expert_results(block: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{bank path in the block: {slice name: LayerResult}}`` of the fused routed experts a run compressed."""
+    return {path: dict(fused_results(m)) for path, m in block.named_modules() if supported(m) and fused_results(m)}
+
+
+def _restore_expert_results(block: nn.Module, path: str) -> None:
+    """Put a finished block's fused-expert results back (from :meth:`_Checkpoint.save_block`'s file; a run folder
+    of an older version has none: those experts are written as float)."""
+    if not os.path.exists(path):
+        return
+    saved = torch.load(path, weights_only=False)  # the run's own file
+    for bank_path, results in saved.items():
+        bank = block.get_submodule(bank_path)
+        fused_results(bank).clear()
+        fused_results(bank).update(results)
 
 
 def _save(obj: Any, path: str) -> None:
@@ -277,15 +311,15 @@ def _run(prep: _Prepared, recipe: Any, batch_size: int, forward_dtype: str, spar
         # compressors wrap the model: block 0's wrappers then start from real values, the template of every block
         for name, _ in list(model.named_parameters()):
             if not name.startswith(f"{list_name}."):
-                _set(model, name, ckpt.read(name) if name in ckpt.tensors else ckpt.read(_tied_source(model, name)))
+                _set(model, name, ckpt.read(name) if ckpt.holds(name) else ckpt.read(_tied_source(model, name)))
         first.to_empty(device="cpu")
         for rel, t in [*first.named_parameters(), *first.named_buffers()]:
-            if prefix0 + rel in ckpt.tensors:
+            if ckpt.holds(prefix0 + rel):
                 t.copy_(ckpt.read(prefix0 + rel))
         compressors = build_compressors(
             stages, model, lambda: [n for n, m in model.named_modules() if isinstance(m, nn.Linear)], echo=rank == 0)
         names = _original_names(model)
-        template = {rel: b.detach().clone() for rel, b in first.named_buffers() if names[prefix0 + rel] not in ckpt.tensors}
+        template = {rel: b.detach().clone() for rel, b in first.named_buffers() if not ckpt.holds(names[prefix0 + rel])}
         first.to("meta")
         prefix_of = {id(b): f"{list_name}.{i}." for i, b in enumerate(layers)}
         backends = [TorchOneShotBackend(c, None, float64) for c in compressors]
@@ -319,8 +353,7 @@ def _run(prep: _Prepared, recipe: Any, batch_size: int, forward_dtype: str, spar
     shutil.rmtree(work, ignore_errors=True)
     size_out = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     if plan.dense_notes:  # as the in-memory export says it: these layers are not smaller in the file
-        warnings.warn(f"compressor.torch.oneshot: written as float weights (not packed): {', '.join(plan.dense_notes)}",
-                      UserWarning, stacklevel=3)
+        warnings.warn(f"compressor.torch.oneshot: {dense_warning(plan.dense_notes)}", UserWarning, stacklevel=3)
     return {"blocks": len(layers), "bytes_in": ckpt.nbytes, "bytes_out": size_out, "rows": rows,
             "dense_notes": plan.dense_notes, "seconds": time.perf_counter() - t0, "rank": 0}
 
@@ -520,16 +553,19 @@ def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], li
             plan.merge(part)
 
     probe = io.probe()
+    # the fused routed experts in transformers' per-expert layout, as the in-memory export writes them
+    experts = checkpoint_layout(model)[0]
     for i, block in enumerate(layers):
         prefix = f"{list_name}.{i}"
         block.to_empty(device="cpu")
         block.load_state_dict(torch.load(store.block_path(i), weights_only=True))
+        _restore_expert_results(block, store.block_path(i) + EXPERTS_SUFFIX)
         shard(i, _block_plan(block, prefix, _state_of(block, prefix + ".", names), names, probe, model.config,
-                             sparse_format))
-        block.to("meta")
+                             sparse_format, experts))
+        io.release_block(block)
         release_freed_heap()  # the block's copies are gone: their pages back to the OS before the next block's
     rest = {k: v for k, v in _state_of(model, "", names).items() if not k.startswith(f"{list_name}.")}
-    shard(len(layers), plan_tensors(_Part(model, "", list_name), rest, sparse_format, fold=False))
+    shard(len(layers), plan_tensors(_Part(model, "", list_name), rest, sparse_format, fold=False, experts={}))
     assert plan is not None
     with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
@@ -565,23 +601,25 @@ class _Part(nn.Module):
 
 
 def _block_plan(block: nn.Module, prefix: str, state: dict[str, torch.Tensor], names: dict[str, str],
-                probe: _Input | None, config: Any, sparse_format: str) -> TensorPlan:
+                probe: _Input | None, config: Any, sparse_format: str,
+                experts: dict[str, Any] | None = None) -> TensorPlan:
     """One block's shard. With AWQ layers, their 1/s is folded into what produces their input (the block's norms,
     v / up projections) as the in-memory export does, who reads what found on ``probe`` (one recorded block call);
     then the folded weights must compute what the compressed block computes on it, else the block is written
     without folds (its AWQ layers in float, said in the notes)."""
     part = _Part(block, prefix)
     awq = any(is_wrapper(m) and "awq_scales" in m._buffers for m in block.modules())
+    experts = {} if experts is None else experts
     if not awq or probe is None:
-        return plan_tensors(part, state, sparse_format, fold=False)
+        return plan_tensors(part, state, sparse_format, fold=False, experts=experts)
 
     def capture(_: Any) -> Any:
         return capture_call(block, probe.args, probe.kwargs, prefix)
-    plan = plan_tensors(part, state, sparse_format, fold=True, capture=capture, config=config)
+    plan = plan_tensors(part, state, sparse_format, fold=True, capture=capture, config=config, experts=experts)
     if plan.folded:
         err, tol = _fold_error(block, prefix, plan, names, probe)
         if err > tol:
-            plan = plan_tensors(part, state, sparse_format, fold=False)
+            plan = plan_tensors(part, state, sparse_format, fold=False, experts=experts)
             plan.dense_notes.append(f"(the AWQ 1/s folds changed block {prefix}'s output by {err:.3g}, so none is "
                                     f"used there)")
     return plan

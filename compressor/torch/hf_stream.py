@@ -15,6 +15,7 @@ safetensors).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -88,6 +89,7 @@ class HfCheckpoint:
             raise CheckpointError(f"{self.path!r}: the safetensors files hold no tensor")
         self.dtype = self._dtype()
         self._source: dict[str, str] | None = None  # model key -> file key, set by skeleton()
+        self._stacked: dict[str, list[Any]] = {}  # fused model key -> its per-expert pieces in the files
         self._aliases: dict[str, tuple[str, ...]] = {}  # model key -> every model key sharing its tensor
         self._tied = False  # the skeleton has tensors under several names
         self._root: weakref.ref[nn.Module] | None = None
@@ -201,11 +203,32 @@ class HfCheckpoint:
         source: dict[str, str] = {}
         aliases: dict[str, tuple[str, ...]] = {}
         missing: list[str] = []
+        stacked: dict[str, list[Any]] = {}
+        used: set[str] = set()  # file keys read under another name (renamed, per-expert pieces)
+        layout: tuple[dict[str, list[Any]], dict[str, str]] | None = None
         for keys in groups.values():
             present = [k for k in keys if k in self.tensors]
             if not present:
-                missing.append(keys[0] if len(keys) == 1 else " = ".join(keys))
-                continue
+                # transformers' on-disk layout (what save_pretrained writes): the fused routed experts as
+                # per-expert tensors, some modules renamed (Mixtral's block_sparse_moe)
+                if layout is None:
+                    from .sequential.fused_experts import checkpoint_layout
+
+                    layout = checkpoint_layout(model, renames=True)
+                pieces = layout[0].get(keys[0])
+                renamed = [layout[1][k] for k in keys if layout[1].get(k) in self.tensors]
+                if renamed:
+                    present = renamed[:1]
+                    used.add(renamed[0])
+                elif pieces and all(f"{p.name}.weight" in self.tensors for p in pieces):
+                    for key in keys:
+                        stacked[key] = pieces
+                        aliases[key] = tuple(keys)
+                    used.update(f"{p.name}.weight" for p in pieces)
+                    continue
+                else:
+                    missing.append(keys[0] if len(keys) == 1 else " = ".join(keys))
+                    continue
             for key in keys:
                 source[key] = present[0]
                 aliases[key] = tuple(keys)
@@ -214,7 +237,7 @@ class HfCheckpoint:
                     *(p for end, p in _LEGACY_UNEXPECTED.items() if any(b.endswith(end) for b in buffers))]
         extra, unused = [], []
         for name in self.tensors:
-            if name in state:
+            if name in state or name in used:
                 continue
             (unused if any(re.search(p, name) for p in patterns) else extra).append(name)
         if extra or missing:
@@ -228,15 +251,24 @@ class HfCheckpoint:
                 parts.append(f"model tensors absent from the files: {_few(missing)}")
             msg = "; ".join(parts)
             if get_checkpoint_conversion_mapping(model_type):
-                msg += (f" (transformers renames or fuses {model_type!r} checkpoints' tensors while loading them, "
-                        f"e.g. per-expert weights into one tensor; this reader needs the names of the model)")
+                msg += (f" (transformers renames or fuses {model_type!r} checkpoints' tensors while loading them; "
+                        f"this reader follows its renames and stacks routed experts' per-expert weights into the "
+                        f"fused parameters, and found neither the model's names nor transformers' for these)")
             raise CheckpointError(msg)
         for key, name in source.items():
             want, (path, _, have) = tuple(state[key].shape), self.tensors[name]
             if have != want:
                 raise CheckpointError(f"{path!r}: tensor {name!r} has shape {list(have)}, the model built from "
                                       f"config.json expects {list(want)}")
+        for key, pieces in stacked.items():
+            for p in pieces:
+                name = f"{p.name}.weight"
+                want, (path, _, have) = (p.n_rows, p.shape[2]), self.tensors[name]
+                if have != want:
+                    raise CheckpointError(f"{path!r}: tensor {name!r} (expert {p.expert} of the model's {key!r}) has "
+                                          f"shape {list(have)}, the model built from config.json expects {list(want)}")
         self._source, self._aliases, self.unused = source, aliases, tuple(unused)
+        self._stacked = stacked
         self._tied = any(len(keys) > 1 for keys in groups.values())
 
     # ------------------------------------------------------------------------------------- load / release
@@ -256,6 +288,31 @@ class HfCheckpoint:
         if self._source is not None:
             return self._source.get(key)
         return key if key in self.tensors else None
+
+    def holds(self, key: str) -> bool:
+        """Whether :meth:`read` gives the model key or file name ``key`` (a tensor of the files, one renamed in
+        them, or routed experts stacked from their per-expert tensors)."""
+        return key in self.tensors or self._file_key(key) is not None or key in self._stacked
+
+    def _read_stacked(self, key: str) -> torch.Tensor:
+        """The fused routed-experts parameter ``key`` from its per-expert tensors (each read once)."""
+        from safetensors import safe_open
+
+        pieces = self._stacked[key]
+        by_file: dict[str, list[Any]] = {}
+        for p in pieces:
+            by_file.setdefault(self.tensors[f"{p.name}.weight"][0], []).append(p)
+        out: torch.Tensor | None = None
+        for path, ps in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for p in ps:
+                    value = f.get_tensor(f"{p.name}.weight")
+                    if out is None:
+                        out = torch.empty(p.shape, dtype=value.dtype)
+                    rows = p.rows if isinstance(p.rows, slice) else torch.from_numpy(p.rows)
+                    out[p.expert][rows] = value.to(out.dtype)
+        assert out is not None
+        return out
 
     def _replace(self, module: nn.Module, new: dict[int, torch.Tensor], tied: bool) -> None:
         """Put ``new[id(old)]`` in place of every ``old`` tensor of ``module`` (and of the whole skeleton when
@@ -284,6 +341,10 @@ class HfCheckpoint:
             old = (owner._parameters if is_param else owner._buffers)[attr]
             if id(old) in seen:
                 continue
+            if key in self._stacked:
+                seen.add(id(old))
+                plan.setdefault("", []).append((key, old, is_param))
+                continue
             name = self._file_key(key)
             if name is None:
                 raise ModelError(f"{self.path!r}: {key!r} is not a tensor of the checkpoint (is {prefix!r} the "
@@ -295,9 +356,9 @@ class HfCheckpoint:
 
         new: dict[int, torch.Tensor] = {}
         for path, items in plan.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt", device="cpu") if path else contextlib.nullcontext() as f:
                 for name, old, is_param in items:
-                    value = f.get_tensor(name)
+                    value = f.get_tensor(name) if path else self._read_stacked(name)
                     if value.dtype != old.dtype and value.is_floating_point():
                         value = value.to(old.dtype)
                     new[id(old)] = nn.Parameter(value, requires_grad=old.requires_grad) if is_param else value
@@ -318,6 +379,8 @@ class HfCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         """One tensor as stored in the files (its own dtype), memory-mapped and copied out; ``name`` is a
         file name or a model key (a tied ``lm_head.weight`` reads the embedding's tensor)."""
+        if name not in self.tensors and name in self._stacked:
+            return self._read_stacked(name)
         key = name if name in self.tensors else self._file_key(name)
         if key is None:
             raise CheckpointError(f"{self.path!r}: no tensor {name!r} in the checkpoint")
