@@ -18,17 +18,22 @@ model's forward on this data)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..matching import expand_op_types, type_names
 from .protocol import LayerResult, LayerTask
 from .quantize import rtn_quantize
 from .sparse import wanda_mask
 
-__all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "fallback_due", "expert_fallback", "warn_fallbacks"]
+__all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "fallback_due", "expert_fallback", "warn_fallbacks",
+           "ExpertSlice", "slice_config", "slice_tasks", "bank_results", "compressed_banks", "slice_mask",
+           "record_slice", "snapshot_slice", "restore_slice", "slice_observers", "bank_notes"]
 
 #: a routed expert's layer that saw fewer calibration tokens than this is compressed without statistics
 #: (:func:`expert_fallback`). 1: only an expert the calibration set never reached; raise it (module attribute) to
@@ -150,3 +155,149 @@ def _warn(name: Any, where: str, fell: list[dict[str, Any]]) -> None:
     warnings.warn(f"{name}: {len(experts)} routed expert(s){where} saw {few} and were compressed without statistics "
                   f"({how}, {len(fell)} layer(s)): {listed}; more (or more varied) calibration data reaches them",
                   stacklevel=4)
+
+
+# ------------------------------------------------------------------------------------------------ expert banks
+# A routed-expert BANK holds every expert's weights as slice ``[e]`` of 3-D weights (transformers 5's fused
+# ``gate_up_proj`` / ``down_proj``, keras-hub's ``MixtralMoeExperts``). Both backends compress it the same way: each
+# expert's slice of each weight is a layer (a task whose handle is an :class:`ExpertSlice`), observed on the tokens
+# its router sent to the expert, written back into the 3-D weight; what a run made of each slice (mask, codes) is
+# kept here per bank for export. The backends supply the tensor access and the per-expert loop that feeds the
+# observers; the selection, naming, result keeping and undo copies are these.
+
+#: bank -> {slice name: LayerResult of the last one-shot run that wrote the slice}
+_BANK_RESULTS: weakref.WeakKeyDictionary[Any, dict[str, LayerResult]] = weakref.WeakKeyDictionary()
+
+
+class ExpertSlice:
+    """Expert ``expert``'s slice of the 3-D weight ``param`` of the bank ``bank`` (at ``path``): a task's handle,
+    named ``<path><sep><expert><sep><param>``. A backend subclass gives the tensor access: :meth:`read` /
+    :meth:`assign` in core's canonical ``[out, in]`` layout, :meth:`stored` / :meth:`put_back` as stored."""
+
+    #: the path separator of the backend's layer names
+    sep = "."
+
+    def __init__(self, bank: Any, path: str, param: str, expert: int):
+        self.bank, self.path, self.param, self.expert = bank, path, param, expert
+        self.name = f"{path}{self.sep}{expert}{self.sep}{param}"
+
+    def read(self) -> np.ndarray:
+        """The slice, canonical ``[out, in]`` float64."""
+        raise NotImplementedError
+
+    def assign(self, weight: Any) -> None:
+        """Write a canonical ``[out, in]`` weight into the slice (the model computes with it at once)."""
+        raise NotImplementedError
+
+    def stored(self) -> Any:
+        """A host copy of the slice as stored (for :meth:`put_back`)."""
+        raise NotImplementedError
+
+    def put_back(self, stored: Any) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+def slice_config(config_list: Sequence[dict[str, Any]], default_types: Any, type_name: str,
+                 names: set[str]) -> dict[str, Any] | None:
+    """The entry of ``config_list`` a bank slice takes: the slice is matched as a layer of type ``type_name`` (the
+    backend's ``Linear`` / ``Dense``) that ``op_names`` may name by any of ``names`` (the bank, ``<bank>/<param>``,
+    ``<bank>/<e>/<param>``); the last matching entry wins, an excluding one gives None."""
+    wanted = type_names(type_name)
+    chosen = None
+    for entry in config_list:
+        if "op_types" in entry and not (wanted & expand_op_types(entry["op_types"], default_types)):
+            continue
+        if "op_names" in entry and not names & set(entry["op_names"]):
+            continue
+        chosen = entry
+    return None if chosen is None or chosen.get("exclude", False) else chosen
+
+
+def slice_tasks(config_list: Sequence[dict[str, Any]], default_types: Any, type_name: str,
+                banks: Iterable[tuple[Any, str, Sequence[str], int]],
+                make: Callable[[Any, str, str, int], ExpertSlice]) -> list[LayerTask]:
+    """One task per expert and weight of each bank ``(bank, path, weight names, experts)`` that the config list
+    selects (:func:`slice_config`), weight by weight, expert by expert; ``make(bank, path, param, e)`` builds the
+    handle, marked as its routed expert's (``<path><sep><e>``) for the fallback (:func:`expert_fallback`)."""
+    tasks: list[LayerTask] = []
+    for bank, path, params, count in banks:
+        for param in params:
+            for e in range(count):
+                h = make(bank, path, param, e)
+                cfg = slice_config(config_list, default_types, type_name,
+                                   {path, f"{path}{h.sep}{param}", h.name})
+                if cfg is None:
+                    continue
+                mark_routed(h, f"{path}{h.sep}{e}")
+                tasks.append(LayerTask(h.name, cfg, int(h.read().shape[1]), h))
+    return tasks
+
+
+def bank_results(bank: Any) -> dict[str, LayerResult]:
+    """``{slice name: LayerResult}`` of the slices of ``bank`` a one-shot run wrote (mask, codes, AWQ scales; the
+    weight is in the bank, not here)."""
+    return _BANK_RESULTS.setdefault(bank, {})
+
+
+def compressed_banks(banks: Iterable[tuple[str, Any]]) -> list[tuple[str, Any, dict[str, LayerResult]]]:
+    """``(path, bank, results)`` of the banks of ``banks`` (``(path, layer)`` pairs) a one-shot run wrote."""
+    return [(p, b, got) for p, b in banks if (got := _BANK_RESULTS.get(b))]
+
+
+def slice_mask(h: ExpertSlice) -> np.ndarray | None:
+    """The keep-mask an earlier run gave the slice (a pruner's; canonical), or None."""
+    got = bank_results(h.bank).get(h.name)
+    return None if got is None or got.mask is None or got.mask.all() else got.mask
+
+
+def record_slice(h: ExpertSlice, result: LayerResult) -> None:
+    """Keep ``result`` (its weight is in the bank already) for export; a result without a mask (a quantizer's on an
+    unpruned slice) keeps the slice's earlier mask."""
+    kept = bank_results(h.bank)
+    prev = kept.get(h.name)
+    if result.mask is None and prev is not None and prev.mask is not None:
+        result = LayerResult(result.weight, prev.mask, result.quantized, result.scales, result.info)
+    # no float copy of the weight (it is in the bank): the mask (1 byte a weight) and the codes, as a wrapper keeps
+    q = None if result.quantized is None else dataclasses.replace(result.quantized, dequantized=None)
+    kept[h.name] = LayerResult(np.empty((0, 0)), result.mask, q, result.scales, dict(result.info))
+
+
+def snapshot_slice(h: ExpertSlice) -> dict[str, Any]:
+    """What writing the slice changes (the backend's ``snapshot``): the slice as stored and its recorded result."""
+    return {"weight": h.stored(), "result": bank_results(h.bank).get(h.name)}
+
+
+def restore_slice(h: ExpertSlice, saved: dict[str, Any]) -> None:
+    h.put_back(saved["weight"])
+    if saved["result"] is None:
+        bank_results(h.bank).pop(h.name, None)
+    else:
+        bank_results(h.bank)[h.name] = saved["result"]
+
+
+def slice_observers(tasks: Iterable[LayerTask], observe: dict[str, Callable[[Any], None]]
+                    ) -> list[tuple[Any, dict[tuple[int, str], str]]]:
+    """Per bank holding an observed slice of ``tasks``: ``(bank, {(expert, param): slice name})``, the names
+    ``observe`` has a function for. The backend's per-expert loop hands expert ``e``'s input rows of weight
+    ``param`` to ``observe[names[(e, param)]]``."""
+    banks: dict[int, tuple[Any, dict[tuple[int, str], str]]] = {}
+    for t in tasks:
+        h = t.handle
+        if isinstance(h, ExpertSlice) and t.name in observe:
+            banks.setdefault(id(h.bank), (h.bank, {}))[1][(h.expert, h.param)] = t.name
+    return list(banks.values())
+
+
+def bank_notes(banks: Iterable[tuple[str, Any]], sep: str, why: str) -> list[str]:
+    """One line per bank of ``banks`` (``(path, layer)``) whose slices a one-shot run compressed: which weights, how
+    many slices, pruned / quantized, and ``why`` they are kept as dense tensors of compressed values."""
+    notes = []
+    for path, _, got in compressed_banks(banks):
+        kinds = sorted({"quantized" if r.quantized is not None else "pruned" for r in got.values()})
+        params = sorted({name.rsplit(sep, 1)[1] for name in got})
+        notes.append(f"{path}{sep}{{{','.join(params)}}} (3-D routed experts, {len(got)} slices {'+'.join(kinds)}: "
+                     f"{why})")
+    return notes
