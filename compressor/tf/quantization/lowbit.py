@@ -439,6 +439,11 @@ def to_keras_quantized(model_or_quantizer: Any, *, fast: bool = False) -> list[d
     for attr in ("train_function", "test_function", "predict_function"):
         if hasattr(model, attr):
             setattr(model, attr, None)
+    from ..sequential.expert_banks import keras_quantized_note
+
+    note = keras_quantized_note(model)  # expert banks: no Keras quantized layer holds them
+    if note is not None:
+        warnings.warn(note, UserWarning, stacklevel=2)
     return [p.row() for p in plans]
 
 

@@ -20,9 +20,11 @@ from ...core.oneshot import (
     ObservedAll,
     OneShotBackend,
 )
+from ...core.oneshot.experts import record_slice, restore_slice, slice_mask, snapshot_slice
 from ..compressor import iter_layers, wrappers_of
 from ..kernel_layout import KernelLayout
 from ..pruning.wrapper import PrunerLayerWrapper
+from . import expert_banks as banks
 from .blocks import (
     BlockInput,
     _first_arg,
@@ -34,6 +36,7 @@ from .blocks import (
     _shared_with,
     _Stop,
     drop_pending,
+    find_experts,
 )
 
 #: tokens per float64 block call (:meth:`KerasOneShotBackend._call`): the batch is sliced by sequences to stay under it
@@ -57,6 +60,8 @@ class KerasOneShotBackend(OneShotBackend):
         self.tasks = {w.name: LayerTask(w.name, w.config, compressor._layouts[w.name].n_in, w,
                                         compressor._specs.get(w.name))
                       for w in compressor.modules_wrapper}
+        # the routed experts of expert banks (3-D weights): one task per expert slice (expert_banks)
+        self._banks = banks.bank_tasks(compressor, self.model, find_experts(self.model))
         self._compiled: dict[int, Any] = {}
 
     # -- structure
@@ -67,7 +72,8 @@ class KerasOneShotBackend(OneShotBackend):
         return next((b for p, b in self._blocks if name.startswith(p + "/")), None)
 
     def block_layers(self, block: Any) -> list[LayerTask]:
-        return [t for n, t in self.tasks.items() if self._block_of(n) is block]
+        return [t for n, t in self.tasks.items() if self._block_of(n) is block] + \
+            [t for t in self._banks if self._block_of(t.name) is block]
 
     # -- running
     def _run_model(self, batch: Any, index: int) -> Any:
@@ -86,7 +92,9 @@ class KerasOneShotBackend(OneShotBackend):
         (the caller catches it)."""
         with ExitStack() as stack:
             for name, fn in (observe or {}).items():
-                task = self.tasks[name]
+                task = self.tasks.get(name)
+                if task is None:  # an expert bank's slice: observed below
+                    continue
                 plan = self.c._layouts[name]
                 layer = task.handle.layer
 
@@ -100,6 +108,11 @@ class KerasOneShotBackend(OneShotBackend):
                     return observed
 
                 stack.enter_context(_intercepted(layer, make))
+
+            def fired(name: str) -> None:
+                if calls is not None and calls.fired(name):
+                    raise ObservedAll
+            stack.enter_context(banks.observe_banks(self._banks, observe or {}, fired))
             yield
 
     def drop_transients(self) -> None:
@@ -131,8 +144,9 @@ class KerasOneShotBackend(OneShotBackend):
                     return watched
                 stack.enter_context(_intercepted(block, make))
             stack.enter_context(self._observing({n: (lambda x, n=n: seen.add(n)) for n in self.tasks}))
+            stack.enter_context(banks.watch_banks(self._banks, seen.add))
             self._run_model(batch, 0)
-        missing = [n for n in self.tasks if n not in seen]
+        missing = [n for n in [*self.tasks, *(t.name for t in self._banks)] if n not in seen]
         if missing:
             raise ModelError(f"{self.c._what}: selected layer(s) {missing} are not called when the model runs on the "
                              f"calibration data; exclude them (op_names + exclude: True) or check the data")
@@ -275,6 +289,8 @@ class KerasOneShotBackend(OneShotBackend):
         alive: list[Any] = []  # keeps the inputs alive, so ids stay unique during the probe
         with ExitStack() as stack:
             for t in tasks:
+                if isinstance(t.handle, banks.BankSlice):  # each slice its own statistics (a layer of its own)
+                    continue
                 layer = t.handle.layer
 
                 def make(orig: Callable[..., Any], name: str = t.name, layer: Any = layer) -> Callable[..., Any]:
@@ -382,6 +398,8 @@ class KerasOneShotBackend(OneShotBackend):
     # -- weights
     def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
         w = task.handle
+        if isinstance(w, banks.BankSlice):
+            return w.read(), slice_mask(w)
         plan = self.c._layouts[task.name]
         weight = plan.to_canonical(np.asarray(w.weight.numpy())).astype(np.float64)
         pruner = next((p for p in wrappers_of(w.layer) if isinstance(p, PrunerLayerWrapper) and p.ready), None)
@@ -391,9 +409,16 @@ class KerasOneShotBackend(OneShotBackend):
         return weight, mask
 
     def write(self, task: LayerTask, result: LayerResult) -> None:
+        if isinstance(task.handle, banks.BankSlice):
+            task.handle.assign(result.weight)
+            record_slice(task.handle, result)
+            return
         self.c._write(task.handle, self.c._layouts[task.name], result)
 
     def set_weight(self, task: LayerTask, weight: np.ndarray) -> None:
+        if isinstance(task.handle, banks.BankSlice):
+            task.handle.assign(weight)
+            return
         kernel = _kernel(task.handle)
         kernel.assign(tf.cast(self.c._layouts[task.name].from_canonical(weight), kernel.dtype))
 
@@ -401,12 +426,17 @@ class KerasOneShotBackend(OneShotBackend):
         """Host copies of what :meth:`write` / :meth:`set_weight` change: the kernel, the wrapper's state
         variables (masks, codes, ...), and which of them and of its plain attributes existed."""
         w = task.handle
+        if isinstance(w, banks.BankSlice):
+            return snapshot_slice(w)
         return {"kernel": np.array(_kernel(w).numpy()),
                 "states": {n: np.array(v.numpy()) for n, v in w.state_variables().items()},
                 "attrs": {a: vars(w)[a] for a in _WRITTEN_ATTRS if a in vars(w)}}
 
     def restore(self, task: LayerTask, saved: dict[str, Any]) -> None:
         w = task.handle
+        if isinstance(w, banks.BankSlice):
+            restore_slice(w, saved)
+            return
         _kernel(w).assign(saved["kernel"])
         states = w.__dict__["_state_vars"]
         for n in list(states):

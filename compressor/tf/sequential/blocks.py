@@ -264,16 +264,22 @@ def _mark_routed_layers(experts: list[ExpertSet], layers: list[tuple[str, Any]],
 
 def _warn_fused(experts: list[ExpertSet], model: Any, blocks: list[tuple[str, Any]], selected: Sequence[str]) -> None:
     """One warning naming the fused expert weights of the mixture-of-experts layers in the blocks that hold
-    selected layers (the one-shot methods compress Dense / EinsumDense kernels: these stay as they are)."""
+    selected layers whose per-expert computation is not known (:func:`.expert_banks.supported`: keras-hub's
+    Mixtral / Qwen-MoE banks are, and are compressed slice by slice), so these stay as they are."""
+    from .expert_banks import supported
+
+    by_path = dict(iter_layers(model))
     scopes = [p for p, _ in blocks if any(s.startswith(p + "/") for s in selected)] or ([""] if selected else [])
-    fused = [e for e in experts if e.fused and any(not p or e.members[0].startswith(p + "/") for p in scopes)]
+    fused = [e for e in experts if e.fused and not supported(e, by_path)
+             and any(not p or e.members[0].startswith(p + "/") for p in scopes)]
     if not fused:
         return
     shapes = ", ".join(f"{n} {list(s)}" for n, s in fused[0].params)
     more = f" and {len(fused) - 1} more like it" if len(fused) > 1 else ""
     warnings.warn(f"one-shot calibration: the routed experts of {len(fused)} mixture-of-experts layer(s) are fused 3-D "
                   f"weights ({fused[0].members[0]}: {shapes}{more}) and are NOT compressed: the one-shot methods "
-                  f"compress Dense / EinsumDense layers", stacklevel=4)
+                  f"compress Dense / EinsumDense layers and the expert banks of compressor.tf.sequential.expert_banks."
+                  f"BANKS", stacklevel=4)
 
 
 def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None) -> list[tuple[str, Any]]:
