@@ -33,7 +33,7 @@ from .sparse import wanda_mask
 
 __all__ = ["MIN_EXPERT_TOKENS", "mark_routed", "routed_expert", "fallback_due", "expert_fallback", "warn_fallbacks",
            "ExpertSlice", "slice_config", "slice_tasks", "bank_results", "compressed_banks", "slice_mask",
-           "record_slice", "snapshot_slice", "restore_slice", "slice_observers", "bank_notes"]
+           "record_slice", "snapshot_slice", "restore_slice", "slice_observers"]
 
 #: a routed expert's layer that saw fewer calibration tokens than this is compressed without statistics
 #: (:func:`expert_fallback`). 1: only an expert the calibration set never reached; raise it (module attribute) to
@@ -185,6 +185,10 @@ class ExpertSlice:
         """The slice, canonical ``[out, in]`` float64."""
         raise NotImplementedError
 
+    def in_features(self) -> int:
+        """The canonical slice's axis 1 (override to avoid :meth:`read`'s copy)."""
+        return int(self.read().shape[1])
+
     def assign(self, weight: Any) -> None:
         """Write a canonical ``[out, in]`` weight into the slice (the model computes with it at once)."""
         raise NotImplementedError
@@ -232,7 +236,7 @@ def slice_tasks(config_list: Sequence[dict[str, Any]], default_types: Any, type_
                 if cfg is None:
                     continue
                 mark_routed(h, f"{path}{h.sep}{e}")
-                tasks.append(LayerTask(h.name, cfg, int(h.read().shape[1]), h))
+                tasks.append(LayerTask(h.name, cfg, h.in_features(), h))
     return tasks
 
 
@@ -289,15 +293,3 @@ def slice_observers(tasks: Iterable[LayerTask], observe: dict[str, Callable[[Any
         if isinstance(h, ExpertSlice) and t.name in observe:
             banks.setdefault(id(h.bank), (h.bank, {}))[1][(h.expert, h.param)] = t.name
     return list(banks.values())
-
-
-def bank_notes(banks: Iterable[tuple[str, Any]], sep: str, why: str) -> list[str]:
-    """One line per bank of ``banks`` (``(path, layer)``) whose slices a one-shot run compressed: which weights, how
-    many slices, pruned / quantized, and ``why`` they are kept as dense tensors of compressed values."""
-    notes = []
-    for path, _, got in compressed_banks(banks):
-        kinds = sorted({"quantized" if r.quantized is not None else "pruned" for r in got.values()})
-        params = sorted({name.rsplit(sep, 1)[1] for name in got})
-        notes.append(f"{path}{sep}{{{','.join(params)}}} (3-D routed experts, {len(got)} slices {'+'.join(kinds)}: "
-                     f"{why})")
-    return notes

@@ -134,6 +134,9 @@ class BankSlice(ExpertSlice):
     def read(self) -> np.ndarray:
         return self.stored().T.astype(np.float64)
 
+    def in_features(self) -> int:
+        return int(self.variable.shape[1])
+
     def assign(self, weight: Any) -> None:
         v = self._tf()
         v[self.expert].assign(tf.cast(np.ascontiguousarray(np.asarray(weight).T), v.dtype))

@@ -22,7 +22,6 @@ parameter is a layer of its own.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,15 +30,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core.matching import expand_op_types, type_names
 from ...core.oneshot import LayerResult, LayerTask
-from ...core.oneshot.experts import mark_routed
+from ...core.oneshot.experts import (
+    ExpertSlice,
+    bank_results,
+    compressed_banks,
+    record_slice,
+    restore_slice,
+    slice_tasks,
+    snapshot_slice,
+)
+from ...core.oneshot.experts import slice_mask as _slice_mask
 
 __all__ = ["FusedSlice", "supported", "fused_tasks", "fused_results", "observe_fused", "up_name", "slice_mask", "record",
            "snapshot", "restore", "export_notes", "ExpertPiece", "checkpoint_layout", "fuse_pieces"]
 
-#: bank -> {slice name: LayerResult of the last one-shot run that wrote the slice}
-_RESULTS: weakref.WeakKeyDictionary[nn.Module, dict[str, LayerResult]] = weakref.WeakKeyDictionary()
 
 
 def up_name(bank: nn.Module) -> str:
@@ -56,13 +61,13 @@ def supported(bank: nn.Module) -> bool:
     return all(isinstance(ps.get(n), torch.Tensor) and ps[n].dim() == 3 for n in (up_name(bank), "down_proj"))
 
 
-class FusedSlice:
-    """Expert ``expert``'s slice of the 3-D parameter ``param`` of the bank ``bank`` (at ``path``); a task handle."""
+class FusedSlice(ExpertSlice):
+    """Expert ``expert``'s slice of the 3-D parameter ``param`` of the bank ``bank`` (at ``path``); a task handle
+    named ``<path>.<expert>.<param>`` (core's :class:`~compressor.core.oneshot.experts.ExpertSlice`)."""
 
     def __init__(self, bank: nn.Module, path: str, param: str, expert: int):
-        self.bank, self.path, self.param, self.expert = bank, path, param, expert
+        super().__init__(bank, path, param, expert)
         self.transposed = bool(getattr(bank, "is_transposed", False))
-        self.name = f"{path}.{expert}.{param}"
 
     def tensor(self) -> torch.Tensor:
         """The slice as stored (a view of the parameter)."""
@@ -76,6 +81,19 @@ class FusedSlice:
     def read(self) -> np.ndarray:
         return self.canonical().detach().to("cpu", torch.float64).numpy()
 
+    def in_features(self) -> int:
+        return int(self.canonical().shape[1])
+
+    def stored(self) -> Any:
+        """The slice as stored: a numpy view where numpy has the dtype (core's undo writes it out at once), else a
+        CPU tensor copy (bfloat16)."""
+        t = self.tensor().detach()
+        return t.to("cpu").numpy() if t.dtype != torch.bfloat16 else t.to("cpu", copy=True)
+
+    def put_back(self, stored: Any) -> None:
+        with torch.no_grad():
+            self.tensor().copy_(torch.from_numpy(stored) if isinstance(stored, np.ndarray) else stored)
+
     def assign(self, weight: np.ndarray | torch.Tensor) -> None:
         """Write a canonical ``[out, in]`` weight into the slice."""
         w = torch.as_tensor(np.ascontiguousarray(weight)) if isinstance(weight, np.ndarray) else weight
@@ -83,49 +101,23 @@ class FusedSlice:
         with torch.no_grad():
             dst.copy_(w.to(dtype=dst.dtype, device=dst.device))
 
-    def __repr__(self) -> str:
-        return f"FusedSlice({self.name})"
-
-
-def _config_for(config_list: list[dict[str, Any]], default_types: Any, bank_path: str, param: str,
-                expert: int) -> dict[str, Any] | None:
-    """The entry of ``config_list`` a Linear layer ``<bank>.<param>`` takes (last match wins; excluded: None)."""
-    names = {bank_path, f"{bank_path}.{param}", f"{bank_path}.{expert}.{param}"}
-    linear = type_names("Linear")
-    chosen = None
-    for entry in config_list:
-        if "op_types" in entry and not (linear & expand_op_types(entry["op_types"], default_types)):
-            continue
-        if "op_names" in entry and not names & set(entry["op_names"]):
-            continue
-        chosen = entry
-    return None if chosen is None or chosen.get("exclude", False) else chosen
-
 
 def fused_tasks(compressor: Any, model: nn.Module, experts: list[Any]) -> list[LayerTask]:
     """One task per expert and fused parameter of the supported banks in ``experts`` (:class:`~.blocks.ExpertSet`)
     that the compressor's config list selects; each handle is marked as its routed expert's for core's fallback."""
-    tasks: list[LayerTask] = []
+    banks = []
     for s in experts:
         if not s.fused:
             continue
         bank = model.get_submodule(s.path)
-        if not supported(bank):
-            continue
-        for param in (up_name(bank), "down_proj"):
-            for e in range(s.count):
-                cfg = _config_for(compressor.config_list, compressor.default_types, s.path, param, e)
-                if cfg is None:
-                    continue
-                h = FusedSlice(bank, s.path, param, e)
-                mark_routed(h, f"{s.path}.{e}")
-                tasks.append(LayerTask(h.name, cfg, int(h.canonical().shape[1]), h))
-    return tasks
+        if supported(bank):
+            banks.append((bank, s.path, (up_name(bank), "down_proj"), s.count))
+    return slice_tasks(compressor.config_list, compressor.default_types, "Linear", banks, FusedSlice)
 
 
 def fused_results(bank: nn.Module) -> dict[str, LayerResult]:
     """``{slice name: LayerResult}`` of the slices of ``bank`` a one-shot run wrote (mask, codes, AWQ scales)."""
-    return _RESULTS.setdefault(bank, {})
+    return bank_results(bank)
 
 
 class _Restore:
@@ -202,40 +194,11 @@ def observe_fused(tasks: list[LayerTask], observe: dict[str, Callable[[Any], Non
         bank.forward = _expert_loop(bank, see)
 
 
-def slice_mask(h: FusedSlice) -> np.ndarray | None:
-    """The keep-mask an earlier run gave the slice (a pruner's; canonical), or None."""
-    got = fused_results(h.bank).get(h.name)
-    return None if got is None or got.mask is None or got.mask.all() else got.mask
-
-
-def record(h: FusedSlice, result: LayerResult) -> None:
-    """Keep ``result`` (its weight is in the parameter already) for export; a result without a mask (a quantizer's
-    on an unpruned slice) keeps the slice's earlier mask."""
-    kept = fused_results(h.bank)
-    prev = kept.get(h.name)
-    if result.mask is None and prev is not None and prev.mask is not None:
-        result = LayerResult(result.weight, prev.mask, result.quantized, result.scales, result.info)
-    # no float copy of the weight (it is in the parameter): the mask (1 byte a weight) and the codes, as a wrapper keeps
-    q = None if result.quantized is None else dataclasses.replace(result.quantized, dequantized=None)
-    kept[h.name] = LayerResult(np.empty((0, 0)), result.mask, q, result.scales, dict(result.info))
-
-
-def snapshot(h: FusedSlice) -> dict[str, Any]:
-    """The slice as stored (a numpy view where numpy has the dtype: core's undo writes it out at once) and its
-    recorded result."""
-    t = h.tensor().detach()
-    w = t.to("cpu").numpy() if t.dtype != torch.bfloat16 else t.to("cpu", copy=True)
-    return {"weight": w, "result": fused_results(h.bank).get(h.name)}
-
-
-def restore(h: FusedSlice, saved: dict[str, Any]) -> None:
-    w = saved["weight"]
-    with torch.no_grad():
-        h.tensor().copy_(torch.from_numpy(w) if isinstance(w, np.ndarray) else w)
-    if saved["result"] is None:
-        fused_results(h.bank).pop(h.name, None)
-    else:
-        fused_results(h.bank)[h.name] = saved["result"]
+#: a slice's earlier keep-mask, recording its result, its undo copy: core's (one rule for both backends)
+slice_mask = _slice_mask
+record = record_slice
+snapshot = snapshot_slice
+restore = restore_slice
 
 
 def export_notes(model: nn.Module, skip: Any = ()) -> list[str]:
@@ -244,9 +207,8 @@ def export_notes(model: nn.Module, skip: Any = ()) -> list[str]:
     They are written as the float tensors they hold (pruned zeros / dequantized values) under the fused names:
     compressed-tensors packs ``nn.Linear`` layers only, and transformers loads the fused 3-D parameters as they are."""
     notes = []
-    for path, m in model.named_modules():
-        got = _RESULTS.get(m)
-        if not got or path in skip:
+    for path, _, got in compressed_banks(model.named_modules()):
+        if path in skip:
             continue
         kinds = sorted({"quantized" if r.quantized is not None else "pruned" for r in got.values()})
         params = sorted({name.rsplit(".", 1)[1] for name in got})
