@@ -59,7 +59,7 @@ from ..core.oneshot.codes import stored_codes_to_full
 from .modules import innermost_module, is_wrapper
 from .pruning.wrapper import PrunerModuleWrapper
 from .quantization.wrapper import QuantizerModuleWrapper
-from .sequential.fused_experts import ExpertPiece, checkpoint_layout, export_notes, fuse_pieces, fused_results
+from .sequential.expert_banks import ExpertPiece, checkpoint_layout, export_notes, fuse_pieces, fused_results
 
 __all__ = ["save_compressed_tensors", "SPARSE_FORMATS", "TensorPlan", "plan_tensors", "quantization_config", "write_config",
            "packed_layers", "capture_call", "dense_warning", "CONV1D_REASON"]
@@ -410,7 +410,7 @@ def plan_tensors(model: nn.Module, state: dict[str, torch.Tensor], sparse_format
     that produce an AWQ layer's input; who reads what comes from one forward of the whole model, or for a part
     from ``capture(part) -> (inputs, outputs)`` by module name (``config``: the model's config). ``unfolded``: why an
     AWQ layer is written in float when ``fold`` is False (the note of each). ``experts``: the per-expert layout of
-    the fused routed experts (:func:`~.sequential.fused_experts.checkpoint_layout`; default: found on ``model``,
+    the fused routed experts (:func:`~.sequential.expert_banks.checkpoint_layout`; default: found on ``model``,
     which must then be the whole ``PreTrainedModel``); see :func:`_expert_plan`."""
     if sparse_format not in SPARSE_FORMATS:
         raise ConfigError(f"export_model: hf_sparse_format must be one of {list(SPARSE_FORMATS)}, got {sparse_format!r}")

@@ -64,7 +64,7 @@ from .hf_stream import HfCheckpoint
 from .modules import is_wrapper
 from .sequential import TorchOneShotBackend
 from .sequential.blocks import _hidden_of, _Input
-from .sequential.fused_experts import checkpoint_layout, fused_results, supported
+from .sequential.expert_banks import checkpoint_layout, fused_results, supported
 from .token_data import checkpoint_tokenizer, load_token_file
 
 __all__ = ["oneshot"]

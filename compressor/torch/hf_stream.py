@@ -212,7 +212,7 @@ class HfCheckpoint:
                 # transformers' on-disk layout (what save_pretrained writes): the fused routed experts as
                 # per-expert tensors, some modules renamed (Mixtral's block_sparse_moe)
                 if layout is None:
-                    from .sequential.fused_experts import checkpoint_layout
+                    from .sequential.expert_banks import checkpoint_layout
 
                     layout = checkpoint_layout(model, renames=True)
                 pieces = layout[0].get(keys[0])

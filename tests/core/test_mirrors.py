@@ -119,6 +119,9 @@ ONESHOT_MIRRORED: dict[str, str] = {
     "sequential/backend.py": "the OneShotBackend adapter: block calls, observed inputs, weights in [out, in]",
     "sequential/blocks.py": "a model's decoder blocks and the calls they receive",
     "sequential/mixin.py": "OneShotMixin, what the five one-shot compressors share",
+    "sequential/expert_banks.py": "routed experts stored as one 3-D weight per projection (transformers 5 fused "
+                                  "experts, keras-hub expert banks) compressed expert by expert; what both share "
+                                  "is core/oneshot/experts.py",
     "pruning/oneshot.py": "WandaPruner, SparseGPTPruner",
     "quantization/oneshot.py": "GptqQuantizer, RtnQuantizer, AwqQuantizer",
     "quantization/lowbit.py": "one-shot-quantized layers run by the framework's own low-bit kernels",

@@ -2,7 +2,7 @@
 experts ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]) and in keras-hub (``MixtralBackbone``, expert bank
 ``expert_feedforward_{gate,intermediate,output}_dense`` [E, H, I] / [E, I, H]) with the same weights, calibrated on
 the same tokens with ``forward_dtype='float64'``: every expert slice gets the same GPTQ codes and the same SparseGPT
-mask on both (compressor/torch/sequential/fused_experts.py, compressor/tf/sequential/expert_banks.py).
+mask on both (compressor/torch/sequential/expert_banks.py, compressor/tf/sequential/expert_banks.py).
 
 Why the counts are exactly 0: each expert slice is solved from the Gram matrix of the tokens routed to it. The two
 runs route the same tokens (the routers' logits agree to ~1e-15 in float64, far from any top-2 tie on random data)
@@ -30,7 +30,7 @@ keras_hub = pytest.importorskip("keras_hub")
 import compressor.tf as ctf  # noqa: E402
 import compressor.torch as cth  # noqa: E402
 from compressor.core.oneshot.experts import bank_results  # noqa: E402
-from compressor.torch.sequential import fused_experts as fx  # noqa: E402
+from compressor.torch.sequential import expert_banks as fx  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.tf, pytest.mark.filterwarnings("ignore:.*leaves out weighted layers")]
 

@@ -2,7 +2,7 @@
 the compressed-tensors export: packed / sparse per expert in transformers' own on-disk layout (what save_pretrained
 writes: Mixtral ``block_sparse_moe.experts.E.w1/w2/w3``, Qwen2-MoE ``mlp.experts.E.gate_proj/up_proj/down_proj``),
 which ``from_pretrained`` dequantizes and merges back into the fused parameters; and the streamed run reading a
-checkpoint in that layout (compressor/torch/sequential/fused_experts.py ``checkpoint_layout``, hf_checkpoint.py
+checkpoint in that layout (compressor/torch/sequential/expert_banks.py ``checkpoint_layout``, hf_checkpoint.py
 ``_expert_plan``, hf_stream.py)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from compressor.core.compressed_tensors import load_compressed_tensors, read_safetensors, write_safetensors
 from compressor.torch import GptqQuantizer, SparseGPTPruner
-from compressor.torch.sequential.fused_experts import checkpoint_layout, fuse_pieces
+from compressor.torch.sequential.expert_banks import checkpoint_layout, fuse_pieces
 
 pytestmark = [pytest.mark.torch]
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """transformers 5's fused 3-D routed experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])
 in the one-shot methods: each expert's slice of each parameter is a layer, calibrated on the tokens routed to it
-(compressor/torch/sequential/fused_experts.py), written back into the 3-D parameter, and exported so that
+(compressor/torch/sequential/expert_banks.py), written back into the 3-D parameter, and exported so that
 ``from_pretrained`` gives the in-memory logits."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from compressor.core import oneshot as os1
 from compressor.core.oneshot.observe import observers
 from compressor.torch import AwqQuantizer, GptqQuantizer, SparseGPTPruner, WandaPruner
 from compressor.torch.sequential import TorchOneShotBackend
-from compressor.torch.sequential import fused_experts as fx
+from compressor.torch.sequential import expert_banks as fx
 from compressor.torch.sequential.blocks import find_experts
 
 pytestmark = [pytest.mark.torch]

@@ -262,12 +262,11 @@ def _mark_routed_layers(experts: list[ExpertSet], layers: list[tuple[str, Any]],
             mark_routed(layer, next((m for m in members if s.startswith(m + "/")), None))
 
 
-def _warn_fused(experts: list[ExpertSet], model: Any, blocks: list[tuple[str, Any]], selected: Sequence[str]) -> None:
+def _warn_fused(experts: list[ExpertSet], model: Any, blocks: list[tuple[str, Any]], selected: Sequence[str],
+                supported: Callable[[ExpertSet, dict[str, Any]], bool]) -> None:
     """One warning naming the fused expert weights of the mixture-of-experts layers in the blocks that hold
-    selected layers whose per-expert computation is not known (:func:`.expert_banks.supported`: keras-hub's
-    Mixtral / Qwen-MoE banks are, and are compressed slice by slice), so these stay as they are."""
-    from .expert_banks import supported
-
+    selected layers whose per-expert computation is not known (``supported``, :func:`.expert_banks.supported`:
+    keras-hub's Mixtral / Qwen-MoE banks are, and are compressed slice by slice), so these stay as they are."""
     by_path = dict(iter_layers(model))
     scopes = [p for p, _ in blocks if any(s.startswith(p + "/") for s in selected)] or ([""] if selected else [])
     fused = [e for e in experts if e.fused and not supported(e, by_path)
@@ -282,7 +281,9 @@ def _warn_fused(experts: list[ExpertSet], model: Any, blocks: list[tuple[str, An
                   f"BANKS", stacklevel=4)
 
 
-def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | None = None,
+                supported: Callable[[ExpertSet, dict[str, Any]], bool] = lambda s, by_path: False,
+                ) -> list[tuple[str, Any]]:
     """The model's repeated blocks ``[(path, layer)]``; ``[]``: none found. ``targets``: class names of the blocks
     (outermost ones; a ModelError when the model has none). Without targets: the largest group of two or more
     child layers of one class of one parent that hold sub-layers and a selected layer, that is neither
@@ -293,7 +294,8 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
       its layers).
 
     Also marks the selected layers of routed experts for core's fallback and warns once about fused expert
-    weights that stay uncompressed."""
+    weights that stay uncompressed (those ``supported`` does not accept: the caller passes
+    :func:`.expert_banks.supported`)."""
     layers = iter_layers(model)
     path_of = {id(layer): p for p, layer in layers}
     experts = find_experts(model)
@@ -311,7 +313,7 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
             containers = sorted({type(layer).__name__ for p, layer in layers if _children(layer)})
             raise ModelError(f"sequential_targets {list(targets)}: the model has no layer of these classes; its layers "
                              f"with sub-layers are {containers}")
-        _warn_fused(experts, model, found, selected)
+        _warn_fused(experts, model, found, selected, supported)
         return found
     routed = {tuple(e.members) for e in experts if not e.fused}
     groups: list[list[tuple[str, Any]]] = []
@@ -330,7 +332,7 @@ def find_blocks(model: Any, selected: Sequence[str], targets: Sequence[str] | No
     for members in groups:
         if len(members) > len(best) and tuple(p for p, _ in members) not in routed and not nested(members):
             best = members
-    _warn_fused(experts, model, best, selected)
+    _warn_fused(experts, model, best, selected, supported)
     return best
 
 

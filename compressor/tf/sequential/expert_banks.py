@@ -2,7 +2,7 @@
 one layer with 3-D weights ``[E, in, out]``, e.g. Mixtral's ``expert_feedforward_gate_dense`` /
 ``expert_feedforward_intermediate_dense`` ``[E, H, I]`` and ``expert_feedforward_output_dense`` ``[E, I, H]``):
 each expert's slice of each weight is a layer of its own, as on PyTorch
-(:mod:`compressor.torch.sequential.fused_experts`; what both share is core's, :mod:`compressor.core.oneshot.experts`).
+(:mod:`compressor.torch.sequential.expert_banks`; what both share is core's, :mod:`compressor.core.oneshot.experts`).
 
 * **which**: a bank :func:`~.blocks.find_experts` finds whose class has a known per-expert computation
   (:data:`BANKS`; :func:`supported`), beside ONE router (a Dense scoring the ``E`` experts) in a parent that says

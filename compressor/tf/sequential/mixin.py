@@ -26,6 +26,7 @@ from ..calibration_data import calibration_batches
 from ..kernel_layout import ONESHOT_DEFAULT_TYPES, KernelLayout, kernel_layout
 from .backend import KerasOneShotBackend
 from .blocks import find_blocks, find_routers, remapper_off
+from .expert_banks import supported as bank_supported
 
 #: sequences per forward pass when the calibration data is one array of samples
 CALIBRATION_BATCH_SIZE = 8
@@ -85,7 +86,7 @@ class OneShotMixin:
                 out.append((info, cfg))
         for info, _ in out:
             self._layouts[info.name] = kernel_layout(info.name, by_name[info.name])
-        self._blocks = find_blocks(self.bound_model, [i.name for i, _ in out], self.sequential_targets)
+        self._blocks = find_blocks(self.bound_model, [i.name for i, _ in out], self.sequential_targets, bank_supported)
         vocab = {int(layer.input_dim) for layer in by_name.values() if isinstance(layer, keras.layers.Embedding)}
         kept = []
         for info, cfg in out:

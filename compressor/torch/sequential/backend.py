@@ -28,7 +28,7 @@ from ..calibration_data import _tensors
 from ..layout import canonical_shape, from_canonical, to_canonical
 from ..modules import is_wrapper
 from ..pruning.wrapper import PrunerModuleWrapper
-from . import fused_experts as fused
+from . import expert_banks as fused
 from .blocks import (
     _dedupe,
     _hidden_of,
@@ -61,7 +61,7 @@ class TorchOneShotBackend(OneShotBackend):
         self._tasks = {id(w): LayerTask(w.name, w.config, canonical_shape(w, w.weight.shape)[1], w,
                                         getattr(w, "quant_spec", None))
                        for w in self.wrappers}
-        # the routed experts of fused 3-D parameters: one task per expert slice (fused_experts)
+        # the routed experts of fused 3-D parameters: one task per expert slice (expert_banks)
         self._fused = fused.fused_tasks(compressor, self.model, find_experts(self.model))
         fwd = getattr(self.model, "forward", None)
         try:

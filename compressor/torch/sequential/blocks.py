@@ -17,7 +17,7 @@ from ...core.errors import ModelError
 from ...core.oneshot.experts import mark_routed
 from ..layout import in_out_features
 from ..modules import is_wrapper
-from .fused_experts import supported
+from .expert_banks import supported
 
 
 def _contains(module: nn.Module, ids: set[int]) -> bool:
@@ -122,7 +122,7 @@ def _warn_fused(experts: list[ExpertSet], model: nn.Module, blocks: list[tuple[s
                 selected: list[nn.Module]) -> None:
     """One warning naming the fused expert parameters (3-D, one slice per expert) of the mixture-of-experts
     modules in the blocks that hold selected layers whose per-expert computation is not known
-    (:func:`~.fused_experts.supported`: transformers' experts banks are, and are compressed slice by slice), so
+    (:func:`~.expert_banks.supported`: transformers' experts banks are, and are compressed slice by slice), so
     these stay as they are."""
     ids = {id(m) for m in selected}
     scopes = [(n, b) for n, b in blocks if _contains(b, ids)] or ([("", model)] if ids else [])
@@ -145,7 +145,7 @@ def float64_exempt(block: nn.Module) -> list[nn.Module]:
     """The modules of ``block`` a float64 pass must leave in the model's dtype: fused experts (3-D parameters
     :func:`find_experts` finds), whose grouped matrix products (transformers 5's ``grouped_mm`` experts kernel)
     take no float64: :func:`model_dtype_hooks` runs them in their own dtype inside the float64 pass (the
-    statistics of their expert slices, :mod:`.fused_experts`, are then float32 rows)."""
+    statistics of their expert slices, :mod:`.expert_banks`, are then float32 rows)."""
     return [block.get_submodule(e.path) for e in find_experts(block) if e.fused]
 
 
