@@ -4,10 +4,11 @@ back between blocks (:func:`release_freed_heap`), and the undo copies of changed
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,71 @@ def own_pages(shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape)
     return np.frombuffer(buf, dtype=np.float64).reshape(shape)
 
+
+#: a Gram matrix of at least this many bytes waits on disk while the other layers of its block are solved, in a run
+#: that gives a folder for it (:func:`spilling_to`; a streamed run: its run folder). A TinyLlama block's down
+#: projection's (5632 wide: 242 MiB) is; the 2048-wide ones (32 MiB) are not
+SPILL_BYTES = 64 << 20
+_SPILL_DIR: list[str | None] = [None]
+
+
+@contextlib.contextmanager
+def spilling_to(folder: str | None) -> Iterator[None]:
+    """Within the block: large Gram matrices of layers not being solved wait in an unlinked file in ``folder``
+    (None: they stay in memory), see :class:`GramSpill`."""
+    before = _SPILL_DIR[0]
+    _SPILL_DIR[0] = folder
+    try:
+        yield
+    finally:
+        _SPILL_DIR[0] = before
+
+
+class GramSpill:
+    """The Gram matrices (:data:`SPILL_BYTES` or more) of a block's layers written to a temporary file while other
+    layers are solved, read back (into pages of their own) when their layer's turn comes: a block's peak holds one
+    large matrix, not its down projection's beside the solve of another layer. Bytes out, the same bytes back.
+    Active only inside :func:`spilling_to` with a folder."""
+
+    def __init__(self) -> None:
+        self.folder = _SPILL_DIR[0]
+        self.file: Any = None
+        self.where: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def put(self, acc: Any) -> None:
+        """Spill ``acc``'s Gram matrix (when large and a folder is set)."""
+        g = getattr(acc, "gram", None)
+        if self.folder is None or g is None or g.nbytes < SPILL_BYTES or id(acc) in self.where:
+            return
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(prefix="gram-", dir=self.folder)
+        f = self.file
+        f.seek(0, 2)
+        self.where[id(acc)] = (f.tell(), g.shape)
+        f.write(memoryview(np.ascontiguousarray(g)).cast("B"))
+        acc.gram = None
+
+    def get(self, acc: Any) -> None:
+        """Put ``acc``'s spilled Gram matrix back (a no-op when it was not spilled)."""
+        spot = self.where.pop(id(acc), None)
+        if spot is None:
+            return
+        offset, shape = spot
+        g = own_pages(shape)
+        self.file.seek(offset)
+        view = memoryview(g).cast("B")
+        got = 0
+        while got < len(view):
+            n = self.file.readinto(view[got:])
+            if not n:
+                raise OSError("the spilled Gram matrix was cut short")
+            got += n
+        acc.gram = g
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 def _glibc_trim() -> Callable[[], Any] | None:

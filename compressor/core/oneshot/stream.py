@@ -6,7 +6,13 @@ checkpoint (``io.load_block``), every stage of the recipe observes and compresse
 ``(backend, method)`` pair as :func:`~compressor.core.oneshot.driver.run_sequential` takes, e.g. SparseGPT then
 GPTQ on the same block), the compressed block computes the next block's inputs, its compressed state is written
 (``io.save_block``) and its memory released (``io.release_block``). Nothing holds the whole model: peak memory is
-one block + its calibration activations + its statistics.
+one block + its calibration activations + its statistics. Where the storage writes a block's recorded inputs one
+batch at a time (:meth:`BlockIO.dump_input` / :meth:`BlockIO.load_input`), the activations are not held either: each
+pass over a block reads its inputs back from the run folder a batch at a time (:class:`RecordedInputs`), and the
+block's outputs go to the next block's file as they are computed; the modules before the first block (embeddings)
+are in memory only while block 0's inputs are recorded (:meth:`BlockIO.load_outside`), and a Gram matrix of at least
+:data:`~compressor.core.oneshot.memory.SPILL_BYTES` waits in the run folder while the block's other layers are
+solved (:func:`~compressor.core.oneshot.memory.spilling_to`).
 
 A run's progress lives in a :class:`RunStore` folder beside the output: a ``state.json`` naming the recipe's and
 the inputs' fingerprints and how many blocks are done, each finished block's state, and the recorded inputs of
@@ -20,18 +26,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError, ModelError
 from .collective import reduce_statistics
-from .memory import Undo, release_freed_heap
+from .memory import Undo, release_freed_heap, spilling_to
 from .method import OneShotMethod
 from .observe import observers
 from .protocol import OneShotBackend
 
-__all__ = ["RunStore", "BlockIO", "run_streamed", "check_stages", "check_folders", "check_disk_space",
+__all__ = ["RunStore", "BlockIO", "RecordedInputs", "run_streamed", "check_stages", "check_folders", "check_disk_space",
            "drop_finished_run"]
 
 STATE_VERSION = 1
@@ -121,6 +128,142 @@ class BlockIO:
         """Read back what :meth:`save_inputs` wrote."""
         raise NotImplementedError
 
+    # optional: recorded inputs one batch at a time (both or neither; then save_inputs / load_inputs are not used)
+    def dump_input(self, inp: Any) -> bytes:
+        """One batch of a block's recorded inputs as bytes (:meth:`load_input` reads them back)."""
+        raise NotImplementedError
+
+    def load_input(self, data: bytes) -> Any:
+        """The batch :meth:`dump_input` wrote."""
+        raise NotImplementedError
+
+    def inputs_recorded(self, first: Any) -> None:
+        """Called with the first batch of the recorded inputs of a block after the first, as they are written."""
+
+    # optional: the modules before the first block (embeddings), in memory only while block 0's inputs are made
+    def load_outside(self) -> None:
+        """Read the weights the model's forward needs before its first block."""
+
+    def release_outside(self) -> None:
+        """Give back what :meth:`load_outside` read."""
+
+
+def _records(io: BlockIO) -> bool:
+    """Does ``io`` write recorded inputs one batch at a time?"""
+    return type(io).dump_input is not BlockIO.dump_input and type(io).load_input is not BlockIO.load_input
+
+
+#: the end of a file of recorded inputs: the JSON list of the records' offsets, its length, this mark
+_RECORDS_MARK = b"CMPRECv1"
+
+
+class _RecordWriter:
+    """A file of records (bytes) written one after the other, with their offsets at the end; it appears under
+    its name, synced, only when :meth:`close` is called (a killed run leaves a ``.tmp`` file that is overwritten)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.f = open(path + ".tmp", "wb")
+        self.offsets: list[int] = []
+
+    def add(self, data: bytes) -> None:
+        self.offsets.append(self.f.tell())
+        self.f.write(data)
+
+    def close(self) -> None:
+        index = json.dumps([*self.offsets, self.f.tell()]).encode()
+        self.f.write(index + struct.pack("<Q", len(index)) + _RECORDS_MARK)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.path + ".tmp", self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        try:
+            os.remove(self.path + ".tmp")
+        except OSError:
+            pass
+
+
+class RecordedInputs(Sequence):
+    """A block's recorded inputs read from their file one batch at a time (each read anew: nothing is kept)."""
+
+    def __init__(self, path: str, load: Callable[[bytes], Any]) -> None:
+        self.path, self.load = path, load
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            end = f.tell()
+            tail = len(_RECORDS_MARK) + 8
+            f.seek(max(end - tail, 0))
+            last = f.read(tail)
+            if end < tail or last[8:] != _RECORDS_MARK:
+                raise ModelError(f"{path}: not a file of recorded inputs (remove the run folder to start over)")
+            (n,) = struct.unpack("<Q", last[:8])
+            f.seek(end - tail - n)
+            self.offsets = json.loads(f.read(n))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        with open(self.path, "rb") as f:
+            f.seek(self.offsets[i])
+            data = f.read(self.offsets[i + 1] - self.offsets[i])
+        return self.load(data)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def _record_first(lead: OneShotBackend, io: BlockIO, batches: Sequence[Any], path: str) -> None:
+    """Block 0's inputs, computed a batch at a time and written to ``path``."""
+    w = _RecordWriter(path)
+    try:
+        for b in batches:
+            for inp in lead.first_inputs([b]):
+                w.add(io.dump_input(inp))
+            release_freed_heap()
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+
+
+def _advance_recorded(lead: OneShotBackend, io: BlockIO, block: Any, inputs: RecordedInputs, path: str) -> None:
+    """The block's outputs on its recorded ``inputs``, a batch at a time, written to ``path`` (the next block's
+    inputs)."""
+    w = _RecordWriter(path)
+    try:
+        for k, inp in enumerate(inputs):
+            out = lead.advance(block, [inp])[0]
+            if k == 0:
+                io.inputs_recorded(out)
+            w.add(io.dump_input(out))
+            del inp, out
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+
+
+def _one_sequence(lead: OneShotBackend, inputs: Sequence[Any]) -> list[Any]:
+    """The first sequence of ``inputs`` (the probe of :meth:`~OneShotBackend.shared_inputs`: which layers read the
+    same tensor is a property of the block's code, and its later calls are checked), or the first batch where the
+    backend cannot cut one."""
+    first = inputs[0]
+    try:
+        rows = lead.batch_rows(first)
+        return [first if rows in (None, 1) else lead.take_rows(first, [0])]
+    except NotImplementedError:
+        return [first]
+
 
 def _say(progress: Any) -> Callable[[str], None]:
     if progress is None or progress is False:
@@ -168,8 +311,9 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
         raise ModelError(f"the model has {len(blocks)} blocks, the run's state counts {store.blocks}")
     rows: list[dict[str, Any]] = []
     start = store.done
-    inputs: list[Any] | None = (io.load_inputs(store.inputs_path(start, coll.rank)) if 0 < start < len(blocks)
-                                else None)
+    records = _records(io)
+    inputs: Sequence[Any] | None = (io.load_inputs(store.inputs_path(start, coll.rank))
+                                    if 0 < start < len(blocks) and not records else None)
     t_run = time.perf_counter()
     for i, (name, block) in enumerate(blocks):
         if i < start:
@@ -177,8 +321,21 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
         t0 = time.perf_counter()
         io.load_block(block)
         try:
-            if inputs is None:
-                inputs = lead.first_inputs(batches)
+            if records:
+                here = store.inputs_path(i, coll.rank)
+                if i == 0:
+                    io.load_outside()
+                    try:
+                        _record_first(lead, io, batches, here)
+                    finally:
+                        io.release_outside()
+                inputs = RecordedInputs(here, io.load_input)
+            elif inputs is None:
+                io.load_outside()
+                try:
+                    inputs = lead.first_inputs(batches)
+                finally:
+                    io.release_outside()
             n_layers = 0
             for backend, method in stages:
                 tasks = backend.block_layers(block)
@@ -187,19 +344,28 @@ def run_streamed(stages: Sequence[tuple[OneShotBackend, OneShotMethod]], io: Blo
                     continue
                 accs: dict[str, Any] = {}
                 if method.statistics is not None:
-                    accs, observe = observers(method, tasks, backend.shared_inputs(block, inputs, tasks))
+                    shared = backend.shared_inputs(block, _one_sequence(lead, inputs), tasks)
+                    accs, observe = observers(method, tasks, shared)
                     backend.run_block(block, inputs, observe)
                     observe = None
                     reduce_statistics(coll, accs)  # over several processes: every process's sequences
                 undo = Undo(_NoUndo())
-                method.compress_block(backend, block, inputs, tasks, accs, rows, name, undo)
+                # a method that reads the inputs itself (AWQ's search) gets them in memory
+                held = inputs if not records or type(method).compress_block is OneShotMethod.compress_block \
+                    else list(inputs)
+                with spilling_to(store.folder if records else None):
+                    method.compress_block(backend, block, held, tasks, accs, rows, name, undo)
                 accs = {}
+                held = None
                 release_freed_heap()
             if i + 1 < len(blocks):
-                inputs = lead.advance(block, inputs)
+                if records:
+                    _advance_recorded(lead, io, block, inputs, store.inputs_path(i + 1, coll.rank))
+                else:
+                    inputs = lead.advance(block, inputs)
             if coll.rank == 0:  # every process holds the same compressed block
                 io.save_block(block, store.block_path(i))
-            if i + 1 < len(blocks):
+            if i + 1 < len(blocks) and not records:
                 io.save_inputs(inputs, store.inputs_path(i + 1, coll.rank))
         finally:
             io.release_block(block)
