@@ -13,10 +13,12 @@ The run folder, ``OUT_DIR.partial``, holds the progress (finished blocks, the re
 the fingerprint of the recipe, checkpoint and data): the same command after a kill continues at the first
 unfinished block and writes the same checkpoint as an uninterrupted run. SRC_DIR is only read.
 
-What it holds in memory: the embeddings, final norm and head (read once), one block's weights and its
-compressors' state, the calibration activations of one block (inputs and outputs), that block's statistics. The
-block passes run in the checkpoint's dtype (``forward_dtype='model'``, the default here, as llmcompressor does);
-statistics are summed in float64 (:class:`~compressor.core.oneshot.statistics.GramAccumulator`).
+What it holds in memory: one block's weights and its compressors' state, one batch of that block's calibration
+activations (a block's recorded inputs are read back from the run folder a batch at a time, its outputs written
+there as they are computed), that block's statistics. The embeddings and final norm are read only while block 0's
+inputs are recorded, the head only when the checkpoint is written. The block passes run in the checkpoint's dtype
+(``forward_dtype='model'``, the default here, as llmcompressor does); statistics are summed in float64
+(:class:`~compressor.core.oneshot.statistics.GramAccumulator`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from io import BytesIO
 from typing import Any
 
 import numpy as np
@@ -114,6 +117,12 @@ class _Checkpoint(BlockIO):
                  template: dict[str, torch.Tensor], lead: TorchOneShotBackend, probe_path: str, rank: int = 0) -> None:
         self.ckpt, self.model, self.names, self.prefix_of, self.template = ckpt, model, names, prefix_of, template
         self.lead, self.probe_path, self.rank = lead, probe_path, rank
+        list_name = next(iter(prefix_of.values())).rsplit(".", 2)[0] if prefix_of else None
+        #: parameters outside the decoder blocks, and those of the output head (unless tied to the input's)
+        self.outside = [n for n, _ in model.named_parameters() if list_name is None or not n.startswith(list_name + ".")]
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+        self.head = {n for n, p in model.named_parameters() if n in self.outside and out_emb is not None
+                     and p is getattr(out_emb, "weight", None) and (in_emb is None or p is not in_emb.weight)}
 
     def _fill(self, module: nn.Module, prefix: str, fresh: dict[str, torch.Tensor] | None) -> None:
         module.to_empty(device="cpu")
@@ -147,8 +156,7 @@ class _Checkpoint(BlockIO):
         if inputs and self.rank == 0 and not os.path.exists(self.probe_path):
             # one sequence of a block's inputs, kept for writing: who reads what in a block (AWQ's folds) and
             # whether the folded weights compute what the compressed block does
-            c = inputs[0] if self.lead.batch_rows(inputs[0]) in (None, 1) else self.lead.take_rows(inputs[0], [0])
-            _save((c.args, c.kwargs, c.where, c.keep), self.probe_path)
+            self.save_inputs_probe(inputs[0])
 
     def probe(self) -> _Input | None:
         return _Input(*torch.load(self.probe_path, weights_only=False)) if os.path.exists(self.probe_path) else None
@@ -157,6 +165,38 @@ class _Checkpoint(BlockIO):
         # the run's own file (written by save_inputs above into the run folder): the call arguments of a block
         # hold the model's own objects (position embeddings, masks), hence a full unpickle
         return [_Input(*c) for c in torch.load(path, weights_only=False)]
+
+    # the run reads a block's inputs back one batch at a time (core stream.RecordedInputs)
+    def dump_input(self, inp: Any) -> bytes:
+        buf = BytesIO()
+        torch.save((inp.args, inp.kwargs, inp.where, inp.keep), buf)
+        return buf.getvalue()
+
+    def load_input(self, data: bytes) -> Any:
+        return _Input(*torch.load(BytesIO(data), weights_only=False))  # the run's own record (see load_inputs)
+
+    def inputs_recorded(self, first: Any) -> None:
+        if self.rank == 0 and not os.path.exists(self.probe_path):
+            self.save_inputs_probe(first)
+
+    def save_inputs_probe(self, first: Any) -> None:
+        c = first if self.lead.batch_rows(first) in (None, 1) else self.lead.take_rows(first, [0])
+        _save((c.args, c.kwargs, c.where, c.keep), self.probe_path)
+
+    def load_outside(self, head: bool = False) -> None:
+        """The parameters outside the decoder blocks (embeddings, final norm; the head with ``head``), read."""
+        for name in self.outside:
+            if head or name not in self.head:
+                _set(self.model, name, self.ckpt.read(name) if self.ckpt.holds(name)
+                     else self.ckpt.read(_tied_source(self.model, name)))
+
+    def release_outside(self) -> None:
+        """... and back to the meta device: not in memory while the blocks run."""
+        for name in self.outside:
+            p = self.model.get_parameter(name)
+            if p.device.type != "meta":
+                _set(self.model, name, torch.empty_like(p, device="meta"))
+        release_freed_heap()
 
 
 #: beside a finished block's state in the run folder: its fused routed experts' results (codes, scales, masks)
@@ -328,6 +368,7 @@ def _run(prep: _Prepared, recipe: Any, batch_size: int, forward_dtype: str, spar
                 be.collective = coll
         io = _Checkpoint(ckpt, model, names, prefix_of, template, backends[0], os.path.join(work, "state", "probe"),
                          rank)
+        io.release_outside()  # read again for block 0's inputs and for writing, not held while the blocks run
         found = [b for _, b in backends[0].blocks()]
         if [id(b) for b in found] != [id(b) for b in layers]:
             raise ModelError(f"{what}: the compressors' blocks are not the model's decoder layers {list_name!r}")
@@ -564,6 +605,7 @@ def _write(ckpt: HfCheckpoint, model: nn.Module, layers: Iterable[nn.Module], li
                              sparse_format, experts))
         io.release_block(block)
         release_freed_heap()  # the block's copies are gone: their pages back to the OS before the next block's
+    io.load_outside(head=True)
     rest = {k: v for k, v in _state_of(model, "", names).items() if not k.startswith(f"{list_name}.")}
     shard(len(layers), plan_tensors(_Part(model, "", list_name), rest, sparse_format, fold=False, experts={}))
     assert plan is not None
