@@ -9,7 +9,14 @@ heads, the same vocabulary), with random token ids as the calibration set. Each 
 * ``stream``: ``compressor.torch.oneshot(src, out, recipe, ids.npy)`` (GPTQ w4 g128, ``lm_head`` left out), the
   process's peak RSS (its own ``VmHWM``) and wall time;
 * ``in-memory`` (``--sides stream,memory``): ``from_pretrained`` + ``GptqQuantizer.calibrate`` +
-  ``export_model(hf_path=...)`` on the same checkpoint and data.
+  ``export_model(hf_path=...)`` on the same checkpoint and data;
+* ``llmc`` (``--sides stream,llmc``): llmcompressor 0.14's ``oneshot`` with ``GPTQModifier(scheme='W4A16')``
+  (int4 g128, ``lm_head`` ignored) on ``from_pretrained(src, dtype=bfloat16)``, the same token ids as a DataLoader
+  of batch 1, run by ``--llmc-python`` (its own venv: ``python3 -m venv V && V/bin/pip install torch==2.13.0
+  llmcompressor==0.14``).
+
+``--wrap CMD``: the stream runs are started as ``CMD python ...`` (e.g. a script that moves itself into a
+memory-limited cgroup, then execs its arguments: a run under a hard memory limit).
 
 * ``--parallel 1x1,1x2,2x1``: the stream run again as PROCESSES x THREADS (``workers=``, ``threads=``) for each
   entry, wall time only (the goal: 2 x 1 at least 1.6x faster than 1 x 1, and not slower than 1 x 2).
@@ -19,7 +26,8 @@ of the deepest stream run's peak to the shallowest's. Goal (issue 44): the peak 
 peak at 4 layers, and at most 0.5x the checkpoint's bytes at 22 layers.
 
     python benchmarks/oneshot_stream.py [--shape tiny|small] [--layers 4,22] [--samples 128] [--seq-len 512]
-        [--sides stream[,memory]] [--threads 1] [--parallel 1x1,1x2,2x1] [--workdir DIR]
+        [--sides stream[,memory][,llmc]] [--threads 1] [--parallel 1x1,1x2,2x1] [--workdir DIR] [--wrap CMD]
+        [--llmc-python PATH]
 """
 
 from __future__ import annotations
@@ -73,6 +81,22 @@ def _worker(args: argparse.Namespace) -> None:
         import shutil
 
         shutil.rmtree(out)
+    elif args.worker == "llmc":
+        import numpy as np
+        import transformers
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import GPTQModifier
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder / "src", dtype=torch.bfloat16).eval()
+        ids = torch.tensor(np.load(folder / "ids.npy")[:args.samples, :args.seq_len])
+        rows = [{"input_ids": r, "attention_mask": torch.ones(len(r), dtype=torch.long)} for r in ids]
+
+        class NoText:  # the batches are token ids already: no tokenizer
+            pass
+        oneshot(model=model, dataset=torch.utils.data.DataLoader(rows, batch_size=1),
+                recipe=GPTQModifier(scheme="W4A16", targets=["Linear"], ignore=["lm_head"]),
+                num_calibration_samples=len(rows), processor=NoText(), max_seq_length=args.seq_len,
+                pad_to_max_length=False)
     else:
         import numpy as np
         import transformers
@@ -98,7 +122,9 @@ def _vm_hwm() -> float:
 
 
 def _run(side: str, folder: Path, args: argparse.Namespace, workers: int = 1, threads: int | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--samples", str(args.samples),
+    python = args.llmc_python if side == "llmc" else sys.executable
+    wrap = args.wrap.split() if args.wrap and side == "stream" else []
+    cmd = [*wrap, python, __file__, "--worker", side, "--folder", str(folder), "--samples", str(args.samples),
            "--seq-len", str(args.seq_len), "--threads", str(threads or args.threads), "--workers", str(workers)]
     # numpy's BLAS pool sized as torch's (the statistics and solves run there): "1 thread" means one thread
     blas = {k: str(threads or args.threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -118,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default="stream")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--parallel", default="", help="PROCESSESxTHREADS entries, e.g. 1x1,1x2,2x1")
+    p.add_argument("--wrap", default="", help="a command the stream runs are started under (e.g. into a cgroup)")
+    p.add_argument("--llmc-python", default=str(ROOT / ".venv-llmc" / "bin" / "python"),
+                   help="the python of a venv with llmcompressor 0.14 (--sides llmc)")
     p.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="where the checkpoints are written (default: a temporary folder)")
-    p.add_argument("--worker", choices=("stream", "memory"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("stream", "memory", "llmc"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

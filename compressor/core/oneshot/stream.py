@@ -219,6 +219,7 @@ class RecordedInputs(Sequence):
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
+            release_freed_heap()  # the last batch's buffers: the next one starts on a trimmed heap
             yield self[i]
 
 
