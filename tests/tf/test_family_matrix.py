@@ -114,15 +114,6 @@ QUANTIZERS = (GptqQuantizer, AwqQuantizer)
 #: (family, method) -> (why it fails, the exception it raises, the stage: "compress" or "reload"): the
 #: combinations that do not pass (strict xfails; a case that fails to compress fails its reload check too)
 XFAIL: dict[tuple[str, str], tuple[str, type[BaseException], str]] = {}
-_ROUTER = ("the attention's output projection (Falcon: attention/output_dense, GPT-NeoX: "
-           "self_attention/attention_output, Bloom: self_attention/output_dense) is left float: "
-           "compressor.tf.sequential.blocks.find_experts takes the attention's 3-D EinsumDense kernels "
-           "[hidden, heads, head_dim] for a fused expert bank of `hidden` experts and that sibling Dense of `hidden` "
-           "units for its router (find_routers), and warns, wrongly, that the query / key / value projections are "
-           "NOT compressed")
-for _family_name in ("Falcon", "GPT-NeoX", "Bloom"):
-    for _method in METHODS:
-        XFAIL[_family_name, _method] = (_ROUTER, AssertionError, "compress")
 
 
 # ------------------------------------------------------------------------------------------------ building

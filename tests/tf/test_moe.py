@@ -252,6 +252,7 @@ def test_keras_hub_mixtrals_expert_bank_is_found_compressed_and_named_only_when_
     keras_hub = pytest.importorskip("keras_hub")
     from compressor.tf.sequential import expert_banks
 
+    keras.backend.clear_session()  # the layer names below are the first of their kind (no _N suffix)
     keras.utils.set_random_seed(0)
     bb = keras_hub.models.MixtralBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
                                           hidden_dim=32, intermediate_dim=48, num_experts=4, top_k=2)

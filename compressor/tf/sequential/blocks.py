@@ -203,8 +203,10 @@ def _width(layer: Any) -> int | None:
 
 
 def _fused_weights(layer: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """A leaf layer's 3-D weights ``[experts, ...]`` sharing their first axis (at least 2), else []."""
-    if _children(layer):
+    """A leaf layer's 3-D weights ``[experts, ...]`` sharing their first axis (at least 2), else []. A Dense /
+    EinsumDense is one projection however many axes its kernel has (an attention's ``[hidden, heads, head_dim]``
+    query kernel is no bank of ``hidden`` experts)."""
+    if _children(layer) or isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
         return []
     shapes = [(w.path.rsplit("/", 1)[-1] if hasattr(w, "path") else w.name, tuple(int(d) for d in w.shape))
               for w in layer.weights if len(w.shape) == 3]
