@@ -167,7 +167,7 @@ def test_the_per_expert_loop_computes_what_the_bank_computes(impl):
     idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(20)])
     with torch.no_grad():
         ref = bank(x, idx, w)
-        got = fx._expert_loop(bank, lambda *a: None)(x, idx, w)
+        got = fx.expert_loop(bank, lambda *a: None)(x, idx, w)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -400,3 +400,64 @@ def test_the_streamed_run_compresses_a_checkpoint_with_fused_names_as_in_memory(
                                        getattr(model.model.layers[i].mlp.experts, n), rtol=1e-6, atol=1e-7)
     x = torch.from_numpy(data[:2])
     assert rel(logits(back, x), logits(model, x)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ pack_weights
+def test_pack_weights_packs_every_expert_of_a_fused_bank():
+    """After GPTQ w4 g16 on every Linear and every expert slice, pack_weights replaces each bank by a PackedExperts
+    of one PackedLinear per expert and projection holding the slices' codes: float32 compute gives the fake-quant
+    model's logits to float32 rounding, bfloat16 within bf16 rounding, and the packed bank's weights take 1/4 of
+    their float32 bytes plus the scales."""
+    from compressor.torch.quantization.lowbit import PackedExperts, PackedLinear, pack_weights
+
+    data = ids()
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = mixtral()
+        q = make(GptqQuantizer, model, {"quant_bits": 4, "group_size": 16})
+        calibrate(q, data)
+        ref = logits(model, data)
+        bank = model.model.layers[0].mlp.experts
+        dense_bytes = sum(p.numel() * 4 for p in (bank.gate_up_proj, bank.down_proj))
+        want = {e: fx.fused_results(bank)[f"model.layers.0.mlp.experts.{e}.down_proj"].quantized.codes for e in range(E)}
+        pack_weights(model, compute_dtype=dtype)
+        packed = model.model.layers[0].mlp.experts
+        assert isinstance(packed, PackedExperts) and len(packed.up) == len(packed.down) == E
+        assert all(isinstance(m, PackedLinear) and m.bits == 4 for m in [*packed.up, *packed.down])
+        assert (packed.up[0].out_features, packed.up[0].in_features) == (2 * I, H)
+        assert (packed.down[0].out_features, packed.down[0].in_features) == (H, I)
+        for e in range(E):  # the codes the run settled on, as the kernel stores them
+            np.testing.assert_array_equal(fx_codes(packed.down[e]), want[e].astype(np.int64))
+        packed_bytes = sum(b.numel() * b.element_size() for m in [*packed.up, *packed.down]
+                           for b in (m._wq,))
+        assert packed_bytes <= dense_bytes // 8 + 1024
+        outs[dtype] = (logits(model, data), ref)
+    got, ref = outs[torch.float32]
+    assert rel(got, ref) < 1e-5
+    got, ref = outs[torch.bfloat16]
+    assert rel(got.float(), ref) < 2e-2
+
+
+def fx_codes(m):
+    """A PackedLinear's codes [out, in] (signed), read back from its state dict."""
+    sd = m.state_dict()
+    packed = sd["qweight"].to(torch.int64)
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)[:, : m.in_features]
+    return (codes - 8).numpy() if m.signed else codes.numpy()
+
+
+def test_pack_weights_refuses_a_bank_quantized_in_part_and_changes_nothing():
+    from compressor.torch.quantization.lowbit import pack_weights
+
+    model = mixtral()
+    q = GptqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_names": ["model.layers.0.mlp.experts.gate_up_proj",
+                                                                               "model.layers.1.self_attn.q_proj"]}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q.calibrate(ids(), progress=False)
+    before = {n: type(m) for n, m in model.named_modules()}
+    from compressor.core.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"'model.layers.0.mlp.experts' \(fused experts: 4 of 8 expert slices"):
+        pack_weights(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before

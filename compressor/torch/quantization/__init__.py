@@ -7,7 +7,7 @@ Math lives in :mod:`compressor.core.quant`; this package adapts it to modules (w
 from .bnn import BNNGrad, BNNQuantizer
 from .dorefa import DoReFaQuantizer
 from .grad import QuantGrad, QuantType
-from .lowbit import PackedLinear, oneshot_codes, pack_weights
+from .lowbit import PackedExperts, PackedLinear, oneshot_codes, pack_weights
 from .lsq import LsqQuantizer
 from .naive import NaiveQuantizer
 from .oneshot import AwqQuantizer, GptqQuantizer, RtnQuantizer
@@ -19,5 +19,5 @@ from .wrapper import QuantizerModuleWrapper
 __all__ = [
     "BNNGrad", "BNNQuantizer", "DoReFaQuantizer", "LsqQuantizer", "NaiveQuantizer", "PtqQuantizer", "QAT_Quantizer",
     "QuantGrad", "QuantType", "Quantizer", "QuantizerModuleWrapper", "TorchQuantizer", "GptqQuantizer",
-    "RtnQuantizer", "AwqQuantizer", "oneshot_codes", "PackedLinear", "pack_weights",
+    "RtnQuantizer", "AwqQuantizer", "oneshot_codes", "PackedLinear", "PackedExperts", "pack_weights",
 ]

@@ -72,7 +72,7 @@ from ..modules import innermost_module, named_wrappers
 from .grad import QuantType
 from .wrapper import QuantizerModuleWrapper
 
-__all__ = ["PackedLinear", "pack_weights", "oneshot_codes", "INT4_KERNEL_GROUPS", "DEQUANT_ROWS"]
+__all__ = ["PackedLinear", "PackedExperts", "pack_weights", "oneshot_codes", "INT4_KERNEL_GROUPS", "DEQUANT_ROWS"]
 
 
 def oneshot_codes(wrapper: nn.Module) -> torch.Tensor:
@@ -545,6 +545,85 @@ def _qat_codes(wrapper: QuantizerModuleWrapper) -> tuple[torch.Tensor, torch.Ten
     return codes, scale[:, None].contiguous(), zp.round().to(torch.int32)[:, None].contiguous(), bits, qmin < 0
 
 
+class PackedExperts(nn.Module):
+    """A transformers 5 fused-experts bank (``gate_up_proj`` / ``up_proj`` and ``down_proj`` of shape ``[E, ...]``)
+    whose expert slices a one-shot run quantized, as one :class:`PackedLinear` per expert and projection
+    (``up[e]``, ``down[e]``; biases and AWQ scales in them). Its ``forward(hidden_states, top_k_index,
+    top_k_weights)`` computes what the bank computes, one expert at a time on the tokens routed to it, with the
+    bank's own gate / activation (and post-expert norm) code. Made by :func:`pack_weights`."""
+
+    def __init__(self, bank: nn.Module, ups: list[PackedLinear], downs: list[PackedLinear]):
+        super().__init__()
+        from ..sequential.expert_banks import up_name
+
+        up = up_name(bank)
+        # the bank's own code (gate, activation, norm) without its 3-D weights: a shallow copy, the bank itself
+        # stays whole (put back if packing is interrupted)
+        ref = object.__new__(type(bank))
+        ref.__dict__.update(bank.__dict__)
+        ref._parameters = {k: v for k, v in bank._parameters.items() if k not in (up, "down_proj", f"{up}_bias",
+                                                                               "down_proj_bias")}
+        object.__setattr__(self, "_bank", ref)
+        for name, child in bank.named_children():  # the bank's own sub-layers (activation, norm) stay registered
+            self.add_module(name, child)
+        self.up, self.down = nn.ModuleList(ups), nn.ModuleList(downs)
+        self._up_name = up
+        from ..sequential.expert_banks import expert_loop
+
+        self._forward = expert_loop(ref, project=self._project, experts=len(ups))
+
+    def _project(self, e: int, param: str, x: torch.Tensor) -> torch.Tensor:
+        return (self.up if param == self._up_name else self.down)[e](x)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+
+def _packable_banks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The fused-experts banks of ``model`` whose every expert slice a one-shot quantizer wrote (``(path, bank)``),
+    and the problems of banks only partly quantized."""
+    from ..sequential.expert_banks import fused_results, supported, up_name
+
+    banks, problems = [], []
+    for path, mod in model.named_modules():
+        got = fused_results(mod) if supported(mod) else {}
+        quantized = {k: r for k, r in got.items() if r.quantized is not None}
+        if not quantized:
+            continue
+        n = int(mod._parameters[up_name(mod)].shape[0])
+        want = {f"{path}.{e}.{p}" for e in range(n) for p in (up_name(mod), "down_proj")}
+        bits = {int(r.quantized.spec.bits) for r in quantized.values()}
+        if set(quantized) != want or len(bits) != 1:
+            problems.append(f"{path!r} (fused experts: {len(quantized)} of {len(want)} expert slices quantized"
+                            f"{', bits ' + str(sorted(bits)) if len(bits) > 1 else ''}; pack_weights packs a bank "
+                            f"whose every slice is quantized with one bit width)")
+        else:
+            banks.append((path, mod))
+    return banks, problems
+
+
+def _packed_bank(path: str, bank: nn.Module, compute_dtype: torch.dtype, activation: str | None) -> PackedExperts:
+    from ..sequential.expert_banks import fused_results, up_name
+
+    got, up = fused_results(bank), up_name(bank)
+    n = int(bank._parameters[up].shape[0])
+    made: dict[str, list[PackedLinear]] = {up: [], "down_proj": []}
+    for e in range(n):
+        for p in (up, "down_proj"):
+            r = got[f"{path}.{e}.{p}"]
+            q = r.quantized
+            b = getattr(bank, f"{p}_bias", None) if bank.has_bias else None
+            made[p].append(PackedLinear.from_codes(
+                torch.from_numpy(q.codes.astype("int32")), torch.from_numpy(q.scale).float(),
+                torch.from_numpy(q.zero_point).float(), int(q.spec.bits), int(q.group_size),
+                bias=None if b is None else b[e].detach().float(),
+                awq_scales=None if r.scales is None else torch.from_numpy(r.scales).float(),
+                signed=q.codes.dtype.kind == "i", compute_dtype=compute_dtype, name=f"{path}.{e}.{p}",
+                source=type(bank).__name__, activation=activation))
+    return PackedExperts(bank, made[up], made["down_proj"])
+
+
 def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat16,
                  activation: str | None = None) -> nn.Module:
     """Replace, in place, every weight-only quantized Linear / HF Conv1D of ``model`` by a :class:`PackedLinear`
@@ -563,17 +642,18 @@ def pack_weights(model: nn.Module, *, compute_dtype: torch.dtype = torch.bfloat1
     wrappers = [(n, w) for n, w in named_wrappers(model, [QuantizerModuleWrapper])]
     # outermost quantizer wrappers only (a pruner wrapper inside is part of the layer)
     outer = [(n, w) for n, w in wrappers if not any(n.startswith(p + ".") for p, _ in wrappers if p != n)]
-    if not outer:
+    banks, problems = _packable_banks(model)  # fused MoE experts quantized slice by slice
+    if not outer and not banks and not problems:
         raise ModelError("pack_weights: the model has no quantized layers (wrap it with a quantizer, e.g. "
                          "GptqQuantizer(model, config).calibrate(data), first)")
-    problems, plan = [], []
+    plan = [(n, b, "bank") for n, b in banks]
     for n, w in outer:
         kind, problem = _packable(n, w)
         (problems.append(problem) if problem else plan.append((n, w, kind)))
     if problems:
         raise ModelError("pack_weights: cannot pack " + "; ".join(problems) + ". Nothing was changed.")
     # reading QAT's codes refreshes its scale buffers: their values are kept first, to put back on an interrupt
-    kept = [(b, b.detach().clone()) for _, w, kind in plan if kind != "oneshot" for b in w.buffers()]
+    kept = [(b, b.detach().clone()) for _, w, kind in plan if kind not in ("oneshot", "bank") for b in w.buffers()]
     swapped: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, module before), recorded before each swap
     try:
         _pack(model, plan, compute_dtype, activation, swapped)
@@ -592,6 +672,9 @@ def _pack(model: nn.Module, plan: list[tuple[str, nn.Module, str]], compute_dtyp
           activation: str | None, swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
     new: list[tuple[str, nn.Module]] = []
     for n, w, kind in plan:
+        if kind == "bank":
+            new.append((n, _packed_bank(n, w, compute_dtype, activation)))
+            continue
         layer = innermost_module(w)
         bias = w.bias.detach().float() if w.bias is not None else None
         source = type(layer).__name__

@@ -42,7 +42,7 @@ from ...core.oneshot.experts import (
 )
 from ...core.oneshot.experts import slice_mask as _slice_mask
 
-__all__ = ["FusedSlice", "supported", "fused_tasks", "fused_results", "observe_fused", "up_name", "slice_mask", "record",
+__all__ = ["FusedSlice", "supported", "expert_loop", "fused_tasks", "fused_results", "observe_fused", "up_name", "slice_mask", "record",
            "snapshot", "restore", "export_notes", "ExpertPiece", "checkpoint_layout", "fuse_pieces"]
 
 
@@ -133,33 +133,43 @@ class _Restore:
             self.bank.__dict__["forward"] = self.had
 
 
-def _expert_loop(bank: nn.Module, see: Callable[[int, str, torch.Tensor, torch.Tensor, int], None]) -> Callable:
+def expert_loop(bank: nn.Module, see: Callable[[int, str, torch.Tensor, torch.Tensor, int], None] | None = None,
+                project: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None,
+                experts: int | None = None) -> Callable:
     """A ``forward(hidden_states, top_k_index, top_k_weights)`` for ``bank`` computing what transformers' eager
-    experts compute, one expert at a time, calling ``see(expert, param, input rows, token indices)`` before each
-    of the expert's two products (``n``: the rows of ``hidden_states``)."""
+    experts compute, one expert at a time, calling ``see(expert, param, input rows, token indices, n)`` before each
+    of the expert's two products (``n``: the rows of ``hidden_states``). ``project(expert, param, x)``: each
+    product (bias included) computed by the caller instead of from the bank's 3-D parameters (packed experts,
+    :class:`~compressor.torch.quantization.lowbit.PackedExperts`; ``experts``: their number then)."""
     up = up_name(bank)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         n = int(hidden_states.shape[0])
-        w1, w2 = bank._parameters[up], bank._parameters["down_proj"]
-        b1 = getattr(bank, f"{up}_bias", None) if bank.has_bias else None
-        b2 = getattr(bank, "down_proj_bias", None) if bank.has_bias else None
+        if project is None:
+            w1, w2 = bank._parameters[up], bank._parameters["down_proj"]
+            b1 = getattr(bank, f"{up}_bias", None) if bank.has_bias else None
+            b2 = getattr(bank, "down_proj_bias", None) if bank.has_bias else None
 
-        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        def linear(e: int, param: str, x: torch.Tensor) -> torch.Tensor:
+            if project is not None:
+                return project(e, param, x)
+            w, b = (w1[e], b1) if param == up else (w2[e], b2)
             y = x @ w if bank.is_transposed else F.linear(x, w)
-            return y if b is None else y + b
+            return y if b is None else y + b[e]
 
-        for e in range(int(w1.shape[0])):
+        for e in range(experts if project is not None else int(w1.shape[0])):
             tok, pos = torch.where(top_k_index == e)
             if not tok.numel():
                 continue
             x = hidden_states[tok]
-            see(e, up, x, tok, n)
-            h = linear(x, w1[e], None if b1 is None else b1[e])
+            if see is not None:
+                see(e, up, x, tok, n)
+            h = linear(e, up, x)
             h = bank._apply_gate(h) if bank.has_gate else bank.act_fn(h)
-            see(e, "down_proj", h, tok, n)
-            y = linear(h, w2[e], None if b2 is None else b2[e])
+            if see is not None:
+                see(e, "down_proj", h, tok, n)
+            y = linear(e, "down_proj", h)
             if getattr(bank, "has_post_expert_norm", False):
                 y = bank.post_expert_norm(y)
             y = y * top_k_weights[tok, pos, None]
@@ -191,7 +201,7 @@ def observe_fused(tasks: list[LayerTask], observe: dict[str, Callable[[Any], Non
             observe[name](x.detach().to("cpu", dtype).numpy().reshape(-1, x.shape[-1]))
             fired(name)
         handles.append(_Restore(bank, bank.__dict__.get("forward")))
-        bank.forward = _expert_loop(bank, see)
+        bank.forward = expert_loop(bank, see)
 
 
 #: a slice's earlier keep-mask, recording its result, its undo copy: core's (one rule for both backends)
