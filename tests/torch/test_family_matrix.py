@@ -28,6 +28,7 @@ import torch
 from compressor.core.compressed_tensors import load_compressed_tensors
 from compressor.torch import AwqQuantizer, GptqQuantizer, SparseGPTPruner, WandaPruner
 from compressor.torch.quantization.lowbit import oneshot_codes
+from compressor.torch.sequential import expert_banks
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -73,7 +74,18 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "Bloom": _family("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4),
     "BERT": _family("BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64),
+    # mixture of experts (transformers 5 stores the routed experts fused, 3-D): 4 experts, 2 per token
+    "Mixtral": _family("MixtralConfig", "MixtralForCausalLM", **_common(num_local_experts=4, num_experts_per_tok=2)),
+    "Qwen2-MoE": _family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", **_common(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        decoder_sparse_step=1)),
+    "DeepSeek-V3": _family("DeepseekV3Config", "DeepseekV3ForCausalLM", **_common(
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1)),
 }
+#: the routed experts each MoE family's one block holds (every expert slice must come out compressed)
+EXPERTS = {"Mixtral": 4, "Qwen2-MoE": 4, "DeepSeek-V3": 4}
 
 METHODS: dict[str, tuple[type, dict[str, Any]]] = {
     "SparseGPT 50 %": (SparseGPTPruner, {"sparsity": 0.5}),
@@ -106,12 +118,45 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 def _check_mask(w: torch.nn.Module, cfg: dict[str, Any], wanda: bool) -> None:
     keep = w.weight_mask if type(w.module).__name__ != "Conv1D" else w.weight_mask.t()  # [out, in]
     assert torch.equal(w.weight == 0, ~w.weight_mask), f"{w.name}: zeros are not exactly the masked weights"
+    _check_keep(w.name, keep, cfg, wanda)
+
+
+def _check_keep(name: str, keep: torch.Tensor, cfg: dict[str, Any], wanda: bool) -> None:
     if "sparse_pattern" in cfg:
-        assert (keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2).all(), f"{w.name}: not 2:4"
+        assert (keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2).all(), f"{name}: not 2:4"
     elif wanda:
-        assert (keep.sum(dim=1) == keep.shape[1] // 2).all(), f"{w.name}: not half of every output row"
+        assert (keep.sum(dim=1) == keep.shape[1] // 2).all(), f"{name}: not half of every output row"
     else:
-        assert int((~keep).sum()) == keep.numel() // 2, f"{w.name}: {int((~keep).sum())} of {keep.numel()} pruned"
+        assert int((~keep).sum()) == keep.numel() // 2, f"{name}: {int((~keep).sum())} of {keep.numel()} pruned"
+
+
+def _expert_slices(model: torch.nn.Module) -> list[tuple[str, Any, torch.Tensor]]:
+    """``(slice name, its one-shot result, the slice [out, in] as the bank holds it now)`` of every fused bank."""
+    out = []
+    for _, bank in model.named_modules():
+        if not expert_banks.supported(bank):
+            continue
+        for name, r in sorted(expert_banks.fused_results(bank).items()):
+            e, param = name.rsplit(".", 2)[-2:]
+            w = getattr(bank, param)[int(e)].detach().double()
+            out.append((name, r, w.t() if bank.is_transposed else w))
+    return out
+
+
+def _check_slice(name: str, r: Any, w: torch.Tensor, cls: type, cfg: dict[str, Any]) -> None:
+    if cls in (GptqQuantizer, AwqQuantizer):
+        q = r.quantized
+        codes = torch.from_numpy(q.codes.astype("float64"))
+        assert int(codes.abs().max()) <= 7, f"{name}: codes off the int4 grid"
+        cols = torch.arange(codes.shape[1]) // q.group_size
+        deq = (codes - torch.from_numpy(q.zero_point)[:, cols]) * torch.from_numpy(q.scale)[:, cols]
+        if r.scales is not None:
+            deq = deq / torch.from_numpy(r.scales)[None, :]
+        torch.testing.assert_close(deq, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    else:
+        keep = torch.from_numpy(r.mask)
+        assert torch.equal(w == 0, ~keep), f"{name}: zeros are not exactly the masked weights"
+        _check_keep(name, keep, cfg, cls is WandaPruner)
 
 
 def _check_codes(w: torch.nn.Module) -> None:
@@ -134,17 +179,25 @@ def check(family: str, method: str, folder: str) -> str | None:
     model = build(family)
     c = cls(model, [{**cfg, "op_types": ["default"]}]).calibrate(CALIB, progress=False)
     wrappers = list(c.get_modules_wrapper())
-    assert wrappers and len(c.oneshot_rows) == len(wrappers)
+    slices = _expert_slices(model)
+    assert len(slices) == 2 * EXPERTS.get(family, 0), f"{len(slices)} expert slices compressed"  # every one
+    assert wrappers and len(c.oneshot_rows) == len(wrappers) + len(slices)
     for w in wrappers:
         if cls in (GptqQuantizer, AwqQuantizer):
             _check_codes(w)
         else:
             _check_mask(w, cfg, cls is WandaPruner)
+    for name, r, w in slices:
+        _check_slice(name, r, w, cls, cfg)
     ref = _logits(model)
     assert bool(torch.isfinite(ref).all())
     c.export_model(None, hf_path=folder)
     plain = build(family)  # our own reader first: the float weights by the model's names (a tied head stored once)
-    plain.load_state_dict({k: torch.from_numpy(v) for k, v in load_compressed_tensors(folder).items()}, strict=False)
+    tensors = load_compressed_tensors(folder)
+    if slices:  # packed experts are stored per expert (transformers' layout): stacked back into the fused parameters
+        tensors = expert_banks.fuse_pieces(tensors, expert_banks.checkpoint_layout(plain)[0])
+    missing = plain.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False).missing_keys
+    assert not [k for k in missing if "experts" in k], f"experts not read back: {missing}"
     plain.tie_weights()
     err = ((_logits(plain) - ref).abs().max() / ref.abs().max()).item()
     assert err < TOL, f"load_compressed_tensors: logits differ by {err:.3g} (relative)"
@@ -158,6 +211,11 @@ def check(family: str, method: str, folder: str) -> str | None:
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         qc = json.load(f).get("quantization_config") or {}
     packed = {t for g in qc.get("config_groups", {}).values() for t in g["targets"]}
+    if slices:  # the experts' group targets every routed expert slice with one regular expression
+        experts = {t for t in packed if t.startswith("re:")}
+        layers = len(packed - experts)
+        return (f"{layers} of {len(wrappers)} layers packed, experts "
+                f"{'packed' if experts else 'dense'}") if layers != len(wrappers) or not experts else None
     return None if len(packed) == len(wrappers) else f"{len(packed)} of {len(wrappers)} layers packed"
 
 
