@@ -260,3 +260,35 @@ def table() -> str:
 
 if __name__ == "__main__" and "--table" in sys.argv:
     print(table())
+
+
+def _forms() -> dict[str, Any]:
+    """The calibration data forms users hold: a token tensor, a list of one-sequence batches, a list of batches as
+    keyword dicts with an attention mask (the second sequence of each batch padded at its end)."""
+    mask = torch.ones_like(CALIB)
+    mask[1::2, -3:] = 0
+    return {"tensor": CALIB, "rows": [CALIB[i:i + 1] for i in range(len(CALIB))],
+            "dicts": [{"input_ids": CALIB[i:i + 2], "attention_mask": mask[i:i + 2]} for i in (0, 2)]}
+
+
+@pytest.mark.parametrize("form", ["rows", "dicts"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_data_form_on_every_family(family, form):
+    """GPTQ w4 g16 calibrated from each data form: every layer and expert slice quantized on the grid, finite
+    logits; the list of single sequences gives the token tensor's codes exactly (the same tokens; one sequence
+    per batch changes only the order of the Gram matrix's sums, at float64 rounding)."""
+    runs = {}
+    for f in ("tensor", form):
+        model = build(family)
+        c = GptqQuantizer(model, [{"quant_bits": 4, "group_size": 16, "op_types": ["default"]}])
+        c.calibrate(_forms()[f], progress=False)
+        for w in c.get_modules_wrapper():
+            _check_codes(w)
+        for name, r, w in _expert_slices(model):
+            _check_slice(name, r, w, GptqQuantizer, {})
+        assert bool(torch.isfinite(_logits(model)).all())
+        runs[f] = {w.name: oneshot_codes(w) for w in c.get_modules_wrapper()}
+    if form == "rows":
+        differing = sum(int((runs["tensor"][k] != runs["rows"][k]).sum()) for k in runs["tensor"])
+        total = sum(v.numel() for v in runs["tensor"].values())
+        assert differing <= total // 1000, (differing, total)
