@@ -388,38 +388,17 @@ def test_keras_file_reloads_in_a_fresh_process(matrix, family, method):
 def table() -> str:
     """Run the whole matrix and return the markdown table (family x method: pass, or the number of the note that
     says why not; one note per reason, naming the cases it covers)."""
-    lines = ["| family | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
-    notes: dict[str, list[tuple[str, str]]] = {}  # reason -> its cases, in order
+    from tests._matrix_table import markdown_table
+
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m = Matrix(tmp)
-        for family in FAMILIES:
-            cells = []
-            for method in METHODS:
-                remark = None
-                try:
-                    remark = m.compressed(family, method)[2]
-                    m.reload(family, method)
-                    got = None
-                except Exception as e:  # noqa: BLE001 - the table says what failed
-                    got = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                why = XFAIL.get((family, method), (None,))[0]
-                if got is None:
-                    cell = "pass" if why is None else "pass (listed as failing!)"
-                    cells.append(f"{cell} ({remark})" if remark else cell)
-                    continue
-                notes.setdefault(why or got, []).append((family, method))
-                k = list(notes).index(why or got) + 1
-                cells.append(f"fails ({k})" if why else f"**unexpected failure** ({k})")
-            lines.append(f"| {family} | " + " | ".join(cells) + " |")
-    if notes:
-        lines.append("")
-    for i, (why, cases) in enumerate(notes.items(), 1):
-        by_family = {f: [c for g, c in cases if g == f] for f in dict.fromkeys(f for f, _ in cases)}
-        who = "; ".join(f"{f} (every method)" if len(ms) == len(METHODS) else f"{f} x {', '.join(ms)}"
-                        for f, ms in by_family.items())
-        lines.append(f"{i}. {who}: {why}")
-    return "\n".join(lines)
+
+        def run(family: str, method: str) -> str | None:
+            remark = m.compressed(family, method)[2]
+            m.reload(family, method)
+            return remark
+        return markdown_table(FAMILIES, METHODS, XFAIL, run)
 
 
 if __name__ == "__main__" and "--table" in sys.argv:

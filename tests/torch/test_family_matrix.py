@@ -232,30 +232,13 @@ def test_family_method(tmp_path, family, method):
 
 def table() -> str:
     """Run the whole matrix and return the markdown table (family x method: pass, or why not)."""
-    lines = ["| family | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
-    notes: list[str] = []
-    for family in FAMILIES:
-        cells = []
-        for method in METHODS:
-            with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    remark = check(family, method, f"{tmp}/ckpt")
-                    got = None
-                except Exception as e:  # noqa: BLE001 - the table says what failed
-                    got = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            why = XFAIL.get((family, method), (None,))[0]
-            if got is None:
-                cell = "pass" if why is None else "pass (listed as failing!)"
-                cells.append(f"{cell} ({remark})" if remark else cell)
-                continue
-            notes.append(f"{family} x {method}: {why or got}")
-            cells.append(f"fails ({len(notes)})" if why else "**unexpected failure**")
-        lines.append(f"| {family} | " + " | ".join(cells) + " |")
-    if notes:
-        lines.append("")
-        lines.extend(f"{i}. {n}" for i, n in enumerate(notes, 1))
-    return "\n".join(lines)
+    from tests._matrix_table import markdown_table
+
+    def run(family: str, method: str) -> str | None:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return check(family, method, f"{tmp}/ckpt")
+    return markdown_table(FAMILIES, METHODS, XFAIL, run)
 
 
 if __name__ == "__main__" and "--table" in sys.argv:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.torch]
 transformers = pytest.importorskip("transformers")
 from transformers.integrations import use_experts_implementation  # noqa: E402
 
-H, I, E, VOCAB = 32, 48, 4, 64
+H, I, E, VOCAB = 32, 48, 4, 64  # noqa: E741  (I: the experts' intermediate width, as transformers names it)
 
 
 def mixtral(seed=0):

@@ -26,8 +26,8 @@ from ...core.clock import user_override
 from ...core.dependency import substitute_heads
 from ...core.errors import ConfigError
 from ...core.interrupts import commit_changes, deferred_interrupts, record_undo, undone_on_error
-from ...core.pruner_config import MASK_NAMES
 from ...core.matching import LayerInfo
+from ...core.pruner_config import MASK_NAMES
 from .. import layout
 from ..compressor import Compressor
 from .dependency import DependencyAwareMixin

@@ -116,7 +116,8 @@ class PrunerLayerWrapper(LayerWrapper):
             raise ValueError(f"{self.name}: {name} has shape {tuple(t.shape)}, expected {tuple(current.shape)} "
                              f"(masks are in the layer's Keras layout)")
         if undo_active():  # inside compress(): the mask from before it, put back if compress() does not finish
-            record_undo(("mask", id(current)), lambda old=current.numpy().copy(): current.assign(old))
+            old = current.numpy().copy()
+            record_undo(("mask", id(current)), lambda: current.assign(old))
         current.assign(t)
 
     def set_masks(self, masks: dict[str, Any]) -> None:

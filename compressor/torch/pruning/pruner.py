@@ -115,8 +115,9 @@ class TorchPruner(Compressor):
     def _undoable_round(self) -> None:
         """Inside :func:`~compressor.core.interrupts.undone_on_error`: what a mask round changes besides the
         masks is put back too if it does not finish (the pruner's own state, torch's grad mode)."""
-        record_undo(("grad",), lambda on=torch.is_grad_enabled(): torch.set_grad_enabled(on), change=False)
-        record_undo(("pruner", id(self)), lambda state=self.state_dict(): self.load_state_dict(state), change=False)
+        on, state = torch.is_grad_enabled(), self.state_dict()
+        record_undo(("grad",), lambda: torch.set_grad_enabled(on), change=False)
+        record_undo(("pruner", id(self)), lambda: self.load_state_dict(state), change=False)
 
     def mark_weights_stale(self) -> None:
         """Make the next :meth:`apply_masks` re-mask every layer: the optimizer hook calls it after a fused

@@ -187,7 +187,8 @@ class PrunerModuleWrapper(ReadThrough):
         if tuple(value.shape) != tuple(current.shape):
             raise ValueError(f"{self.name}: {name} has shape {tuple(value.shape)}, expected {tuple(current.shape)}")
         if undo_active():  # inside compress(): the mask from before it, put back if compress() does not finish
-            record_undo(("mask", id(current)), lambda old=current.clone(): self._restore_mask(current, old))
+            old = current.clone()
+            record_undo(("mask", id(current)), lambda: self._restore_mask(current, old))
         with torch.no_grad():
             current.copy_(value)
         self._refresh_multipliers()
