@@ -26,9 +26,9 @@ from compressor.torch import (
     WandaPruner,
 )
 from compressor.torch.calibration_data import calibration_batches
+from compressor.torch.quantization.lowbit import oneshot_codes
 from compressor.torch.sequential import TorchOneShotBackend
 from compressor.torch.sequential.blocks import _Input, _merged_calls
-from compressor.torch.quantization.lowbit import oneshot_codes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -31,13 +31,13 @@ break (``fullgraph=True`` refuses it).
 The path follows the number of input rows M (tokens): the weight-only kernels up to :data:`DEQUANT_ROWS`
 (decode), then the weight dequantized from the kernel's own resident form, in ``compute_dtype``, and the float
 matmul (prefill), one layer's weight at a time (``dequant_rows`` per module; None: the kernel always). Measured
-against a bf16 ``nn.Linear`` (2048 x 2048, one thread, ``benchmarks/lowbit_torch.py``): int4 g128 0.4-0.5x at M =
-1, 0.7x at M = 4, 1.5-2.4x from 16 to 128 rows (both paths: the kernel is compute-bound, the dequantization costs
-one bf16 matmul of ~128 rows), 1.4-1.6x at 256-512; int8 0.6x at M = 1, 1.1-1.8x above. So packed int4 saves
-memory and decode time, not prefill time, on PyTorch's CPU kernels. The int4 unpacking knows the kernel's
-64-row block layout (checked once per width; other layouts keep the kernel). Both kernels are fast only in 16
-bits: with ``float32`` activations they run a scalar loop (5-11x the float32 ``Linear`` at one row, ~100x at 128
-rows), so float32 dequantizes from 4 rows on (1.3-1.6x sgemm at 128-512 rows, 3-4x at 16-32).
+against a bf16 ``nn.Linear`` (2048 x 2048, one thread, ``benchmarks/lowbit_torch.py``): int4 g128 0.45x at M = 1,
+0.8x at M = 4, 1.4-2.2x from 16 to 64 rows (the kernel is compute-bound), 1.7x at 128, 1.2-1.4x at 256-512 (the
+dequantization costs a bf16 matmul of ~64 rows); int8 0.55x at M = 1, 1.1-1.8x above. So packed int4 saves memory
+and decode time, not prefill time, on PyTorch's CPU kernels. The int4 unpacking knows the kernel's 64-row block
+layout (checked once per width; other layouts keep the kernel). Both kernels are fast only in 16 bits: with
+``float32`` activations the int4 kernel runs a scalar loop (8x the float32 ``Linear`` at one row, ~100x at 128
+rows), so float32 int4 always dequantizes (6x sgemm at one row, 2-3x at 16-32, 1.1-1.4x at 128-512).
 ``compute_dtype`` is ``torch.bfloat16`` by default (torchao's choice; outputs within bf16 rounding of the
 fake-quant model); ``torch.float32`` gives outputs equal to the fake-quant model's to float32 rounding.
 
@@ -106,12 +106,13 @@ _INT8_K_MULTIPLE = 16
 
 #: rows of input (tokens) from which a weight-only layer dequantizes its weight and runs the float matmul instead
 #: of its packed kernel, per (kernel, compute dtype). The kernels dequantize per tile and are compute-bound: in
-#: 16 bits 1.5-2.9x slower than a bf16 matmul from 16 rows on; a full dequantization in PyTorch ops (unpack,
-#: cast, scale, transpose) costs about one bf16 matmul of 128-256 rows for int4 and of ~32 rows for int8 (no
-#: unpacking). In float32 the kernels run a scalar loop (5-11x sgemm at one row, ~100x at 128), so from 4 rows on
-#: the dequantized weight and sgemm win. Crossovers measured by benchmarks/lowbit_torch.py (``sweep_table``).
+#: 16 bits 1.4-2.7x slower than a bf16 matmul from 16 rows on; a full dequantization of the resident form (int4:
+#: one byte transpose, three int8 passes, one ``addcmul``; int8: one multiply) costs about one bf16 matmul of
+#: ~64 rows for int4 and of ~32 rows for int8. In float32 the int4 kernel runs a scalar loop (8x sgemm at one row,
+#: ~100x at 128): the dequantized weight and sgemm win at every M; the int8 kernel ties with it at one row.
+#: Crossovers measured by benchmarks/lowbit_torch.py (``sweep_table``).
 DEQUANT_ROWS: dict[tuple[str, torch.dtype], int] = {
-    ("int4", torch.bfloat16): 128, ("int4", torch.float16): 128, ("int4", torch.float32): 4,
+    ("int4", torch.bfloat16): 128, ("int4", torch.float16): 128, ("int4", torch.float32): 1,
     ("int8", torch.bfloat16): 32, ("int8", torch.float16): 32, ("int8", torch.float32): 4}
 #: kernel row blocks whose layout :func:`_int4_block_layout` recognises (rows of the weight per block)
 _INT4_BLOCK_N = 64
@@ -327,9 +328,9 @@ class PackedLinear(nn.Module):
             self._wq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 1)
             self._sz = torch.stack([sc.t(), zero.t()], -1).to(self.compute_dtype).contiguous()
             self._corr = None
-            if _int4_block_layout(n_pad):  # the kernel's [groups, n, (scale, zero)] as [blocks, groups, 1, 64]
-                sz = self._sz.reshape(k // kg, n_pad // _INT4_BLOCK_N, _INT4_BLOCK_N, 2).permute(1, 0, 2, 3)
-                self._deq_scales = (sz[..., 0].unsqueeze(2).contiguous(), sz[..., 1].unsqueeze(2).contiguous())
+            if _int4_block_layout(n_pad):  # the kernel's [groups, n, (scale, zero)] as [groups, 1, n]
+                self._deq_scales = (self._sz[..., 0].unsqueeze(1).contiguous(),
+                                    self._sz[..., 1].unsqueeze(1).contiguous())
         elif self.kernel == "int8":
             off = 0 if self.signed else 128
             wq = (c - off).to(torch.int8)
@@ -456,23 +457,26 @@ class PackedLinear(nn.Module):
 
     def _kernel_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` in ``compute_dtype`` as the kernel computes it, from the resident kernel form:
-        int4 ``(u - 8) * s + zero`` per kernel group (its 64-row block layout unpacked with two bitwise ops and a
-        transpose), int8 ``v * s`` (+ the unsigned codes' correction). Transient: one layer's weight at a time."""
+        int4 ``(u - 8) * s + zero`` per kernel group, int8 ``v * s`` (+ the unsigned codes' correction).
+        Transient: one layer's weight at a time. Int4 is built as ``[in, out]`` and returned transposed (a view;
+        ``linear`` runs it as ``x @ W^T`` without a copy): the kernel's block layout, bytes ``[block, in, 32]``
+        whose low / high nibbles hold rows ``64 b + i`` / ``64 b + 32 + i``, becomes ``[in, block, 32]`` with
+        one byte copy, and ``u - 8`` is the signed nibble of ``u ^ 8`` (sign-extended by shifting the int8 byte),
+        so the dequantization is three passes over int8 bytes and one ``addcmul`` that reads them as integers
+        (measured 3x faster than unpacking in the compute dtype and transposing the weight)."""
         n, k = self.out_features, self.in_features
-        dt = self.compute_dtype
         if self.kernel == "int8":
             v = self._wq[:, :k] if self._wq.shape[1] != k else self._wq
             if self._corr is None:
-                return v.to(dt) * self._sz[:, None]
-            return torch.addcmul(self._corr[:, None], v.to(dt), self._sz[:, None])
+                return torch.mul(v, self._sz[:, None])
+            return torch.addcmul(self._corr[:, None], v, self._sz[:, None])
         n_pad, kg = self._wq.shape[0], self._kg
-        nb, g, half = n_pad // _INT4_BLOCK_N, k // kg, _INT4_BLOCK_N // 2
+        nb, half = n_pad // _INT4_BLOCK_N, _INT4_BLOCK_N // 2
         scale, zero = self._deq_scales
-        p = self._wq.view(nb, k, half)
-        u = torch.stack((p & 15, p >> 4), dim=2).view(nb, g, kg, _INT4_BLOCK_N).to(dt) - 8
-        w = torch.addcmul(zero, u, scale).view(nb, k, _INT4_BLOCK_N)  # [block, in, row in block]
-        w = w.transpose(1, 2).reshape(n_pad, k)
-        return w if n_pad == n else w[:n]
+        q = (self._wq.view(nb, k, half).transpose(0, 1) ^ 0x88).view(torch.int8)  # [in, block, 32]
+        u = torch.stack(((q << 4) >> 4, q >> 4), dim=2)  # [in, block, (low, high), 32]: u - 8 per nibble
+        w_t = torch.addcmul(zero, u.view(k // kg, kg, n_pad), scale).view(k, n_pad)
+        return (w_t if n_pad == n else w_t[:, :n]).t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
