@@ -729,3 +729,43 @@ def test_codes_of_4_bits_or_fewer_are_kept_two_per_byte():
         O.stored_codes_to_full(np.zeros((2, 5), np.int8), 4, 5)
     with pytest.raises(ValueError, match="int8 / uint8"):
         O.store_codes(np.zeros((2, 2), np.int32), 4)
+
+
+@pytest.mark.parametrize("gram", [True, False])
+@pytest.mark.parametrize("width", [1, 7, 300])
+def test_row_source_adds_exactly_what_the_whole_float32_array_adds(gram, width):
+    """A backend hands half-precision rows over as a RowSource, widened a slice at a time: the statistics equal
+    those of the whole float32 array bit for bit, over several batches, and each slice read is small."""
+    from compressor.core.oneshot.statistics import GRAM_F32_ROWS, SUM_CHUNK_VALUES
+
+    rng = np.random.default_rng(3)
+    whole = O.GramAccumulator(width, gram=gram)
+    sliced = O.GramAccumulator(width, gram=gram)
+    widest = []
+    for rows in (2500, 1, 1030):
+        a = (rng.standard_normal((rows, width)) * 3).astype(np.float32)
+        whole.add(a)
+
+        def get(i, j, a=a):
+            widest.append(min(j, len(a)) - i)
+            return np.ascontiguousarray(a[i:j])
+        sliced.add(O.RowSource(rows, width, get))
+    assert sliced.count == whole.count == 3531
+    assert np.array_equal(sliced.abs_sum, whole.abs_sum)
+    assert np.array_equal(sliced.sq_sum, whole.sq_sum)
+    if gram:
+        assert np.array_equal(sliced.gram, whole.gram)
+    if width > 1:  # slices of at most one Gram product's rows or one chunk of the sums (65536 values)
+        assert max(widest) * width <= max(GRAM_F32_ROWS * width, SUM_CHUNK_VALUES)
+
+
+def test_row_source_with_a_nan_or_a_wrong_width_adds_nothing():
+    acc = O.GramAccumulator(4)
+    acc.add(np.ones((3, 4), np.float32))
+    bad = np.ones((5, 4), np.float32)
+    bad[4, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN or inf"):
+        acc.add(O.RowSource(5, 4, lambda i, j: bad[i:j]))
+    with pytest.raises(ValueError, match="input dimension 4, got width 3"):
+        acc.add(O.RowSource(5, 3, lambda i, j: bad[i:j, :3]))
+    assert acc.count == 3 and np.array_equal(acc.gram, np.full((4, 4), 3.0))

@@ -67,10 +67,10 @@ from .prune_methods import SparseGPTMethod, WandaMethod
 from .quant_methods import GptqMethod, RtnMethod
 from .quantize import gptq_quantize, rtn_quantize
 from .sparse import MASK_SCOPES, SparseGPTResult, sparsegpt_prune, wanda_mask, wanda_scores
-from .statistics import GramAccumulator
+from .statistics import GramAccumulator, RowSource
 
 __all__ = [
-    "GramAccumulator", "damp_hessian", "hessian_factor", "wanda_scores", "wanda_mask", "SparseGPTResult",
+    "GramAccumulator", "RowSource", "damp_hessian", "hessian_factor", "wanda_scores", "wanda_mask", "SparseGPTResult",
     "sparsegpt_prune", "MASK_SCOPES", "QuantSpec", "QuantizedWeight", "rtn_quantize", "gptq_quantize",
     "stored_code_width", "store_codes", "stored_codes_to_full", "awq_grid", "awq_candidates", "AWQ_DUO_CHOICES",
     "awq_scales", "awq_weight_mean", "AwqWeight", "awq_quantize", "awq_effective", "AwqSearch", "awq_search",

@@ -81,8 +81,9 @@ def expert_fallback(method: Any, task: LayerTask, weight: np.ndarray, mask: np.n
     if not fallback_due(task, stats):
         return None
     info = {"tokens": int(stats.count), "expert": routed_expert(task)}
+    weight = np.asarray(weight, np.float64)
     if getattr(method, "kind", "pruner") == "quantizer":
-        w = np.asarray(weight, np.float64) if mask is None else np.where(mask, weight, 0.0)
+        w = weight if mask is None else np.where(mask, weight, 0.0)
         q = rtn_quantize(w, task.quant_spec(type(method).__name__))
         scales = np.ones(weight.shape[1]) if getattr(method, "name", "") == "awq" else None
         return LayerResult(weight=q.dequantized, mask=mask, quantized=q, scales=scales,

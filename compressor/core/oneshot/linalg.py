@@ -188,15 +188,20 @@ class _Sweep:
 def _prepare(weight: Any, hessian: Any, damp: float, mask: Any = None) -> tuple[np.ndarray, np.ndarray,
                                                                                 np.ndarray, np.ndarray | None,
                                                                                 np.ndarray]:
-    """Copies of the weight (dead / masked columns zeroed) and the damped Hessian; ``dead``; the keep-mask;
-    ``diag(H)`` before damping (dead entries 1), which ``act_order`` sorts by as the reference does."""
-    w = _weight(weight)
-    h = _hessian(hessian, w.shape[1])
-    keep = _mask(mask, w.shape)
+    """The sweep's float64 copy of the weight, TRANSPOSED (``[in, out]``, C-contiguous: the one weight-sized
+    float64 array of a solve; dead / masked columns zeroed) and the damped Hessian; ``dead``; the keep-mask
+    (``[out, in]``); ``diag(H)`` before damping (dead entries 1), which ``act_order`` sorts by as the reference
+    does. ``weight`` is only read (float32 or float64 values: the copy is float64 either way)."""
+    src = _weight(weight, copy=False)
+    wt = np.empty(src.shape[::-1])
+    wt[...] = src.T
+    del src
+    h = _hessian(hessian, wt.shape[0])
+    keep = _mask(mask, wt.shape[::-1])
     diag0 = np.where(np.diag(h) == 0, 1.0, np.diag(h))
     dead = _damp_inplace(h, damp)
-    w[:, dead] = 0.0
+    wt[dead] = 0.0
     if keep is not None:
-        w[~keep] = 0.0
-    return w, h, dead, keep, diag0
+        wt[~keep.T] = 0.0
+    return wt, h, dead, keep, diag0
 

@@ -17,6 +17,9 @@ class OneShotMethod:
     """A one-shot algorithm over one layer's weight and input statistics."""
 
     name = "oneshot"
+    #: False: ``compress`` gets the weight as a float64 array it may keep or change; True: as the backend read it
+    #: (float32 where that is exact), for a method that makes its own float64 copy (GPTQ, SparseGPT)
+    copies_weight = False
     kind = "pruner"  # or 'quantizer'
     #: statistics: 'gram' (H = sum x^T x), 'norms' (per-channel sums only), None (no calibration data)
     statistics: str | None = "gram"

@@ -39,6 +39,8 @@ class SparseGPTMethod(OneShotMethod):
     """SparseGPT (Frantar & Alistarh 2023): OBS pruning with weight updates from the layer's Hessian."""
 
     name = "sparsegpt"
+    #: the solver makes its own float64 copy of the weight (transposed): it takes the float32 read as it is
+    copies_weight = True
 
     def compress(self, task, weight, mask, stats):
         c = task.config
@@ -46,7 +48,8 @@ class SparseGPTMethod(OneShotMethod):
         r = sparsegpt_prune(weight, stats.gram_for_solver(), sparsity, pattern, damp=c.get("damp", DEFAULT_DAMP),
                                 block_size=c.get("block_size", DEFAULT_BLOCK_SIZE),
                                 mask_scope=c.get("mask_scope", "block"))
-        keep = r.mask if mask is None else (r.mask & mask)
-        return LayerResult(weight=np.where(keep, r.weight, 0.0), mask=keep,
+        # r.weight is +0.0 wherever r.mask is False: only a mask from before needs a copy
+        keep, weight = (r.mask, r.weight) if mask is None else (r.mask & mask, np.where(r.mask & mask, r.weight, 0.0))
+        return LayerResult(weight=weight, mask=keep,
                            info={"error": r.error, "dead_inputs": int(np.count_nonzero(r.dead))})
 

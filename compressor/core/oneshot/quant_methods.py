@@ -18,6 +18,8 @@ class GptqMethod(OneShotMethod):
 
     name = "gptq"
     kind = "quantizer"
+    #: the solver makes its own float64 copy of the weight (transposed): it takes the float32 read as it is
+    copies_weight = True
 
     def compress(self, task, weight, mask, stats):
         c = task.config

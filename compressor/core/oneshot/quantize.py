@@ -96,8 +96,8 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     bit for bit.
     """
     bs = _block_size(block_size)
-    w, hd, dead, keep, diag0 = _prepare(weight, hessian, damp, mask)
-    out, n_in = w.shape
+    wt, hd, dead, keep, diag0 = _prepare(weight, hessian, damp, mask)
+    n_in, out = wt.shape
     gs = spec.group_width(n_in)
     n_groups = -(-n_in // gs)
     perm = np.argsort(-diag0, kind="stable") if act_order else np.arange(n_in)
@@ -108,10 +108,10 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
     del hd
     ut = _inverse_factor_t(box, damp)
     if act_order:
-        w = w[:, perm]
+        wt = wt[perm]
         keep = None if keep is None else keep[:, perm]
-    sweep = _Sweep(np.ascontiguousarray(w.T), ut, None if keep is None else np.ascontiguousarray(keep.T), bs)
-    del w, ut
+    sweep = _Sweep(wt, ut, None if keep is None else np.ascontiguousarray(keep.T), bs)
+    del wt, ut
     scale = np.zeros((n_groups, out))
     zp = np.zeros((n_groups, out))
     have = np.zeros(n_groups, dtype=bool)
@@ -139,6 +139,6 @@ def gptq_quantize(weight: Any, hessian: Any, spec: QuantSpec, *, damp: float = D
         codes_t, deq_t = codes_t[inv], deq_t[inv]
     return QuantizedWeight(codes=np.ascontiguousarray(codes_t.T), scale=np.ascontiguousarray(scale.T),
                            zero_point=np.ascontiguousarray(zp.T), group_size=gs, spec=spec,
-                           dequantized=np.ascontiguousarray(deq_t.T), error=sweep.error,
+                           dequantized=deq_t.T, error=sweep.error,
                            perm=perm if act_order else None, dead=dead)
 

@@ -106,16 +106,16 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
     bs = _block_size(block_size)
     if mask_scope not in MASK_SCOPES:
         raise ValueError(f"mask_scope must be one of {list(MASK_SCOPES)}, got {mask_scope!r}")
-    w, hd, dead, _, _ = _prepare(weight, hessian, damp)
-    out, n_in = w.shape
+    wt, hd, dead, _, _ = _prepare(weight, hessian, damp)
+    n_in, out = wt.shape
     if nm is not None:
         _check_nm_width(n_in, nm[1], sparse_pattern)  # type: ignore[arg-type]
         if bs % nm[1]:
             raise ValueError(f"block_size {bs} must be a multiple of M={nm[1]} of sparse_pattern {sparse_pattern!r}")
     box = [hd]
     del hd
-    sweep = _Sweep(np.ascontiguousarray(w.T), _inverse_factor_t(box, damp), None, bs)
-    del w
+    sweep = _Sweep(wt, _inverse_factor_t(box, damp), None, bs)
+    del wt
     result_t = sweep.w  # row p is final once fixed and never read again: the result is written over it
     keep_t = np.ones(sweep.w.shape, dtype=bool)
     for i1 in range(0, n_in, bs):
@@ -143,6 +143,6 @@ def sparsegpt_prune(weight: Any, hessian: Any, sparsity: float | None = None, sp
             sweep.fix(p, wc, q)
             result_t[p] = q  # after fix: wc may be a view of this very row
         sweep.end_block(i1, i2)
-    return SparseGPTResult(weight=np.ascontiguousarray(result_t.T), mask=np.ascontiguousarray(keep_t.T),
+    return SparseGPTResult(weight=result_t.T, mask=np.ascontiguousarray(keep_t.T),
                            error=sweep.error, dead=dead)
 

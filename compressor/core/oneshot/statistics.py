@@ -19,6 +19,17 @@ SUM_CHUNK_VALUES = 1 << 16
 GRAM_COLS = 256
 
 
+class RowSource:
+    """A batch of ``rows`` input rows of ``width`` values that :meth:`GramAccumulator.add` reads a slice at a time,
+    ``get(i, j)`` giving rows ``i:j`` as a C-contiguous float32 (or float64) array: a backend hands a half-precision
+    activation over this way, each slice widened when it is read, instead of a float32 copy of the whole batch
+    (88 MiB for a batch of 8 x 512 tokens into a 5632-wide down projection). The result is the same as ``add``
+    of the whole float32 array, bit for bit: the slices read are those ``add`` takes of an array."""
+
+    def __init__(self, rows: int, width: int, get: Any, dtype: Any = np.float32):
+        self.rows, self.width, self.get, self.dtype = int(rows), int(width), get, np.dtype(dtype)
+
+
 class GramAccumulator:
     """Input statistics of one layer over the calibration tokens, in float64.
 
@@ -50,7 +61,8 @@ class GramAccumulator:
         self.consumable = False
 
     def add(self, x: Any) -> None:
-        """Accumulate a batch of input rows ``x`` (``[..., in]``); NaN / inf or a wrong width is a ValueError.
+        """Accumulate a batch of input rows ``x`` (``[..., in]``, or a :class:`RowSource`); NaN / inf or a wrong
+        width is a ValueError, and then nothing is added.
 
         The Gram matrix of rows that are float32 values (float32 input, or float64 input whose every value is a
         float32: what a float32 model computes, whichever dtype the backend hands over) is computed as float32
@@ -58,41 +70,59 @@ class GramAccumulator:
         a float64 product; the references accumulate in float32 throughout). Other rows are multiplied in
         float64. So the result depends on the values and their grouping into ``add`` calls only, not on the
         dtype a backend passes. ``sq_sum`` / ``abs_sum`` are float64 sums of the float64 values."""
-        a = np.asarray(x)
-        if a.dtype != np.float32:
-            a = np.asarray(a, dtype=np.float64)
-        if a.ndim == 0 or a.shape[-1] != self.in_features:
-            raise ValueError(f"layer input must end with the layer's input dimension {self.in_features}, "
-                             f"got shape {a.shape}")
-        a = a.reshape(-1, self.in_features)
+        if isinstance(x, RowSource):
+            if x.width != self.in_features:
+                raise ValueError(f"layer input must end with the layer's input dimension {self.in_features}, "
+                                 f"got width {x.width}")
+            if x.dtype != np.float32:  # float64 rows: whether all are float32 values decides, on the whole batch
+                x = x.get(0, x.rows)
+        if isinstance(x, RowSource):
+            n, take, low, chunked = x.rows, x.get, x.get, self.in_features >= 2
+        else:
+            a = np.asarray(x)
+            if a.dtype != np.float32:
+                a = np.asarray(a, dtype=np.float64)
+            if a.ndim == 0 or a.shape[-1] != self.in_features:
+                raise ValueError(f"layer input must end with the layer's input dimension {self.in_features}, "
+                                 f"got shape {a.shape}")
+            a = a.reshape(-1, self.in_features)
+            n = a.shape[0]
+
+            def take(i: int, j: int) -> np.ndarray:
+                return a[i:j]
+            low = None
+            if self.gram is not None:
+                # float32-valued rows? (the first row decides for most float64 rows, without a float32 copy of all)
+                la = a if a.dtype == np.float32 else None
+                if la is None and _float32_valued(a[:1]):
+                    la = a.astype(np.float32)
+                    la = la if np.array_equal(la, a) else None
+                if la is not None:
+                    def low(i: int, j: int) -> np.ndarray:
+                        return la[i:j]
+            chunked = self.in_features >= 2 and a.flags.c_contiguous
         # the per-channel sums over row chunks (no float64 copy of the whole batch: two of them were the
         # largest transients of a calibration pass, 24 MiB for a 2048 x 768 float32 input), where that
         # reproduces the whole-array sums bit for bit: numpy sums a C-contiguous [rows, >= 2] array's axis 0
         # row after row, and each chunk's first row carries the sum so far
-        chunked = self.in_features >= 2 and a.flags.c_contiguous
-        step = max(1, SUM_CHUNK_VALUES // self.in_features) if chunked else max(a.shape[0], 1)
-        if not all(np.isfinite(a[i:i + step]).all() for i in range(0, a.shape[0], step)):
+        step = max(1, SUM_CHUNK_VALUES // self.in_features) if chunked else max(n, 1)
+        if not all(np.isfinite(take(i, i + step)).all() for i in range(0, n, step)):
             raise ValueError("calibration inputs contain NaN or inf")
         if self.gram is not None:
-            # float32-valued rows? (the first row decides for most float64 rows, without a float32 copy of all)
-            low = a if a.dtype == np.float32 else None
-            if low is None and _float32_valued(a[:1]):
-                low = a.astype(np.float32)
-                low = low if np.array_equal(low, a) else None
             if low is not None:
-                for i in range(0, low.shape[0], GRAM_F32_ROWS):
-                    self._add_product(low[i:i + GRAM_F32_ROWS])
+                for i in range(0, n, GRAM_F32_ROWS):
+                    self._add_product(low(i, i + GRAM_F32_ROWS))
             else:
-                self._add_product(np.asarray(a, dtype=np.float64))
+                self._add_product(np.asarray(take(0, n), dtype=np.float64))
         if not chunked:
-            a64 = np.asarray(a, dtype=np.float64)
+            a64 = np.asarray(take(0, n), dtype=np.float64)
             if self.gram is None:
                 self._sq += np.einsum("ti,ti->i", a64, a64)
             self.abs_sum += np.abs(a64).sum(axis=0)
         else:
             abs_acc = sq_acc = None
-            for i in range(0, a.shape[0], step):
-                c64 = np.asarray(a[i:i + step], dtype=np.float64)
+            for i in range(0, n, step):
+                c64 = np.asarray(take(i, i + step), dtype=np.float64)
                 if self.gram is None:
                     sq = c64 * c64
                     if sq_acc is not None:
@@ -106,7 +136,7 @@ class GramAccumulator:
                 self._sq += sq_acc
             if abs_acc is not None:
                 self.abs_sum += abs_acc
-        self.count += a.shape[0]
+        self.count += n
 
     def _add_product(self, c: np.ndarray) -> None:
         """``gram += c^T c`` in column blocks of :data:`GRAM_COLS`: each block's product is computed once for the

@@ -47,7 +47,9 @@ def compute_layer(backend: OneShotBackend, method: Any, task: LayerTask,
     if fallback is not None:
         return fallback
     _check_seen(method, task, stats)
-    return method.compress(task, np.asarray(weight, np.float64), mask, stats)
+    if not getattr(method, "copies_weight", False):
+        weight = np.asarray(weight, np.float64)
+    return method.compress(task, weight, mask, stats)
 
 
 def commit_layer(backend: OneShotBackend, method: Any, task: LayerTask, result: LayerResult,

@@ -23,6 +23,7 @@ from ...core.oneshot import (
     ObserveCalls,
     ObservedAll,
     OneShotBackend,
+    RowSource,
 )
 from ..calibration_data import _tensors
 from ..layout import canonical_shape, from_canonical, to_canonical
@@ -193,7 +194,7 @@ class TorchOneShotBackend(OneShotBackend):
         fed: dict[str, Any] = {}  # layer -> a weak reference to the input it got last (not kept alive by this)
         shared = self._shared
 
-        def rows(t: torch.Tensor) -> np.ndarray:
+        def rows(t: torch.Tensor) -> np.ndarray | RowSource:
             if last[0] is t and last[1] == _version(t):
                 return last[2]
             x = t.detach()
@@ -201,10 +202,18 @@ class TorchOneShotBackend(OneShotBackend):
             if k is not None and tuple(x.shape[:-1]) == tuple(k.shape):
                 x = x[k.to(x.device)]
             # float32 as it is (core's Gram takes float32 products of float32 values, whatever the dtype handed
-            # over: no float64 copy here); half precision widened to float32, float64 kept
-            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-            last[:] = [t, _version(t), x.to("cpu", dtype).numpy().reshape(-1, x.shape[-1])]
-            return last[2]
+            # over: no float64 copy here), float64 kept; half precision widened to float32 a slice of rows at a
+            # time as the statistics read it (RowSource: no float32 copy of the whole batch)
+            if x.dtype in (torch.float32, torch.float64):
+                got: np.ndarray | RowSource = x.to("cpu").numpy().reshape(-1, x.shape[-1])
+            else:
+                x2 = x.reshape(-1, x.shape[-1])
+
+                def get(i: int, j: int, x2: torch.Tensor = x2) -> np.ndarray:
+                    return x2[i:j].to("cpu", torch.float32).contiguous().numpy()
+                got = RowSource(x2.shape[0], x2.shape[1], get)
+            last[:] = [t, _version(t), got]
+            return got
 
         hooked = [w.name for w in self.wrappers
                   if w.name in observe or (shared.get(w.name) is not None and shared[w.name] in observe)]
@@ -584,15 +593,20 @@ class TorchOneShotBackend(OneShotBackend):
         if isinstance(w, fused.FusedSlice):
             w.assign(weight)
             return
-        new = from_canonical(w, torch.from_numpy(np.ascontiguousarray(weight)))
+        # the solvers' results are transposed views of their sweep arrays: cast first (one copy in the weight's
+        # dtype, strides kept), not a float64 C-contiguous copy of the layer's weight
+        new = from_canonical(w, torch.from_numpy(weight).to(dtype=w.weight.dtype))
         with torch.no_grad():
-            w.weight.copy_(new.to(dtype=w.weight.dtype, device=w.weight.device))
+            w.weight.copy_(new.to(device=w.weight.device))
 
     def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
         w = task.handle
         if isinstance(w, fused.FusedSlice):
             return w.read(), fused.slice_mask(w)
-        weight = to_canonical(w, w.weight.detach()).to("cpu", torch.float64).numpy()
+        # float32 holds a float32 / bf16 / fp16 weight exactly, at half the bytes of float64: the solvers make
+        # their own float64 copy (core.oneshot.steps.compute_layer), the other methods get float64 there
+        wide = torch.float64 if w.weight.dtype == torch.float64 else torch.float32
+        weight = to_canonical(w, w.weight.detach()).to("cpu", wide).numpy()
         mask = self.compressor._oneshot_mask(w)
         if mask is not None:
             mask = to_canonical(w, mask).cpu().numpy().astype(bool)
