@@ -769,3 +769,46 @@ def test_row_source_with_a_nan_or_a_wrong_width_adds_nothing():
     with pytest.raises(ValueError, match="input dimension 4, got width 3"):
         acc.add(O.RowSource(5, 3, lambda i, j: bad[i:j, :3]))
     assert acc.count == 3 and np.array_equal(acc.gram, np.full((4, 4), 3.0))
+
+
+def test_gram_is_kept_as_its_upper_part_and_given_back_whole():
+    """The accumulator keeps only the column blocks' upper parts (half the matrix's bytes plus half the diagonal
+    blocks'), and gives the
+    full matrix back, exactly symmetric, equal to the rows' float64 product for float32 rows of small integers
+    (every product and sum exact); the solver's box is a matrix of its own, so the accumulator keeps its blocks
+    until it is consumable."""
+    from compressor.core.oneshot.statistics import GRAM_COLS
+
+    n = 2 * GRAM_COLS + 37
+    x = np.random.default_rng(2).integers(-3, 4, size=(50, n)).astype(np.float32)
+    acc = O.GramAccumulator(n)
+    acc.add(x[:20])
+    acc.add(x[20:])
+    blocks = acc.gram_blocks
+    assert [b.shape for b in blocks] == [(GRAM_COLS, GRAM_COLS), (2 * GRAM_COLS, GRAM_COLS), (n, 37)]
+    assert sum(b.nbytes for b in blocks) == 8 * (GRAM_COLS * GRAM_COLS + 2 * GRAM_COLS * GRAM_COLS + n * 37)  # 0.72 of n^2
+    x64 = x.astype(np.float64)
+    assert np.array_equal(acc.gram, x64.T @ x64)
+    assert np.array_equal(acc.sq_sum, (x64 * x64).sum(0))
+    box = acc.gram_for_solver()
+    assert isinstance(box, list) and np.array_equal(box[0], x64.T @ x64) and acc.gram_blocks is blocks
+    box[0][:] = 0  # the solver's own matrix: the accumulator is unchanged
+    assert np.array_equal(acc.gram, x64.T @ x64)
+    acc.consumable = True
+    assert np.array_equal(acc.gram_for_solver()[0], x64.T @ x64) and acc.gram is None and acc.gram_blocks is None
+
+
+def test_a_handed_weight_is_taken_out_of_its_box_and_gives_the_same_result():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    x = rng.standard_normal((60, 40)).astype(np.float32)
+    acc = O.GramAccumulator(40)
+    acc.add(x)
+    spec = O.QuantSpec(bits=4, group_size=8)
+    box = O.arrays.Handed(w.copy())
+    got = O.gptq_quantize(box, acc.gram, spec)
+    assert box.array is None
+    ref = O.gptq_quantize(w.astype(np.float64), acc.gram, spec)
+    assert np.array_equal(got.codes, ref.codes) and np.array_equal(got.dequantized, ref.dequantized)
+    with pytest.raises(ValueError, match="taken already"):
+        O.gptq_quantize(box, acc.gram, spec)

@@ -21,10 +21,26 @@ DEFAULT_BLOCK_SIZE = 128
 ROW_CHUNK_VALUES = 1 << 16
 
 
+class Handed:
+    """A weight handed to a solver with the caller's only reference (:func:`_weight` takes the array out): a
+    solver that copies it (GPTQ, SparseGPT) lets it go once copied, not at its return."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array: np.ndarray | None = array
+
+
 def _weight(weight: Any, what: str = "weight", copy: bool = True) -> np.ndarray:
-    """``weight`` as a checked float64 ``[out, in]`` array: a copy, or with ``copy=False`` the array itself where it
+    """A :class:`Handed` weight is taken out of its box (the box is emptied).
+    ``weight`` as a checked float64 ``[out, in]`` array: a copy, or with ``copy=False`` the array itself where it
     is float32 or float64 (for callers that only read it, a chunk of rows at a time, widened to float64 there:
     :func:`_rows64`)."""
+    if isinstance(weight, Handed):
+        box = weight
+        weight, box.array = box.array, None
+        if weight is None:
+            raise ValueError(f"{what}: this Handed weight was taken already")
     if copy:
         w = np.array(weight, dtype=np.float64, copy=True)
     else:

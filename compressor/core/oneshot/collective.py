@@ -96,6 +96,6 @@ def reduce_statistics(collective: Collective, accs: dict[str, Any]) -> None:
         if acc is None or id(acc) in seen:
             continue
         seen.add(id(acc))
-        arrays = [a for a in (acc.gram, acc._sq, acc.abs_sum) if a is not None]
+        arrays = [a for a in (*(acc.gram_blocks or ()), acc._sq, acc.abs_sum) if a is not None]
         collective.sum_arrays(arrays)
         acc.count = int(collective.sum_values([acc.count])[0])

@@ -138,6 +138,10 @@ def _inv_lower(low: np.ndarray) -> np.ndarray:
     return low
 
 
+#: later columns corrected per GEMM at the end of a sweep block (:meth:`_Sweep.end_block`)
+SWEEP_ROWS = 512
+
+
 class _Sweep:
     """State of the blocked OBS column sweep (GPTQ Alg. 1's lazy batch updates), in transposed layout: row
     ``p`` of every ``[in, out]`` array is weight column ``p`` (in sweep order), so each step reads contiguous
@@ -180,9 +184,13 @@ class _Sweep:
         self.error += 0.5 * float(np.dot(d, d)) / float(self.ud[p]) ** 2
 
     def end_block(self, i1: int, i2: int) -> None:
-        """Apply the block ``[i1, i2)``'s corrections to the later columns (one GEMM)."""
-        if i2 < self.w.shape[0]:
-            self.w[i2:] -= self.ut[i2:, i1:i2] @ self.e[:i2 - i1]
+        """Apply the block ``[i1, i2)``'s corrections to the later columns: one GEMM per :data:`SWEEP_ROWS` of
+        them (each entry the same ``block``-long dot product as in one GEMM; the temporary is bounded, not a
+        weight-sized ``[in - i2, out]`` float64 array)."""
+        e = self.e[:i2 - i1]
+        for r in range(i2, self.w.shape[0], SWEEP_ROWS):
+            r1 = min(r + SWEEP_ROWS, self.w.shape[0])
+            self.w[r:r1] -= self.ut[r:r1, i1:i2] @ e
 
 
 def _prepare(weight: Any, hessian: Any, damp: float, mask: Any = None) -> tuple[np.ndarray, np.ndarray,

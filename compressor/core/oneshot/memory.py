@@ -68,34 +68,39 @@ class GramSpill:
         self.where: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def put(self, acc: Any) -> None:
-        """Spill ``acc``'s Gram matrix (when large and a folder is set)."""
-        g = getattr(acc, "gram", None)
-        if self.folder is None or g is None or g.nbytes < SPILL_BYTES or id(acc) in self.where:
+        """Spill ``acc``'s Gram matrix (its upper part's blocks, when large and a folder is set)."""
+        blocks = getattr(acc, "gram_blocks", None)
+        if (self.folder is None or blocks is None or sum(b.nbytes for b in blocks) < SPILL_BYTES
+                or id(acc) in self.where):
             return
         if self.file is None:
             self.file = tempfile.TemporaryFile(prefix="gram-", dir=self.folder)
         f = self.file
         f.seek(0, 2)
-        self.where[id(acc)] = (f.tell(), g.shape)
-        f.write(memoryview(np.ascontiguousarray(g)).cast("B"))
-        acc.gram = None
+        self.where[id(acc)] = (f.tell(), [b.shape for b in blocks])
+        for b in blocks:
+            f.write(memoryview(np.ascontiguousarray(b)).cast("B"))
+        acc.gram_blocks = None
 
     def get(self, acc: Any) -> None:
         """Put ``acc``'s spilled Gram matrix back (a no-op when it was not spilled)."""
         spot = self.where.pop(id(acc), None)
         if spot is None:
             return
-        offset, shape = spot
-        g = own_pages(shape)
+        offset, shapes = spot
         self.file.seek(offset)
-        view = memoryview(g).cast("B")
-        got = 0
-        while got < len(view):
-            n = self.file.readinto(view[got:])
-            if not n:
-                raise OSError("the spilled Gram matrix was cut short")
-            got += n
-        acc.gram = g
+        blocks = []
+        for shape in shapes:
+            g = own_pages(shape)
+            view = memoryview(g).cast("B")
+            got = 0
+            while got < len(view):
+                n = self.file.readinto(view[got:])
+                if not n:
+                    raise OSError("the spilled Gram matrix was cut short")
+                got += n
+            blocks.append(g)
+        acc.gram_blocks = blocks
 
     def close(self) -> None:
         if self.file is not None:

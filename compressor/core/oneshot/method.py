@@ -18,7 +18,8 @@ class OneShotMethod:
 
     name = "oneshot"
     #: False: ``compress`` gets the weight as a float64 array it may keep or change; True: as the backend read it
-    #: (float32 where that is exact), for a method that makes its own float64 copy (GPTQ, SparseGPT)
+    #: (float32 where that is exact) in a :class:`~.arrays.Handed` box, for a method that makes its own float64
+    #: copy and passes the box on (GPTQ, SparseGPT: their solvers take the array out and drop it once copied)
     copies_weight = False
     kind = "pruner"  # or 'quantizer'
     #: statistics: 'gram' (H = sum x^T x), 'norms' (per-channel sums only), None (no calibration data)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelError
+from .arrays import Handed
 from .collective import assign_layers
 from .experts import expert_fallback, routed_expert, warn_fallbacks
 from .memory import GramSpill, Undo, release_freed_heap
@@ -47,9 +48,11 @@ def compute_layer(backend: OneShotBackend, method: Any, task: LayerTask,
     if fallback is not None:
         return fallback
     _check_seen(method, task, stats)
-    if not getattr(method, "copies_weight", False):
-        weight = np.asarray(weight, np.float64)
-    return method.compress(task, weight, mask, stats)
+    if getattr(method, "copies_weight", False):  # its one reference: freed once the solver has its float64 copy
+        handed = Handed(weight)
+        del weight
+        return method.compress(task, handed, mask, stats)
+    return method.compress(task, np.asarray(weight, np.float64), mask, stats)
 
 
 def commit_layer(backend: OneShotBackend, method: Any, task: LayerTask, result: LayerResult,

@@ -401,7 +401,10 @@ class KerasOneShotBackend(OneShotBackend):
         if isinstance(w, banks.BankSlice):
             return w.read(), slice_mask(w)
         plan = self.c._layouts[task.name]
-        weight = plan.to_canonical(np.asarray(w.weight.numpy())).astype(np.float64)
+        raw = np.asarray(w.weight.numpy())
+        # float32 holds a float32 / bf16 / fp16 weight exactly, at half the bytes of float64: the solvers make
+        # their own float64 copy (core.oneshot.steps.compute_layer), the other methods get float64 there
+        weight = plan.to_canonical(raw).astype(np.float64 if raw.dtype == np.float64 else np.float32)
         pruner = next((p for p in wrappers_of(w.layer) if isinstance(p, PrunerLayerWrapper) and p.ready), None)
         mask = None
         if pruner is not None and pruner.slot is None:
