@@ -63,6 +63,8 @@ class KerasOneShotBackend(OneShotBackend):
         # the routed experts of expert banks (3-D weights): one task per expert slice (expert_banks)
         self._banks = banks.bank_tasks(compressor, self.model, find_experts(self.model))
         self._compiled: dict[int, Any] = {}
+        #: the real (not padded) tokens of the call being observed, flattened ``[batch * seq]``; None: all of them
+        self._keep: list[np.ndarray | None] = [None]
 
     # -- structure
     def blocks(self) -> list[tuple[str, Any]]:
@@ -101,7 +103,7 @@ class KerasOneShotBackend(OneShotBackend):
                 def make(orig: Callable[..., Any], fn: Callable[[Any], None] = fn, plan: KernelLayout = plan,
                          layer: Any = layer, name: str = name) -> Callable[..., Any]:
                     def observed(*args: Any, **kwargs: Any) -> Any:
-                        fn(plan.rows(_first_arg(layer, args, kwargs)[1]))
+                        fn(kept_rows(plan.rows(_first_arg(layer, args, kwargs)[1]), self._keep[0]))
                         if calls is not None and calls.fired(name):
                             raise ObservedAll
                         return orig(*args, **kwargs)
@@ -112,7 +114,7 @@ class KerasOneShotBackend(OneShotBackend):
             def fired(name: str) -> None:
                 if calls is not None and calls.fired(name):
                     raise ObservedAll
-            stack.enter_context(banks.observe_banks(self._banks, observe or {}, fired))
+            stack.enter_context(banks.observe_banks(self._banks, observe or {}, fired, lambda: self._keep[0]))
             yield
 
     def drop_transients(self) -> None:
@@ -220,10 +222,13 @@ class KerasOneShotBackend(OneShotBackend):
         wide call) ends after the block's last observed input (core :class:`ObserveCalls`)."""
         def once(part: BlockInput) -> None:
             calls.begin()
+            self._keep[0] = real_tokens(part.kwargs, part.hidden)
             try:
                 self._invoke(block, part, wide)
             except ObservedAll:
                 pass
+            finally:
+                self._keep[0] = None
         if wide:
             self._by_slices(inp, FLOAT64_PASS_TOKENS, once)
         else:
@@ -393,7 +398,11 @@ class KerasOneShotBackend(OneShotBackend):
     def run_model(self, batches: Sequence[Any], observe: dict[str, Callable[[Any], None]]) -> None:
         with self._observing(observe):
             for i, b in enumerate(batches):
-                self._run_model(b, i)
+                self._keep[0] = real_tokens(b) if isinstance(b, dict) else None
+                try:
+                    self._run_model(b, i)
+                finally:
+                    self._keep[0] = None
 
     # -- weights
     def read_weight(self, task: LayerTask) -> tuple[np.ndarray, np.ndarray | None]:
@@ -462,3 +471,34 @@ def _kernel(wrapper: Any) -> Any:
 #: plain attributes a one-shot ``_write`` sets on a wrapper (restored by :meth:`KerasOneShotBackend.restore`)
 _WRITTEN_ATTRS = ("weight_group_size",)
 
+
+
+#: the keyword arguments that carry a batch's padding mask (``[batch, seq]``, 0 = padding) into a keras-hub
+#: decoder block (``decoder_padding_mask``: Llama, Mistral, Qwen, Phi-3, GPT-2, OPT, Falcon, GPT-NeoX, Bloom, the
+#: MoE families; ``padding_mask``: Gemma, Gemma-3, and the model's own input dict)
+PADDING_KEYS = ("decoder_padding_mask", "padding_mask")
+
+
+def real_tokens(kwargs: dict, hidden: Any = None) -> np.ndarray | None:
+    """The real tokens of a call, flattened ``[batch * seq]`` booleans, from its 2-D padding mask (whose shape is
+    the hidden state's leading two axes when ``hidden`` is given); None when there is no such mask or nothing
+    is padded."""
+    lead = tuple(int(d) for d in hidden.shape[:2]) if hidden is not None and len(hidden.shape) >= 3 else None
+    for key in PADDING_KEYS:
+        m = kwargs.get(key)
+        if m is None or not hasattr(m, "shape") or len(m.shape) != 2:
+            continue
+        if lead is not None and tuple(int(d) for d in m.shape) != lead:
+            continue
+        keep = np.asarray(m).reshape(-1) != 0
+        return None if keep.all() else keep
+    return None
+
+
+def kept_rows(rows: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """``rows`` (``[tokens * r, in]``, each token's ``r`` rows together, as a layer input ``[batch, seq, ...]``
+    flattens) without the padded tokens' rows; unchanged when ``keep`` is None or does not divide them."""
+    if keep is None or rows.shape[0] % keep.size:
+        return rows
+    per = rows.shape[0] // keep.size
+    return rows[np.repeat(keep, per) if per > 1 else keep]

@@ -171,10 +171,11 @@ def _rows(x: tf.Tensor) -> np.ndarray:
 
 @contextmanager
 def observe_banks(tasks: list[LayerTask], observe: dict[str, Callable[[Any], None]],
-                  fired: Callable[[str], None]) -> Iterator[None]:
+                  fired: Callable[[str], None], keep: Callable[[], Any] = lambda: None) -> Iterator[None]:
     """While the body runs, each bank holding an observed slice of ``tasks`` hands expert ``e``'s routed rows to
     its up-side slices' observers and its activations to its down slice's (see the module docstring), then calls
-    ``fired(name)`` after each (which may raise to end the call), before computing its output as always."""
+    ``fired(name)`` after each (which may raise to end the call), before computing its output as always.
+    ``keep()``: the call's real tokens (``[tokens]`` booleans, None: all); padded ones count for no expert."""
     with ExitStack() as stack:
         for bank, names in slice_observers(tasks, observe):
             h0 = next(t.handle for t in tasks if isinstance(t.handle, BankSlice) and t.handle.bank is bank)
@@ -199,8 +200,12 @@ def observe_banks(tasks: list[LayerTask], observe: dict[str, Callable[[Any], Non
                     _, top = tf.math.top_k(tf.nn.softmax(tf.convert_to_tensor(logits[0]), axis=-1), k)
                     logits.clear()
                     top = top.numpy()
+                    real = keep()
+                    if real is not None and real.size != top.shape[0]:
+                        real = None
                     for e in range(count):
-                        tok = np.flatnonzero((top == e).any(axis=-1))
+                        routed = (top == e).any(axis=-1)
+                        tok = np.flatnonzero(routed if real is None else routed & real)
                         if not tok.size:
                             continue
                         xe = tf.gather(x, tok)
