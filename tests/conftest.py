@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,14 @@ def pytest_make_collect_report(collector):
     path = getattr(collector, "path", None)
     if path is not None and path.suffix == ".py" and _missing_package_skip(rep) and _strict_in_ci(Path(str(path))):
         _fail_instead(rep, str(path))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_raises():
+    """The tests that press Ctrl-C (SIGINT to this process) need it to raise KeyboardInterrupt, as it does in a
+    terminal. A run started as a background job of a non-interactive shell (``cmd &`` in a script) inherits
+    SIGINT ignored, and Python then installs no handler: those tests would see nothing. Python's own handler is
+    installed for the session in that case."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
