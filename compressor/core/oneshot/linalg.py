@@ -114,14 +114,16 @@ def _cholesky_lower_inplace(a: np.ndarray) -> None:
 
 
 _INV_BASE = 64
+#: below this width a triangular factor is multiplied as a full matrix (its zeros too): one GEMM beats more calls
+_TRMM_BASE = 256
 
 
 def _inv_lower(low: np.ndarray) -> np.ndarray:
     """Inverse of a lower-triangular matrix by halves, ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1,
-    D^-1]]``: ``n^3 / 3`` flops, all in matrix products (numpy has no triangular inverse). Computed IN PLACE
-    (``low`` is overwritten and returned); the off-diagonal block is updated a chunk of rows, then a chunk of
-    columns at a time (each row of ``C A^-1`` needs only that row of ``C``, each column of ``D^-1 (C A^-1)`` only
-    that column): no temporary larger than ``n x`` :data:`_FACTOR_BLOCK`."""
+    D^-1]]``, computed IN PLACE (``low`` is overwritten and returned). The two products with a triangular factor
+    skip its zero half (:func:`_right_lower`, :func:`_left_lower`), so the whole costs ``n^3 / 3`` flops in
+    matrix products (numpy has no triangular inverse; multiplying by the full halves would cost twice that),
+    with no temporary larger than ``n x`` :data:`_FACTOR_BLOCK`."""
     n = low.shape[0]
     if n <= _INV_BASE:
         low[...] = np.tril(np.linalg.inv(low))
@@ -129,13 +131,48 @@ def _inv_lower(low: np.ndarray) -> np.ndarray:
     k = n // 2
     _inv_lower(low[:k, :k])
     _inv_lower(low[k:, k:])
-    c, a_inv, d_inv = low[k:, :k], low[:k, :k], low[k:, k:]
-    step = _FACTOR_BLOCK
-    for r0 in range(0, n - k, step):
-        c[r0:r0 + step] = c[r0:r0 + step] @ a_inv
-    for c0 in range(0, k, step):
-        c[:, c0:c0 + step] = -(d_inv @ c[:, c0:c0 + step])
+    c = low[k:, :k]
+    _right_lower(c, low[:k, :k])  # C A^-1
+    _left_lower(low[k:, k:], c)  # D^-1 (C A^-1)
+    np.negative(c, out=c)
     return low
+
+
+def _right_lower(c: np.ndarray, t: np.ndarray) -> None:
+    """``c <- c @ t`` in place, ``t`` lower triangular (its upper part is not read): with ``t = [[T1, 0], [T2,
+    T3]]`` and ``c = [C1, C2]``, ``c t = [C1 T1 + C2 T2, C2 T3]``, the left half first (it reads the old right
+    half). Each row of the product needs only that row of ``c``: temporaries of :data:`_FACTOR_BLOCK` rows."""
+    m = t.shape[0]
+    step = _FACTOR_BLOCK
+    if m <= _TRMM_BASE:
+        tl = np.tril(t)
+        for r0 in range(0, c.shape[0], step):
+            c[r0:r0 + step] = c[r0:r0 + step] @ tl
+        return
+    h = m // 2
+    _right_lower(c[:, :h], t[:h, :h])
+    for r0 in range(0, c.shape[0], step):
+        c[r0:r0 + step, :h] += c[r0:r0 + step, h:] @ t[h:, :h]
+    _right_lower(c[:, h:], t[h:, h:])
+
+
+def _left_lower(t: np.ndarray, c: np.ndarray) -> None:
+    """``c <- t @ c`` in place, ``t`` lower triangular (its upper part is not read): with ``t = [[T1, 0], [T2,
+    T3]]`` and ``c = [[C1], [C2]]``, ``t c = [[T1 C1], [T2 C1 + T3 C2]]``, the lower half first (it reads the
+    old upper half). Each column of the product needs only that column of ``c``: temporaries of
+    :data:`_FACTOR_BLOCK` columns."""
+    m = t.shape[0]
+    step = _FACTOR_BLOCK
+    if m <= _TRMM_BASE:
+        tl = np.tril(t)
+        for c0 in range(0, c.shape[1], step):
+            c[:, c0:c0 + step] = tl @ c[:, c0:c0 + step]
+        return
+    h = m // 2
+    _left_lower(t[h:, h:], c[h:])
+    for c0 in range(0, c.shape[1], step):
+        c[h:, c0:c0 + step] += t[h:, :h] @ c[:h, c0:c0 + step]
+    _left_lower(t[:h, :h], c[:h])
 
 
 #: later columns corrected per GEMM at the end of a sweep block (:meth:`_Sweep.end_block`)
