@@ -288,6 +288,25 @@ def test_hessian_factor_is_the_cholesky_of_the_inverse():
         O.hessian_factor(np.array([[1.0, 2.0], [2.0, 1.0]]))
 
 
+@pytest.mark.parametrize("n", [1, 2, 9, 64, 65, 130, 301])
+def test_triangular_inverse_in_place_at_every_split(monkeypatch, n):
+    """The in-place lower-triangular inverse, its products with a triangular factor split down to small pieces
+    (bases of 3 and 5 columns: every uneven half): the inverse to float rounding, zeros above the diagonal,
+    the same values as with the default bases."""
+    rng = np.random.default_rng(n)
+    low = np.tril(rng.standard_normal((n, n)) * 0.1) + np.diag(1.0 + rng.random(n))
+    ref = np.linalg.inv(low)
+    default = O.linalg._inv_lower(low.copy())
+    monkeypatch.setattr(O.linalg, "_INV_BASE", 3)
+    monkeypatch.setattr(O.linalg, "_TRMM_BASE", 5)
+    monkeypatch.setattr(O.linalg, "_FACTOR_BLOCK", 4)
+    a = low.copy()
+    out = O.linalg._inv_lower(a)
+    assert out is a and np.array_equal(out, np.tril(out))
+    assert np.allclose(out, ref, rtol=0, atol=1e-12) and np.allclose(default, ref, rtol=0, atol=1e-12)
+    assert np.allclose(out @ low, np.eye(n), rtol=0, atol=1e-12)
+
+
 def test_hessian_factor_is_computed_in_the_handed_over_array(monkeypatch):
     """The solvers hand their damped Hessian over (a one-element list): U^T is computed in that very array, no
     second n x n matrix; blocks of any width (here 5 columns: uneven last blocks) give the same factor."""
