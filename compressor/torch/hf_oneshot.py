@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -530,8 +531,12 @@ def _worker(rank: int, d: str, world: int, threads: int, src: str, out: str, rec
     except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
         result = ("error", e)
     _save(result, os.path.join(d, f"rank{rank}.pkl"))
-    if result[0] == "error":
-        raise SystemExit(1)
+    # leave without the interpreter's teardown: gloo's threads can meet C++ static destructors there and abort
+    # the process ("terminate called without an active exception") after its work and its result file are done,
+    # which the parent would report as a failed run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if result[0] == "error" else 0)
 
 
 def _die_with_parent() -> None:
